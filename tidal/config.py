@@ -1,0 +1,207 @@
+"""Typed configuration: pydantic models, YAML files and `a.b=c` command-line overrides.
+
+Every field has a description. Everything is validated before any work starts; an error
+names the offending key and the reason. Batch sizes are derived: the user gives the
+global batch (prompts × samples per prompt) and a token budget per micro-batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tidal.algorithms import AGGREGATIONS
+from tidal.envs.arithmetic import ArithmeticConfig
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = Field("default", description="Local HF model directory or tidal checkpoint; 'default' is the embedded tiny model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of trainer and engine.")
+
+
+class TaskConfig(_Section):
+    name: str = Field("arithmetic", description="Environment name recorded on every episode.")
+    dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: generate the arithmetic task.")
+    eval_dataset: str | None = Field(None, description="Held-out prompt dataset; None with `dataset` None: the arithmetic held-out split.")
+    reward: str = Field("tidal.rewards.arithmetic:score", description="Reward function as a dotted path `pkg.module:function`.")
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="Problem distribution of the generated arithmetic task.")
+    train_size: int = Field(20_000, ge=1, description="Generated train problems.")
+    eval_size: int = Field(500, ge=1, description="Held-out problems used by evaluation.")
+    seed: int = Field(0, description="Seed of the generated problems.")
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per training step.")
+    samples_per_prompt: int = Field(8, ge=1, description="Episodes per prompt (the GRPO group size).")
+    max_new_tokens: int = Field(16, ge=1, description="Token budget of one policy turn.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy). The trainer scores with the same temperature.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+
+    @property
+    def global_batch(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+
+class AlgorithmConfig(_Section):
+    advantage: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
+    std_scale: Literal["group", "batch", "none"] = Field("group", description="GRPO reward scaling: group std, batch std or none (Dr.GRPO).")
+    clip_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO ratio clip below 1.")
+    clip_high: float = Field(0.28, ge=0.0, description="PPO ratio clip above 1 (clip-higher when > clip_low).")
+    loss_agg: str = Field("token-mean", description=f"Loss aggregation, one of {AGGREGATIONS}.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Coefficient of the KL loss against the frozen reference; 0 loads no reference model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+
+    @model_validator(mode="after")
+    def _check_agg(self) -> "AlgorithmConfig":
+        if self.loss_agg not in AGGREGATIONS:
+            raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {self.loss_agg!r}")
+        return self
+
+
+class TrainConfig(_Section):
+    steps: int = Field(150, ge=1, description="Training steps (one rollout batch each).")
+    lr: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
+    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps, then constant.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
+    micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (padded tokens); micro-batches are derived from it.")
+    mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch; the global batch must divide evenly.")
+    epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+
+
+class EngineConfig(_Section):
+    kind: Literal["torch"] = Field("torch", description="Rollout engine.")
+    max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
+
+
+class PlacementConfig(_Section):
+    mode: Literal["local"] = Field("local", description="local: every role in the driver process.")
+
+
+class RunConfig(_Section):
+    dir: str | None = Field(None, description="Run directory; default runs/<name>-<time>.")
+    name: str = Field("arith-grpo", description="Run name.")
+    seed: int = Field(0, description="Seed of data order, sampling and initialization.")
+    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")
+    eval_every: int = Field(0, ge=0, description="Held-out greedy accuracy every N steps (0: off).")
+    write_episodes: bool = Field(True, description="Write every step's episodes to Parquet.")
+    progress: bool = Field(True, description="Show a progress bar.")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
+
+
+class EvalConfig(_Section):
+    n: int = Field(500, ge=1, description="Held-out problems evaluated.")
+    k: int = Field(8, ge=1, description="Samples per problem for pass@k.")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the pass@k samples.")
+
+
+class TidalConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="after")
+    def _derived(self) -> "TidalConfig":
+        if self.rollout.global_batch % self.train.mini_batches:
+            raise ValueError(
+                f"train.mini_batches={self.train.mini_batches} does not divide the global batch "
+                f"{self.rollout.global_batch} (rollout.prompts_per_step × rollout.samples_per_prompt)"
+            )
+        return self
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.rollout.global_batch // self.train.mini_batches
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the key."""
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override `{key}`: `{p}` is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ConfigError(f"override `{item}` is not of the form `section.key=value`")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        _set_dotted(tree, key.strip(), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _explain(e: ValidationError, source: str) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"`{key}`: unknown key")
+        else:
+            got = err.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"`{key}`: {err['msg']}{got_s}")
+    return f"invalid config ({source}):\n  " + "\n  ".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TidalConfig:
+    """Defaults ← YAML file ← overrides, validated as one."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file `{path}` does not exist")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file `{path}` is not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file `{path}` must hold a mapping of sections, got {type(data).__name__}")
+        source = str(path)
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+        source += " + overrides"
+    try:
+        return TidalConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, source)) from None
+
+
+def dump_config(cfg: TidalConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

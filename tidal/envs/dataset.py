@@ -1,0 +1,102 @@
+"""Prompt datasets: JSONL, Parquet or a Hugging Face `datasets` directory.
+
+Each row needs a `prompt` column (text, or chat messages as a list of {role, content});
+every other column reaches the reward function as a keyword argument. A bad row is
+reported by its number and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: a row must be an object with a `prompt` column, got {type(row).__name__}")
+    if "prompt" not in row:
+        raise DatasetError(f"{where}: no `prompt` column (columns: {', '.join(sorted(row)) or 'none'})")
+    p = row["prompt"]
+    if isinstance(p, str):
+        if not p.strip():
+            raise DatasetError(f"{where}: `prompt` is empty")
+    elif isinstance(p, list) and p:
+        for j, m in enumerate(p):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DatasetError(f"{where}: message {j} of `prompt` needs `role` and `content`, got {m!r}")
+    else:
+        raise DatasetError(f"{where}: `prompt` must be text or a non-empty list of chat messages, got {p!r}")
+    return row
+
+
+def load_prompts(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        raise DatasetError(f"dataset `{path}` does not exist")
+    if p.is_dir():
+        try:
+            import datasets  # optional: only for HF datasets directories
+        except ImportError:
+            raise DatasetError(f"`{path}` is a directory; reading a Hugging Face datasets directory needs `pip install datasets`") from None
+        rows = list(datasets.load_from_disk(str(p)))
+    elif p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(p).to_pylist()
+    elif p.suffix in (".jsonl", ".json"):
+        rows = []
+        with p.open() as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
+    else:
+        raise DatasetError(f"dataset `{path}`: unknown format `{p.suffix}` (use .jsonl, .parquet or a datasets directory)")
+    if not rows:
+        raise DatasetError(f"dataset `{path}` has no rows")
+    return [_check_row(r, f"{path}, row {i}") for i, r in enumerate(rows)]
+
+
+class PromptSource:
+    """Endless, seeded, resumable stream of rows: a fresh permutation every epoch.
+
+    Its whole state is (epoch, cursor), saved in checkpoints, so a resumed run draws the
+    same prompts as an uninterrupted one.
+    """
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int):
+        self.rows, self.seed = rows, seed
+        self.epoch, self.cursor = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        import random
+
+        perm = list(range(len(self.rows)))
+        random.Random(f"{self.seed}-{epoch}").shuffle(perm)
+        return perm
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        out = []
+        for _ in range(n):
+            if self.cursor == len(self._perm):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+            out.append(self.rows[self._perm[self.cursor]])
+            self.cursor += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]
+        self._perm = self._permutation(self.epoch)

@@ -1,0 +1,68 @@
+"""Load Hugging Face causal LMs and their tokenizers from local directories.
+
+Any local HF causal-LM directory works (the tiny default, SmolLM2, Qwen2.5-0.5B on a GPU
+box). Nothing is fetched from a hub: a path that is not a directory is an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-arith"
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def resolve_model_dir(path: str | Path) -> Path:
+    """A model directory, or the `model/` folder inside a tidal checkpoint directory."""
+    p = Path(path)
+    if str(path) == "default":
+        p = DEFAULT_MODEL_DIR
+    if (p / "model" / "config.json").is_file():
+        p = p / "model"
+    if not p.is_dir():
+        raise ModelLoadError(f"model directory `{path}` does not exist (models are loaded from local directories only)")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"`{p}` has no config.json: it is not a Hugging Face model directory")
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    p = resolve_model_dir(path)
+    if not any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelLoadError(
+            f"`{p}` has no tokenizer (no tokenizer.json, tokenizer.model or vocab.json): "
+            "save the tokenizer next to the model with tokenizer.save_pretrained(dir)"
+        )
+    tok = AutoTokenizer.from_pretrained(str(p))
+    if tok.chat_template is None:
+        raise ModelLoadError(f"the tokenizer in `{p}` has no chat template")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    p = resolve_model_dir(path)
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
+    return model.to(device)
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Token ids that end an assistant turn: EOS plus ChatML's <|im_end|> when present."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return tuple(sorted(i for i in ids if i is not None))

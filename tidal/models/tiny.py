@@ -1,0 +1,164 @@
+"""Build the embedded default model: a tiny Qwen2 with a locally trained tokenizer,
+warm-started by supervised training on the arithmetic task until it is partly right.
+
+`tidal build-default-model` rebuilds `tidal/models/assets/tiny-arith` deterministically
+(same seed, same machine type → same bytes). The warm start stops at the first evaluation
+whose accuracy on a validation slice of the *train* split reaches `target_accuracy`, so
+RL starts from a model with room to improve and the held-out split stays unseen.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tidal.envs.arithmetic import ArithmeticConfig, make_problems
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int = 384):
+    """Byte-level BPE (digits always split, as Qwen does) trained on `corpus`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(tokenizer, hidden: int = 192, layers: int = 4, heads: int = 6, kv_heads: int = 2, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def task_corpus(rows) -> list[str]:
+    """Texts the tokenizer is trained on: rendered prompts and answers of the task."""
+    corpus = []
+    for row in rows:
+        corpus.append(f"<|im_start|>user\n{row['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n")
+        corpus.append(f"<answer>{row['answer']}</answer><|im_end|>\n")
+    return corpus
+
+
+def build_untrained(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
+    """Tokenizer and randomly initialised model, saved as an HF directory (tests use it)."""
+    rows = make_problems(ArithmeticConfig(), "train", 2000, seed=10_000 + seed)
+    tokenizer = build_tokenizer(task_corpus(rows))
+    model = build_model(tokenizer, seed=seed, **model_kwargs)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _sft_example(tokenizer, row) -> tuple[list[int], list[bool]]:
+    prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r_ids = tokenizer(f"<answer>{row['answer']}</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    return p_ids + r_ids, [False] * len(p_ids) + [True] * len(r_ids)
+
+
+def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int = 16) -> float:
+    from tidal.engines.torch_engine import TorchEngine
+    from tidal.models import stop_token_ids
+    from tidal.rewards.arithmetic import score
+    from tidal.types import GenerationRequest, SamplingParams
+
+    engine = TorchEngine(model, tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids(tokenizer))
+    reqs = []
+    for i, row in enumerate(rows):
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        reqs.append(GenerationRequest(str(i), list(ids), params))
+    results = engine.generate_sync(reqs)
+    correct = [score(tokenizer.decode(r.token_ids, skip_special_tokens=True), row["answer"])["correct"] for r, row in zip(results, rows)]
+    model.train()
+    return sum(correct) / len(correct)
+
+
+def build_default_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    target_accuracy: float = 0.35,
+    max_steps: int = 4000,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    eval_every: int = 50,
+    task: ArithmeticConfig | None = None,
+    train_size: int = 10_000,
+) -> dict:
+    """Build tokenizer and model, warm-start them, save an HF directory; return a summary."""
+    task = task or ArithmeticConfig()
+    random.seed(seed)
+    torch.manual_seed(seed)
+    train = make_problems(task, "train", train_size, seed=10_000 + seed)
+    val, train = train[:400], train[400:]
+    tokenizer = build_tokenizer(task_corpus(train[:5000]))
+    model = build_model(tokenizer, seed=seed)
+    examples = [_sft_example(tokenizer, r) for r in train]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    rng = random.Random(seed)
+    model.train()
+    t0, acc, step = time.time(), 0.0, 0
+    history = []
+    for step in range(1, max_steps + 1):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        L = max(len(t) for t, _ in batch)
+        ids = torch.full((batch_size, L), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, L), -100)
+        attn = torch.zeros((batch_size, L), dtype=torch.long)
+        for i, (t, m) in enumerate(batch):
+            ids[i, : len(t)] = torch.tensor(t)
+            attn[i, : len(t)] = 1
+            labels[i, : len(t)] = torch.where(torch.tensor(m), torch.tensor(t), -100)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % eval_every == 0:
+            acc = greedy_accuracy(model, tokenizer, val)
+            history.append({"step": step, "loss": round(loss.item(), 4), "val_accuracy": acc})
+            print(f"warm-start step {step}: loss {loss.item():.3f}  val accuracy {acc:.3f}  ({time.time() - t0:.0f}s)", flush=True)
+            if acc >= target_accuracy:
+                break
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    summary = {"seed": seed, "steps": step, "val_accuracy": acc, "target_accuracy": target_accuracy,
+               "params": sum(p.numel() for p in model.parameters()), "task": task.model_dump(), "history": history}
+    (out / "tidal_build.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,1 @@
+"""Metrics sinks, the episode store and the console progress line."""

@@ -1,0 +1,1 @@
+"""Composition of the roles: controller, rollout, tasks, evaluation."""

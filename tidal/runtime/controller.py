@@ -1,0 +1,191 @@
+"""The controller: builds the roles from a config and runs the synchronous RL loop.
+
+`train_step` is the whole algorithm in one screen:
+sample → reward → advantage → forward/backward → optimizer step → weight sync → log → save.
+The controller owns no tensors beyond what it passes between roles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tidal.algorithms import group_advantages
+from tidal.config import TidalConfig, dump_config
+from tidal.engines.torch_engine import TorchEngine
+from tidal.envs.dataset import PromptSource
+from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from tidal.monitor.episodes import EpisodeWriter
+from tidal.monitor.progress import Progress
+from tidal.monitor.sinks import JsonlSink
+from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.rollout import Rollout, group_specs
+from tidal.runtime.tasks import Task, build_task
+from tidal.trainer.trainer import TrainBatch, Trainer, write_json
+from tidal.types import Episode, SamplingParams
+
+
+def episodes_to_batch(episodes: list[Episode], advantages: list[float]) -> TrainBatch:
+    return TrainBatch(
+        tokens=[e.tokens for e in episodes],
+        loss_mask=[e.loss_mask for e in episodes],
+        advantages=advantages,
+        behaviour_logprobs=[e.logprobs for e in episodes],
+    )
+
+
+def compute_advantages(episodes: list[Episode], scale: str) -> list[float]:
+    groups: dict[str, int] = {}
+    index = [groups.setdefault(e.group_id, len(groups)) for e in episodes]
+    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
+    return group_advantages(rewards, torch.tensor(index, dtype=torch.long), scale).tolist()
+
+
+def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    n = max(len(episodes), 1)
+    ok = [e for e in episodes if e.status.trainable]
+    m: dict[str, float] = {f"episodes/{s}": 0.0 for s in ("ok", "truncated", "env_error", "reward_error", "engine_error", "timeout")}
+    for e in episodes:
+        m[f"episodes/{e.status.value}"] += 1
+    if ok:
+        m["reward"] = sum(e.reward for e in ok) / len(ok)
+        m["accuracy"] = sum(e.metrics.get("correct", 0.0) for e in ok) / len(ok)
+        m["response_tokens"] = sum(e.num_policy_tokens for e in ok) / len(ok)
+        parts = {k for e in ok for k in e.reward_parts}
+        for k in sorted(parts):
+            m[f"reward/{k}"] = sum(e.reward_parts.get(k, 0.0) for e in ok) / len(ok)
+    m["episodes"] = float(n if episodes else 0)
+    return m
+
+
+@dataclass
+class RunPaths:
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:06d}"
+
+    def latest_checkpoint(self) -> Path | None:
+        done = sorted(p for p in self.checkpoints.glob("step_*") if (p / "controller.json").is_file())
+        return done[-1] if done else None
+
+
+class Controller:
+    def __init__(self, cfg: TidalConfig, resume: bool = False):
+        self.cfg = cfg
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        torch.manual_seed(cfg.run.seed)
+        run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        self.paths = RunPaths(run_dir)
+        resume_from = self.paths.latest_checkpoint() if resume else None
+        if resume and resume_from is None:
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.paths.checkpoints}")
+        if not resume and (run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it or choose another run.dir")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+
+        self.model_dir = resolve_model_dir(cfg.model.path)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.task: Task = build_task(cfg.task)
+        self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
+        self.trainer = Trainer(str(self.model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
+                               temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id)
+        self.engine = TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype), self.tokenizer.pad_token_id,
+                                  max_batch_size=cfg.engine.max_batch_size)
+        self.params = SamplingParams(
+            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
+        )
+        self.rollout = Rollout(self.tokenizer, self.params)
+        self.step = 0
+        if resume_from is not None:
+            self._load(resume_from)
+        self.metrics = JsonlSink(run_dir / "metrics.jsonl", truncate_after=self.step if resume else None)
+        self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
+
+    # -- the loop ---------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg, step = self.cfg, self.step + 1
+        t0 = time.perf_counter()
+        rows = self.source.take(cfg.rollout.prompts_per_step)
+        specs = group_specs(rows, self.task.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step)
+        episodes = asyncio.run(self.rollout.run(specs, self.engine, step))  # sample + reward
+        t_rollout = time.perf_counter() - t0
+
+        trainable = [e for e in episodes if e.status.trainable]  # failures are never scored 0
+        metrics = episode_metrics(episodes)
+        if trainable:
+            advantages = compute_advantages(trainable, cfg.algorithm.std_scale)
+            batch = episodes_to_batch(trainable, advantages)
+            for _ in range(cfg.train.epochs):
+                for mini in self._mini_batches(len(batch)):
+                    metrics.update(self.trainer.forward_backward(batch.select(mini)))
+                    metrics.update(self.trainer.optim_step())
+        t_train = time.perf_counter() - t0 - t_rollout
+
+        self.engine.update_weights(self.trainer.version, self.trainer.named_weights())  # weight sync
+        self.step = step
+        dt = time.perf_counter() - t0
+        tokens = sum(len(e.tokens) for e in episodes)
+        metrics.update({"version": float(self.trainer.version), "time/step_s": dt, "time/rollout_s": t_rollout,
+                        "time/train_s": t_train, "tokens_per_s": tokens / dt,
+                        "generated_tokens_per_s": sum(e.num_policy_tokens for e in episodes) / max(t_rollout, 1e-9)})
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            metrics["eval/accuracy"] = evaluate_engine(self.engine, self.tokenizer, self.task.eval_rows[: cfg.eval.n],
+                                                       self.task.make_env, self.params, k=0)["accuracy"]
+        self.metrics.log(step, metrics)
+        if self.episode_writer is not None:
+            self.episode_writer.write(step, episodes)
+        if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
+            self.save()
+        return metrics
+
+    def _mini_batches(self, n: int) -> list[list[int]]:
+        k = self.cfg.train.mini_batches
+        size = -(-n // k)
+        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+
+    def train(self) -> dict[str, float]:
+        last: dict[str, float] = {}
+        with Progress(total=self.cfg.train.steps, initial=self.step, enabled=self.cfg.run.progress) as bar:
+            while self.step < self.cfg.train.steps:
+                last = self.train_step()
+                bar.update(self.step, last)
+        self.metrics.close()
+        return last
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write to a temporary directory and rename: a checkpoint exists whole or not at all."""
+        final = self.paths.checkpoint(self.step)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.trainer.save(tmp, tokenizer=self.tokenizer)
+        write_json(tmp / "controller.json", {"step": self.step, "data": self.source.state_dict(),
+                                             "engine_version": self.engine.version})
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        old = sorted(p for p in self.paths.checkpoints.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for p in old[: -self.cfg.run.keep_checkpoints]:
+            shutil.rmtree(p, ignore_errors=True)
+        return final
+
+    def _load(self, ckpt: Path) -> None:
+        self.trainer.load(ckpt)
+        state = json.loads((ckpt / "controller.json").read_text())
+        self.step = state["step"]
+        self.source.load_state_dict(state["data"])
+        self.engine.update_weights(self.trainer.version, self.trainer.named_weights())

@@ -1,0 +1,94 @@
+"""The records that flow between roles: generation requests and results, episodes.
+
+They are plain dataclasses of Python scalars and lists (no tensors), so that they cross a
+process or a Ray actor boundary cheaply and can be written to Parquet as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    """How an episode ended. Only OK and TRUNCATED episodes are trained on."""
+
+    OK = "ok"
+    TRUNCATED = "truncated"
+    ENV_ERROR = "env_error"
+    REWARD_ERROR = "reward_error"
+    TIMEOUT = "timeout"
+    ENGINE_ERROR = "engine_error"
+
+    @property
+    def trainable(self) -> bool:
+        return self in (Status.OK, Status.TRUNCATED)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How an engine samples one request. temperature=0 means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class GenerationRequest:
+    """Token ids in. `request_id` is echoed back so callers can match results."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    """Token ids and the behaviour log-prob of each sampled token out.
+
+    `logprobs[i]` is log softmax(logits / temperature)[token_ids[i]] (temperature 1 when
+    greedy), before top-k/top-p truncation: the same quantity the trainer computes, so the
+    two can be compared token by token.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token was produced) | "length"
+    version: int  # weight version that produced every token of this result
+
+
+@dataclass
+class Episode:
+    """One rollout: the unit that goes to the trainer and to disk (DESIGN.md, Data)."""
+
+    episode_id: str
+    group_id: str
+    task_id: str
+    env: str
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 where loss_mask is False
+    versions: list[int] = field(default_factory=list)  # -1 where loss_mask is False
+    reward: float = 0.0
+    reward_parts: dict[str, float] = field(default_factory=dict)
+    status: Status = Status.OK
+    error: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+    prompt_len: int = 0
+    step: int = 0
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_row(self) -> dict[str, Any]:
+        row = dataclasses.asdict(self)
+        row["status"] = self.status.value
+        return row
