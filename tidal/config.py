@@ -32,7 +32,7 @@ class TaskConfig(_Section):
     eval_dataset: str | None = Field(None, description="Held-out prompt dataset; None with `dataset` None: the arithmetic held-out split.")
     reward: str = Field("tidal.rewards.arithmetic:score", description="Reward function as a dotted path `pkg.module:function`.")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="Problem distribution of the generated arithmetic task.")
-    train_size: int = Field(20_000, ge=1, description="Generated train problems.")
+    train_size: int = Field(10_000, ge=1, description="Generated train problems.")
     eval_size: int = Field(500, ge=1, description="Held-out problems used by evaluation.")
     seed: int = Field(0, description="Seed of the generated problems.")
 

@@ -22,7 +22,7 @@ class ArithmeticConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     min_digits: int = Field(2, ge=1, le=9, description="Fewest digits of an operand.")
-    max_digits: int = Field(3, ge=1, le=9, description="Most digits of an operand.")
+    max_digits: int = Field(2, ge=1, le=9, description="Most digits of an operand.")
     ops: str = Field("+-", pattern=r"^[+\-*]+$", description="Operators to draw from.")
 
 
@@ -41,6 +41,28 @@ def answer_text(value: int) -> str:
 def _operand(rng: random.Random, cfg: ArithmeticConfig) -> int:
     digits = rng.randint(cfg.min_digits, cfg.max_digits)
     return rng.randint(10 ** (digits - 1) if digits > 1 else 0, 10**digits - 1)
+
+
+def _digits(x: int, n: int) -> list[int]:
+    return [(x // 10**i) % 10 for i in range(n)]
+
+
+def buggy_answer(a: int, op: str, b: int) -> int:
+    """The answer of a student with two classic bugs (Brown & Burton's BUGGY, 1978):
+    addition that never carries, subtraction that takes the smaller digit from the larger
+    instead of borrowing. Used to make imperfect warm-start demonstrations."""
+    if op == "-" and a < b:
+        return -buggy_answer(b, "-", a)
+    n = max(len(str(a)), len(str(b)))
+    if op == "+":
+        digits = [(x + y) % 10 for x, y in zip(_digits(a, n), _digits(b, n))]
+        # the leading column is written out whole ("9+8 = 17") like a student would
+        digits[-1] = _digits(a, n)[-1] + _digits(b, n)[-1]
+    elif op == "-":
+        digits = [abs(x - y) for x, y in zip(_digits(a, n), _digits(b, n))]
+    else:
+        return a * b
+    return sum(d * 10**i for i, d in enumerate(digits))
 
 
 def make_problems(cfg: ArithmeticConfig, split: str, n: int, seed: int) -> list[dict[str, Any]]:

@@ -10,13 +10,14 @@ RL starts from a model with room to improve and the held-out split stays unseen.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from pathlib import Path
 
 import torch
 
-from tidal.envs.arithmetic import ArithmeticConfig, make_problems
+from tidal.envs.arithmetic import ArithmeticConfig, buggy_answer, make_problems
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -88,37 +89,43 @@ def _sft_example(tokenizer, row) -> tuple[list[int], list[bool]]:
     return p_ids + r_ids, [False] * len(p_ids) + [True] * len(r_ids)
 
 
-def greedy_accuracy(model, tokenizer, rows, max_new_tokens: int = 16) -> float:
+def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
+    """Greedy accuracy and pass@k on `rows`, through the same evaluation as `tidal eval`."""
     from tidal.engines.torch_engine import TorchEngine
+    from tidal.envs.single_turn import SingleTurnEnv
     from tidal.models import stop_token_ids
     from tidal.rewards.arithmetic import score
-    from tidal.types import GenerationRequest, SamplingParams
+    from tidal.runtime.evaluate import evaluate_engine
+    from tidal.types import SamplingParams
 
+    model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop_token_ids(tokenizer))
-    reqs = []
-    for i, row in enumerate(rows):
-        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        reqs.append(GenerationRequest(str(i), list(ids), params))
-    results = engine.generate_sync(reqs)
-    correct = [score(tokenizer.decode(r.token_ids, skip_special_tokens=True), row["answer"])["correct"] for r, row in zip(results, rows)]
+    params = SamplingParams(max_new_tokens=16, stop_token_ids=stop_token_ids(tokenizer))
+    res = evaluate_engine(engine, tokenizer, rows, lambda row: SingleTurnEnv(row, score), params, k=k)
     model.train()
-    return sum(correct) / len(correct)
+    return res
 
 
 def build_default_model(
     out_dir: str | Path,
     seed: int = 0,
-    target_accuracy: float = 0.35,
-    max_steps: int = 4000,
-    batch_size: int = 64,
-    lr: float = 2e-3,
-    eval_every: int = 50,
+    steps: int = 3000,
+    batch_size: int = 128,
+    lr: float = 3e-3,
+    warmup: int = 100,
+    buggy_fraction: float = 0.6,
+    eval_every: int = 500,
     task: ArithmeticConfig | None = None,
     train_size: int = 10_000,
 ) -> dict:
-    """Build tokenizer and model, warm-start them, save an HF directory; return a summary."""
+    """Build tokenizer and model, warm-start them, save an HF directory; return a summary.
+
+    The demonstrations come from an imperfect teacher: where a problem needs a carry or a
+    borrow, a `buggy_fraction` of its demonstrations carry the classic student bugs
+    (tidal.envs.arithmetic.buggy_answer). The model learns both the right procedure and
+    the bug, so its greedy accuracy is low while the right answer stays in its samples —
+    the situation RL with a verifier is for: the gain has to come from the reward.
+    """
     task = task or ArithmeticConfig()
     random.seed(seed)
     torch.manual_seed(seed)
@@ -126,13 +133,23 @@ def build_default_model(
     val, train = train[:400], train[400:]
     tokenizer = build_tokenizer(task_corpus(train[:5000]))
     model = build_model(tokenizer, seed=seed)
-    examples = [_sft_example(tokenizer, r) for r in train]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng = random.Random(seed)
+    demos = []
+    for row in train:
+        a, op, b = row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split(" ")
+        wrong = buggy_answer(int(a), op, int(b))
+        if str(wrong) != row["answer"] and rng.random() < buggy_fraction:
+            row = {**row, "answer": str(wrong)}
+        demos.append(row)
+    examples = [_sft_example(tokenizer, r) for r in demos]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
+    )
     model.train()
-    t0, acc, step = time.time(), 0.0, 0
+    t0 = time.time()
     history = []
-    for step in range(1, max_steps + 1):
+    for step in range(1, steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         L = max(len(t) for t, _ in batch)
         ids = torch.full((batch_size, L), tokenizer.pad_token_id)
@@ -147,18 +164,18 @@ def build_default_model(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % eval_every == 0:
-            acc = greedy_accuracy(model, tokenizer, val)
-            history.append({"step": step, "loss": round(loss.item(), 4), "val_accuracy": acc})
-            print(f"warm-start step {step}: loss {loss.item():.3f}  val accuracy {acc:.3f}  ({time.time() - t0:.0f}s)", flush=True)
-            if acc >= target_accuracy:
-                break
+        sched.step()
+        if step % eval_every == 0 or step == steps:
+            res = held_out_accuracy(model, tokenizer, val)
+            history.append({"step": step, "loss": round(loss.item(), 4), **res})
+            print(f"warm-start step {step}: loss {loss.item():.3f}  val accuracy {res['accuracy']:.3f}  "
+                  f"pass@8 {res['pass_at_k']:.3f}  ({time.time() - t0:.0f}s)", flush=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.config.use_cache = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    summary = {"seed": seed, "steps": step, "val_accuracy": acc, "target_accuracy": target_accuracy,
+    summary = {"seed": seed, "steps": steps, "buggy_fraction": buggy_fraction, "val": history[-1],
                "params": sum(p.numel() for p in model.parameters()), "task": task.model_dump(), "history": history}
     (out / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     return summary

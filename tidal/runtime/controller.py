@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from tidal.runtime.rollout import Rollout, group_specs
 from tidal.runtime.tasks import Task, build_task
 from tidal.trainer.trainer import TrainBatch, Trainer, write_json
 from tidal.types import Episode, SamplingParams
+
+log = logging.getLogger("tidal")
 
 
 def episodes_to_batch(episodes: list[Episode], advantages: list[float]) -> TrainBatch:
@@ -76,7 +79,7 @@ class RunPaths:
         return self.checkpoints / f"step_{step:06d}"
 
     def latest_checkpoint(self) -> Path | None:
-        done = sorted(p for p in self.checkpoints.glob("step_*") if (p / "controller.json").is_file())
+        done = sorted(p for p in self.checkpoints.glob("step_*") if not p.name.endswith(".tmp") and (p / "controller.json").is_file())
         return done[-1] if done else None
 
 
@@ -86,6 +89,10 @@ class Controller:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
+        # Inputs are checked before anything is created or loaded: model, tokenizer, data, reward.
+        self.model_dir = resolve_model_dir(cfg.model.path)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.task: Task = build_task(cfg.task)
         run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.paths = RunPaths(run_dir)
         resume_from = self.paths.latest_checkpoint() if resume else None
@@ -96,9 +103,6 @@ class Controller:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
-        self.model_dir = resolve_model_dir(cfg.model.path)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.task: Task = build_task(cfg.task)
         self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
         self.trainer = Trainer(str(self.model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                                temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id)
@@ -125,6 +129,7 @@ class Controller:
         t_rollout = time.perf_counter() - t0
 
         trainable = [e for e in episodes if e.status.trainable]  # failures are never scored 0
+        self._report_failures(step, episodes)
         metrics = episode_metrics(episodes)
         if trainable:
             advantages = compute_advantages(trainable, cfg.algorithm.std_scale)
@@ -151,6 +156,16 @@ class Controller:
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             self.save()
         return metrics
+
+    @staticmethod
+    def _report_failures(step: int, episodes: list[Episode]) -> None:
+        failed: dict[str, list[Episode]] = {}
+        for e in episodes:
+            if not e.status.trainable:
+                failed.setdefault(e.status.value, []).append(e)
+        for status, eps in failed.items():
+            log.warning("step %d: %d of %d episodes ended %s (not trained on); first: %s",
+                        step, len(eps), len(episodes), status, eps[0].error)
 
     def _mini_batches(self, n: int) -> list[list[int]]:
         k = self.cfg.train.mini_batches

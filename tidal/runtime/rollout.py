@@ -96,6 +96,8 @@ class Rollout:
             ep.tokens = self._template(history)
         except Exception as e:  # noqa: BLE001
             return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` reset raised {type(e).__name__}({e})")
+        if not ep.tokens:
+            return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` reset gave an empty prompt")
         ep.prompt_len = len(ep.tokens)
         ep.loss_mask = [False] * len(ep.tokens)
         ep.logprobs = [0.0] * len(ep.tokens)
@@ -143,7 +145,9 @@ class Rollout:
 
     @staticmethod
     def _fail(ep: Episode, status: Status, error: str) -> Episode:
-        ep.status, ep.error, ep.reward = status, error, 0.0
+        """A typed failure: not trained on, and never scored as reward 0 (reward is unset)."""
+        ep.status, ep.reward = status, float("nan")
+        ep.error = f"{error} on episode {ep.episode_id} (task {ep.task_id}) of step {ep.step}"
         return ep
 
     async def run(self, specs: list[EpisodeSpec], engine, step: int) -> list[Episode]:

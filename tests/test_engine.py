@@ -1,0 +1,125 @@
+"""The torch engine: sampling contract, batching, weight updates, and log-prob agreement
+with the trainer's forward pass (DESIGN.md: token in, token out; versions; mismatch)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from tidal.config import AlgorithmConfig, TrainConfig
+from tidal.engines.torch_engine import TorchEngine
+from tidal.models import load_model, stop_token_ids
+from tidal.trainer.trainer import TrainBatch, Trainer
+from tidal.types import GenerationRequest, SamplingParams
+
+PROMPTS = ["What is 12 + 34?", "What is 99 - 7?", "Hi", "What is 5 + 5? Answer quickly please."]
+LOGPROB_TOLERANCE = 1e-4  # fp32, same weights: engine (KV cache, left padding) vs trainer (full pass)
+
+
+def _ids(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def _requests(tokenizer, params, prompts=PROMPTS):
+    return [GenerationRequest(str(i), tokenizer(_ids(tokenizer, p), add_special_tokens=False)["input_ids"],
+                              SamplingParams(**{**params.__dict__, "seed": 100 + i}))
+            for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tokenizer):
+    return TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, max_batch_size=64)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_engine_logprobs_match_trainer(tiny_model_dir, tokenizer, engine, temperature):
+    params = SamplingParams(max_new_tokens=12, temperature=temperature)
+    results = engine.generate_sync(_requests(tokenizer, params))
+    trainer = Trainer(str(tiny_model_dir), TrainConfig(), AlgorithmConfig(), temperature=temperature,
+                      pad_token_id=tokenizer.pad_token_id)
+    reqs = _requests(tokenizer, params)
+    tokens = [r.prompt_ids + res.token_ids for r, res in zip(reqs, results)]
+    trainer_lp = trainer.logprobs(TrainBatch(tokens, [[True] * len(t) for t in tokens], [0.0] * 4, [[]] * 4))
+    worst = 0.0
+    for r, res, lp in zip(reqs, results, trainer_lp):
+        got = torch.tensor(lp[len(r.prompt_ids) - 1:])  # position t scores token t+1
+        worst = max(worst, float((got - torch.tensor(res.logprobs)).abs().max()))
+    assert worst < LOGPROB_TOLERANCE
+
+
+def test_request_samples_the_same_alone_or_in_a_batch(tokenizer, engine):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    batch = engine.generate_sync(_requests(tokenizer, params))
+    for i, req in enumerate(_requests(tokenizer, params)):
+        alone = engine.generate_sync([req])[0]
+        assert alone.token_ids == batch[i].token_ids
+        assert alone.logprobs == pytest.approx(batch[i].logprobs, abs=1e-5)
+
+
+def test_results_follow_request_order_and_seed(tokenizer, engine):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    reqs = _requests(tokenizer, params)
+    out = engine.generate_sync(reqs[::-1])
+    assert [r.request_id for r in out] == [r.request_id for r in reqs[::-1]]
+    other_seed = [GenerationRequest(r.request_id, r.prompt_ids, SamplingParams(max_new_tokens=10, seed=999 + i))
+                  for i, r in enumerate(reqs)]
+    assert [r.token_ids for r in engine.generate_sync(other_seed)] != [r.token_ids for r in out[::-1]]
+
+
+def test_greedy_is_argmax_and_length_limits(tiny_model_dir, tokenizer, engine):
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+    res = engine.generate_sync(_requests(tokenizer, params))
+    model = load_model(tiny_model_dir)
+    for req, r in zip(_requests(tokenizer, params), res):
+        assert len(r.token_ids) <= 5
+        assert r.finish_reason == "length" or r.token_ids[-1] in params.stop_token_ids
+        ids = torch.tensor([req.prompt_ids + r.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(req.prompt_ids) - 1 : -1]
+        assert logits.argmax(-1).tolist() == r.token_ids
+
+
+def test_stop_token_ends_the_request(tokenizer, engine):
+    probe = engine.generate_sync(_requests(tokenizer, SamplingParams(max_new_tokens=8, temperature=0.0)))
+    stop = probe[0].token_ids[2]  # the third greedy token becomes a stop token
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,))
+    r = engine.generate_sync(_requests(tokenizer, params)[:1])[0]
+    first = probe[0].token_ids.index(stop)
+    assert r.token_ids == probe[0].token_ids[: first + 1]
+    assert r.finish_reason == "stop"
+
+
+def test_update_weights_changes_outputs_and_version(tiny_model_dir, tokenizer):
+    engine = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = engine.generate_sync(_requests(tokenizer, params))
+    new = {n: p.detach() + 0.05 * torch.randn_like(p) for n, p in load_model(tiny_model_dir).named_parameters()}
+    engine.update_weights(7, new)
+    after = engine.generate_sync(_requests(tokenizer, params))
+    assert engine.version == 7 and all(r.version == 7 for r in after)
+    assert [r.logprobs for r in after] != [r.logprobs for r in before]
+    with pytest.raises(ValueError, match="unknown"):
+        engine.update_weights(8, {**new, "not.a.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(8, dict(list(new.items())[1:]))
+
+
+def test_pause_blocks_until_resume(tokenizer, engine):
+    reqs = _requests(tokenizer, SamplingParams(max_new_tokens=2))[:1]
+
+    async def run():
+        engine.pause()
+        task = asyncio.create_task(engine.generate(reqs))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        engine.resume()
+        return await asyncio.wait_for(task, 30)
+
+    assert len(asyncio.run(run())) == 1
+
+
+def test_stop_token_ids_of_chat_tokenizer(tokenizer):
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tokenizer)
