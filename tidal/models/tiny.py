@@ -49,7 +49,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     return fast
 
 
-def build_model(tokenizer, hidden: int = 192, layers: int = 4, heads: int = 6, kv_heads: int = 2, seed: int = 0):
+def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, kv_heads: int = 2, seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(

@@ -73,27 +73,30 @@ class Rollout:
         self.params = params
         self.max_turns = max_turns
 
-    def _template(self, messages: list[Message]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(ids, add_special_tokens=False)["input_ids"]
+    def _continuation(self, rendered: str, history: list[Message], new: list[Message]) -> tuple[list[int], str]:
+        """Tokens of the `new` messages after the policy's last turn, and the new rendering.
 
-    def _continuation(self, history: list[Message], new: list[Message]) -> list[int]:
-        """Tokens of `new` messages appended after `history` (ending with the policy's turn).
-
-        Only the text the template adds for the new messages is tokenized; the tokens
+        `rendered` is the text of the tokens so far (prompt and generations, special tokens
+        included). Only the text the chat template adds after it is tokenized — e.g. the
+        turn's closing "\n", then the new messages and the generation prompt — so tokens
         already in the episode are never re-tokenized."""
-        before = self.tokenizer.apply_chat_template(history, tokenize=False)
         after = self.tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
-        if not after.startswith(before):
-            raise ValueError("the chat template does not render conversations as prefixes of each other")
-        return self.tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+        if not after.startswith(rendered):
+            # The policy's turn did not render as the template would (e.g. it stopped on
+            # a token the template does not write): continue from the template's own turn.
+            before = self.tokenizer.apply_chat_template(history, tokenize=False)
+            if not after.startswith(before):
+                raise ValueError("the chat template does not render conversations as prefixes of each other")
+            rendered = before
+        return self.tokenizer(after[len(rendered):], add_special_tokens=False)["input_ids"], after
 
     async def run_episode(self, spec: EpisodeSpec, client: BatchingClient, step: int) -> Episode:
         ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step)
         t0 = time.perf_counter()
         try:
             history = await spec.env.reset()
-            ep.tokens = self._template(history)
+            rendered = self.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+            ep.tokens = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
         except Exception as e:  # noqa: BLE001
             return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` reset raised {type(e).__name__}({e})")
         if not ep.tokens:
@@ -130,7 +133,12 @@ class Rollout:
             if out.done or res.finish_reason == "length":
                 break
             history = history + [{"role": "assistant", "content": text}]
-            ep.tokens += (new := self._continuation(history, out.messages))
+            rendered += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
+            try:
+                new, rendered = self._continuation(rendered, history, out.messages)
+            except ValueError as e:
+                return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` turn {turn}: {e}")
+            ep.tokens += new
             ep.loss_mask += [False] * len(new)
             ep.logprobs += [0.0] * len(new)
             ep.versions += [-1] * len(new)
