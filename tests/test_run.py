@@ -108,3 +108,13 @@ def test_cli_eval_json(tiny_model_dir, capsys):
     assert main(["eval", str(tiny_model_dir), "eval.n=6", "eval.k=2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["n"] == 6 and out["k"] == 2 and 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["pass_at_k"] <= 1.0
+
+
+def test_several_updates_per_batch_anchor_on_the_rollout_policy(tiny_model_dir, tmp_path):
+    ctl = Controller(_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1", "train.mini_batches=2",
+                          "train.epochs=2", "train.lr=0.05"))
+    seen = []
+    fb = ctl.trainer.forward_backward
+    ctl.trainer.forward_backward = lambda b: seen.append(b.old_logprobs is not None) or fb(b)
+    ctl.train_step()
+    assert seen == [True] * 4 and ctl.trainer.version == 4 and ctl.engine.version == 4

@@ -72,7 +72,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(ns.model)
     tokenizer = load_tokenizer(model_dir)
     task = build_task(cfg.task)
-    engine = TorchEngine(load_model(model_dir, cfg.model.dtype), tokenizer.pad_token_id, cfg.engine.max_batch_size)
+    engine = TorchEngine(load_model(model_dir, cfg.model.dtype, cfg.model.resolved_device()), tokenizer.pad_token_id,
+                         cfg.engine.max_batch_size)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     t0 = time.time()
     res = evaluate_engine(engine, tokenizer, task.eval_rows[: cfg.eval.n], task.make_env, params,

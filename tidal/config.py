@@ -24,6 +24,14 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     path: str = Field("default", description="Local HF model directory or tidal checkpoint; 'default' is the embedded tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of trainer and engine.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto: cuda when a GPU is present, else cpu.")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
 
 class TaskConfig(_Section):

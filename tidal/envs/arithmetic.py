@@ -49,17 +49,17 @@ def _digits(x: int, n: int) -> list[int]:
 
 def buggy_answer(a: int, op: str, b: int) -> int:
     """The answer of a student with two classic bugs (Brown & Burton's BUGGY, 1978):
-    addition that never carries, subtraction that takes the smaller digit from the larger
-    instead of borrowing. Used to make imperfect warm-start demonstrations."""
-    if op == "-" and a < b:
-        return -buggy_answer(b, "-", a)
+    addition that never carries (the leading column is written out whole), and
+    subtraction that takes the smaller digit from the larger in every column — which
+    never borrows and never gives a negative result. Used for imperfect warm-start
+    demonstrations."""
     n = max(len(str(a)), len(str(b)))
+    da, db = _digits(a, n), _digits(b, n)
     if op == "+":
-        digits = [(x + y) % 10 for x, y in zip(_digits(a, n), _digits(b, n))]
-        # the leading column is written out whole ("9+8 = 17") like a student would
-        digits[-1] = _digits(a, n)[-1] + _digits(b, n)[-1]
+        digits = [(x + y) % 10 for x, y in zip(da, db)]
+        digits[-1] = da[-1] + db[-1]
     elif op == "-":
-        digits = [abs(x - y) for x, y in zip(_digits(a, n), _digits(b, n))]
+        digits = [abs(x - y) for x, y in zip(da, db)]
     else:
         return a * b
     return sum(d * 10**i for i, d in enumerate(digits))

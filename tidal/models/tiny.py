@@ -2,9 +2,10 @@
 warm-started by supervised training on the arithmetic task until it is partly right.
 
 `tidal build-default-model` rebuilds `tidal/models/assets/tiny-arith` deterministically
-(same seed, same machine type → same bytes). The warm start stops at the first evaluation
-whose accuracy on a validation slice of the *train* split reaches `target_accuracy`, so
-RL starts from a model with room to improve and the held-out split stays unseen.
+(same seed and machine type → same weights; thread count changes float summation order).
+The demonstrations come from an imperfect teacher (see `build_default_model`), so the
+model starts with low greedy accuracy while the right answer is among its samples, and
+the warm-start's validation uses a slice of the *train* split: held-out stays unseen.
 """
 
 from __future__ import annotations

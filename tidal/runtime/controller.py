@@ -104,10 +104,12 @@ class Controller:
         (run_dir / "config.yaml").write_text(dump_config(cfg))
 
         self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
+        device = cfg.model.resolved_device()
         self.trainer = Trainer(str(self.model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
-                               temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id)
-        self.engine = TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype), self.tokenizer.pad_token_id,
-                                  max_batch_size=cfg.engine.max_batch_size)
+                               temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id,
+                               device=device)
+        self.engine = TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype, device=device),
+                                  self.tokenizer.pad_token_id, max_batch_size=cfg.engine.max_batch_size)
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
@@ -134,10 +136,16 @@ class Controller:
         if trainable:
             advantages = compute_advantages(trainable, cfg.algorithm.std_scale)
             batch = episodes_to_batch(trainable, advantages)
+            minis = self._mini_batches(len(batch))
+            if cfg.train.epochs * len(minis) > 1:
+                # Several updates per batch: the policy before the first one is the PPO anchor.
+                batch.old_logprobs = self.trainer.logprobs(batch)
+            per_update = []
             for _ in range(cfg.train.epochs):
-                for mini in self._mini_batches(len(batch)):
-                    metrics.update(self.trainer.forward_backward(batch.select(mini)))
-                    metrics.update(self.trainer.optim_step())
+                for mini in minis:
+                    m = self.trainer.forward_backward(batch.select(mini))
+                    per_update.append({**m, **self.trainer.optim_step()})
+            metrics.update({k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]})
         t_train = time.perf_counter() - t0 - t_rollout
 
         self.engine.update_weights(self.trainer.version, self.trainer.named_weights())  # weight sync

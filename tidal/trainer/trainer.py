@@ -59,26 +59,27 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return out
 
 
-def _pad(rows: list[list], value, dtype) -> torch.Tensor:
+def _pad(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
     L = max(len(r) for r in rows)
     out = torch.full((len(rows), L), value, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
+    return out.to(device)
 
 
 class Trainer:
     def __init__(self, model_path: str, train: TrainConfig, algo: AlgorithmConfig, *,
-                 dtype: str = "float32", temperature: float = 1.0, pad_token_id: int = 0):
+                 dtype: str = "float32", temperature: float = 1.0, pad_token_id: int = 0, device: str = "cpu"):
         self.train_cfg, self.algo = train, algo
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
-        self.model = load_model(model_path, dtype=dtype)
+        self.device = torch.device(device)
+        self.model = load_model(model_path, dtype=dtype, device=device)
         self.model.config.use_cache = False
         self.model.train()
         self.ref_model = None
         if algo.kl_coef > 0:  # no reference model is loaded when it cannot matter
-            self.ref_model = load_model(model_path, dtype=dtype).eval().requires_grad_(False)
+            self.ref_model = load_model(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
         )
@@ -90,8 +91,8 @@ class Trainer:
 
     # -- forward passes -------------------------------------------------------------------
     def _forward(self, model, tokens: list[list[int]]):
-        ids = _pad(tokens, self.pad_token_id, torch.long)
-        attn = _pad([[1] * len(t) for t in tokens], 0, torch.long)
+        ids = _pad(tokens, self.pad_token_id, torch.long, self.device)
+        attn = _pad([[1] * len(t) for t in tokens], 0, torch.long, self.device)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         return logits, ids[:, 1:]
 
@@ -118,14 +119,15 @@ class Trainer:
         max_diff = 0.0
         for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
             logits, targets = self._forward(self.model, [batch.tokens[i] for i in idx])
-            mask = _pad([masks[i] for i in idx], False, torch.bool)
+            mask = _pad([masks[i] for i in idx], False, torch.bool, self.device)
             logp = token_logprobs(logits, targets, self.temperature)
-            behav = _pad([batch.behaviour_logprobs[i][1:] for i in idx], 0.0, torch.float32)
+            behav = _pad([batch.behaviour_logprobs[i][1:] for i in idx], 0.0, torch.float32, self.device)
             if batch.old_logprobs is None:
                 old = logp.detach()
             else:
-                old = _pad([batch.old_logprobs[i] for i in idx], 0.0, torch.float32)
-            adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32)[:, None].expand_as(logp)
+                old = _pad([batch.old_logprobs[i] for i in idx], 0.0, torch.float32, self.device)
+            adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=self.device)
+            adv = adv[:, None].expand_as(logp)
             pg_BT, clipped_BT = ppo_clip_loss(logp, old, adv, algo.clip_low, algo.clip_high)
             loss_BT = pg_BT
             if self.ref_model is not None:
@@ -191,7 +193,7 @@ class Trainer:
         if set(missing) - tied or unexpected:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
         self.model.tie_weights()
-        st = torch.load(path / "trainer_state.pt", weights_only=False)
+        st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.version = st["version"]

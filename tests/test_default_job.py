@@ -1,0 +1,55 @@
+"""The embedded default model and the default job.
+
+The fast test trains on a handful of fixed prompts, so the reward must rise within a few
+steps; the slow test is the README's claim itself: `tidal train` with no arguments takes
+held-out greedy accuracy to ≥ 0.9, measured by `tidal eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tidal.config import load_config
+from tidal.models import DEFAULT_MODEL_DIR, load_tokenizer
+from tidal.runtime.controller import Controller
+
+
+def test_default_model_ships_as_an_hf_directory():
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tidal_build.json"):
+        assert (DEFAULT_MODEL_DIR / name).is_file(), name
+    tok = load_tokenizer("default")
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    build = json.loads((DEFAULT_MODEL_DIR / "tidal_build.json").read_text())
+    assert 0.2 <= build["val"]["accuracy"] <= 0.5  # partly right: room for RL
+
+
+def test_reward_rises_on_fixed_prompts(tmp_path):
+    cfg = load_config(None, [
+        f"run.dir={tmp_path / 'run'}", "task.train_size=8", "rollout.prompts_per_step=8",
+        "rollout.samples_per_prompt=8", "train.steps=12", "train.lr=1e-3", "run.progress=false",
+        "run.write_episodes=false", "run.save_every=0",
+    ])
+    ctl = Controller(cfg)
+    rewards = []
+    while ctl.step < cfg.train.steps:
+        rewards.append(ctl.train_step()["reward"])
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.15, rewards
+
+
+@pytest.mark.slow
+def test_default_job_reaches_90_percent_held_out(tmp_path):
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "tidal.cli", "train", f"run.dir={run}", "run.progress=false"], check=True)
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    before = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", "default", "--json"], check=True,
+                            capture_output=True, text=True).stdout
+    after, start = json.loads(out.splitlines()[-1]), json.loads(before.splitlines()[-1])
+    assert start["accuracy"] <= 0.5
+    assert after["accuracy"] >= 0.9, (start, after)
