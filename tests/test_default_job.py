@@ -53,3 +53,21 @@ def test_default_job_reaches_90_percent_held_out(tmp_path):
     after, start = json.loads(out.splitlines()[-1]), json.loads(before.splitlines()[-1])
     assert start["accuracy"] <= 0.5
     assert after["accuracy"] >= 0.9, (start, after)
+
+
+@pytest.mark.slow
+def test_build_default_model_rebuilds_the_shipped_one(tmp_path):
+    """`tidal build-default-model` reproduces the shipped warm start (about 15 minutes)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from tidal.models.tiny import build_default_model
+
+    torch.set_num_threads(2)  # the shipped model was built with 2 threads
+    summary = build_default_model(tmp_path / "m")
+    shipped = json.loads((DEFAULT_MODEL_DIR / "tidal_build.json").read_text())
+    assert summary["val"]["accuracy"] == pytest.approx(shipped["val"]["accuracy"], abs=0.03)
+    new, old = load_file(str(tmp_path / "m" / "model.safetensors")), load_file(str(DEFAULT_MODEL_DIR / "model.safetensors"))
+    assert new.keys() == old.keys()
+    worst = max(float((new[k] - old[k]).abs().max()) for k in new)
+    assert worst < 1e-2, f"rebuilt weights differ from the shipped ones by up to {worst}"

@@ -106,3 +106,14 @@ def test_checkpoint_restores_model_optimizer_and_rng(tiny_model_dir, tmp_path):
     tr2.optim_step()
     for n, p in tr2.model.named_parameters():
         torch.testing.assert_close(p.detach(), after_two[n], rtol=0, atol=0)
+
+
+def test_lr_schedule_warmup_then_constant_or_cosine():
+    from tidal.trainer.trainer import lr_factor
+
+    const = lr_factor(TrainConfig(steps=10, warmup_steps=4))
+    assert [const(s) for s in (0, 1, 3, 9)] == [0.25, 0.5, 1.0, 1.0]
+    cos = lr_factor(TrainConfig(steps=10, warmup_steps=0, lr_schedule="cosine", min_lr_ratio=0.1))
+    assert cos(0) == pytest.approx(1.0) and cos(5) == pytest.approx(0.55) and cos(10) == pytest.approx(0.1)
+    two_updates = lr_factor(TrainConfig(steps=10, warmup_steps=0, lr_schedule="cosine", mini_batches=2))
+    assert two_updates(10) == pytest.approx(0.55)  # the schedule counts optimizer steps

@@ -48,7 +48,7 @@ class TaskConfig(_Section):
 class RolloutConfig(_Section):
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step.")
     samples_per_prompt: int = Field(8, ge=1, description="Episodes per prompt (the GRPO group size).")
-    max_new_tokens: int = Field(16, ge=1, description="Token budget of one policy turn.")
+    max_new_tokens: int = Field(32, ge=1, description="Token budget of one policy turn.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy). The trainer scores with the same temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
@@ -77,7 +77,9 @@ class AlgorithmConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(150, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
-    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps, then constant.")
+    warmup_steps: int = Field(5, ge=0, description="Linear warm-up over this many optimizer steps.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant, or cosine decay to min_lr_ratio × lr at the last step.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Floor of the cosine schedule, as a fraction of lr.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")

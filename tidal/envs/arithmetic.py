@@ -65,6 +65,20 @@ def buggy_answer(a: int, op: str, b: int) -> int:
     return sum(d * 10**i for i, d in enumerate(digits))
 
 
+def worked_answer(a: int, op: str, b: int) -> str:
+    """A careful, worked answer by place value: 47 + 38 → `40+30+7+8=70+15=<answer>85</answer>`,
+    38 - 52 → `30-50+8-2=-20+6=<answer>-14</answer>`."""
+    ta, ua, tb, ub = a - a % 10, a % 10, b - b % 10, b % 10
+    value = a + b if op == "+" else a - b if op == "-" else a * b
+    if op == "+":
+        work = f"{ta}+{tb}+{ua}+{ub}={ta + tb}+{ua + ub}="
+    elif op == "-":
+        work = f"{ta}-{tb}+{ua}-{ub}={ta - tb}{ua - ub:+d}="
+    else:
+        work = ""
+    return work + answer_text(value)
+
+
 def make_problems(cfg: ArithmeticConfig, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """`n` distinct rows of `split` ("train" or "test"): prompt, answer, task_id."""
     if split not in ("train", "test"):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.envs.arithmetic import ArithmeticConfig, buggy_answer, make_problems
+from tidal.envs.arithmetic import ArithmeticConfig, answer_text, buggy_answer, make_problems, worked_answer
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -63,12 +63,17 @@ def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, k
     return Qwen2ForCausalLM(config)
 
 
+def _operands(row) -> tuple[int, str, int]:
+    a, op, b = row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split(" ")
+    return int(a), op, int(b)
+
+
 def task_corpus(rows) -> list[str]:
-    """Texts the tokenizer is trained on: rendered prompts and answers of the task."""
+    """Texts the tokenizer is trained on: rendered prompts and worked answers of the task."""
     corpus = []
     for row in rows:
         corpus.append(f"<|im_start|>user\n{row['prompt'][0]['content']}<|im_end|>\n<|im_start|>assistant\n")
-        corpus.append(f"<answer>{row['answer']}</answer><|im_end|>\n")
+        corpus.append(worked_answer(*_operands(row)) + "<|im_end|>\n")
     return corpus
 
 
@@ -83,10 +88,10 @@ def build_untrained(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
     return out
 
 
-def _sft_example(tokenizer, row) -> tuple[list[int], list[bool]]:
+def _sft_example(tokenizer, row, response: str) -> tuple[list[int], list[bool]]:
     prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
     p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    r_ids = tokenizer(f"<answer>{row['answer']}</answer><|im_end|>", add_special_tokens=False)["input_ids"]
+    r_ids = tokenizer(response + "<|im_end|>", add_special_tokens=False)["input_ids"]
     return p_ids + r_ids, [False] * len(p_ids) + [True] * len(r_ids)
 
 
@@ -101,7 +106,7 @@ def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
 
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
-    params = SamplingParams(max_new_tokens=16, stop_token_ids=stop_token_ids(tokenizer))
+    params = SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tokenizer))
     res = evaluate_engine(engine, tokenizer, rows, lambda row: SingleTurnEnv(row, score), params, k=k)
     model.train()
     return res
@@ -110,22 +115,25 @@ def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
 def build_default_model(
     out_dir: str | Path,
     seed: int = 0,
-    steps: int = 3000,
+    steps: int = 2000,
     batch_size: int = 128,
     lr: float = 3e-3,
     warmup: int = 100,
-    buggy_fraction: float = 0.6,
-    eval_every: int = 500,
+    careful_fraction: float = 0.3,
+    eval_every: int = 250,
     task: ArithmeticConfig | None = None,
     train_size: int = 10_000,
 ) -> dict:
     """Build tokenizer and model, warm-start them, save an HF directory; return a summary.
 
-    The demonstrations come from an imperfect teacher: where a problem needs a carry or a
-    borrow, a `buggy_fraction` of its demonstrations carry the classic student bugs
-    (tidal.envs.arithmetic.buggy_answer). The model learns both the right procedure and
-    the bug, so its greedy accuracy is low while the right answer stays in its samples —
-    the situation RL with a verifier is for: the gain has to come from the reward.
+    The demonstrations come from two teachers. A careful one (`careful_fraction` of them)
+    works the problem out by place value before answering (`40+30+7+8=70+15=<answer>85`);
+    a hasty one answers at once, with the classic student bugs (addition without
+    carrying, subtraction that takes the smaller digit from the larger —
+    tidal.envs.arithmetic.buggy_answer). The model learns both habits; greedy decoding
+    follows the more common, hasty one, so it is right only where the bugs do not bite,
+    while careful answers are among its samples. Which habit pays is what the reward
+    has to teach: the gain has to come from RL.
     """
     task = task or ArithmeticConfig()
     random.seed(seed)
@@ -135,14 +143,14 @@ def build_default_model(
     tokenizer = build_tokenizer(task_corpus(train[:5000]))
     model = build_model(tokenizer, seed=seed)
     rng = random.Random(seed)
-    demos = []
+    examples = []
     for row in train:
-        a, op, b = row["prompt"][0]["content"].removeprefix("What is ").removesuffix("?").split(" ")
-        wrong = buggy_answer(int(a), op, int(b))
-        if str(wrong) != row["answer"] and rng.random() < buggy_fraction:
-            row = {**row, "answer": str(wrong)}
-        demos.append(row)
-    examples = [_sft_example(tokenizer, r) for r in demos]
+        a, op, b = _operands(row)
+        if rng.random() < careful_fraction:
+            response = worked_answer(a, op, b)
+        else:
+            response = answer_text(buggy_answer(a, op, b))
+        examples.append(_sft_example(tokenizer, row, response))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
@@ -176,7 +184,7 @@ def build_default_model(
     model.config.use_cache = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    summary = {"seed": seed, "steps": steps, "buggy_fraction": buggy_fraction, "val": history[-1],
+    summary = {"seed": seed, "steps": steps, "careful_fraction": careful_fraction, "val": history[-1],
                "params": sum(p.numel() for p in model.parameters()), "task": task.model_dump(), "history": history}
     (out / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     return summary

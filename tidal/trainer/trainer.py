@@ -8,6 +8,7 @@ gradient is the same however the batch is split. `optim_step` clips and steps.
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +84,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
         )
-        warmup = train.warmup_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train))
         self.version = 0
 
     # -- forward passes -------------------------------------------------------------------
@@ -198,6 +196,20 @@ class Trainer:
         self.scheduler.load_state_dict(st["scheduler"])
         self.version = st["version"]
         set_rng_state(st["rng"])
+
+
+def lr_factor(train: TrainConfig):
+    """Multiplier of the peak lr at optimizer step s: linear warm-up, then constant or cosine."""
+    total = max(train.steps * train.mini_batches * train.epochs, 1)
+
+    def factor(s: int) -> float:
+        warm = min(1.0, (s + 1) / train.warmup_steps) if train.warmup_steps > 0 else 1.0
+        if train.lr_schedule == "constant":
+            return warm
+        progress = min(max(s - train.warmup_steps, 0) / max(total - train.warmup_steps, 1), 1.0)
+        return warm * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    return factor
 
 
 def rng_state() -> dict:
