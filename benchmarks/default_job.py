@@ -28,11 +28,12 @@ def tidal(*args: str) -> tuple[dict, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/default_job.json")
+    p.add_argument("--run-dir", default=None, help="keep the run here (default: a temporary directory)")
     p.add_argument("overrides", nargs="*")
     ns = p.parse_args()
     before, _ = tidal("eval", "default", "--json")
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
+        run = Path(ns.run_dir or Path(tmp) / "run")
         train, train_s = tidal("train", f"run.dir={run}", "run.progress=false", *ns.overrides)
         ckpt = sorted((run / "checkpoints").iterdir())[-1]
         after, _ = tidal("eval", str(ckpt), "--json")

@@ -79,3 +79,9 @@ def test_dump_round_trips(tmp_path):
     path = tmp_path / "dump.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_default_example_is_the_default_job():
+    """README: `tidal train` with no arguments runs examples/arith_grpo.yaml's settings."""
+    example = Path(__file__).parent.parent / "examples" / "arith_grpo.yaml"
+    assert load_config(example) == load_config(None)

@@ -75,8 +75,8 @@ class AlgorithmConfig(_Section):
 
 
 class TrainConfig(_Section):
-    steps: int = Field(150, ge=1, description="Training steps (one rollout batch each).")
-    lr: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
+    steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
+    lr: float = Field(3e-4, gt=0.0, description="Peak AdamW learning rate.")
     warmup_steps: int = Field(5, ge=0, description="Linear warm-up over this many optimizer steps.")
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="After warm-up: constant, or cosine decay to min_lr_ratio × lr at the last step.")
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Floor of the cosine schedule, as a fraction of lr.")
@@ -101,9 +101,9 @@ class RunConfig(_Section):
     dir: str | None = Field(None, description="Run directory; default runs/<name>-<time>.")
     name: str = Field("arith-grpo", description="Run name.")
     seed: int = Field(0, description="Seed of data order, sampling and initialization.")
-    save_every: int = Field(50, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    save_every: int = Field(20, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, ge=1, description="Most recent checkpoints kept.")
-    eval_every: int = Field(0, ge=0, description="Held-out greedy accuracy every N steps (0: off).")
+    eval_every: int = Field(10, ge=0, description="Held-out greedy accuracy (eval.n problems) every N steps (0: off).")
     write_episodes: bool = Field(True, description="Write every step's episodes to Parquet.")
     progress: bool = Field(True, description="Show a progress bar.")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
