@@ -30,15 +30,15 @@ def test_default_model_ships_as_an_hf_directory():
 def test_reward_rises_on_fixed_prompts(tmp_path):
     cfg = load_config(None, [
         f"run.dir={tmp_path / 'run'}", "task.train_size=8", "rollout.prompts_per_step=8",
-        "rollout.samples_per_prompt=8", "train.steps=12", "train.lr=1e-3", "run.progress=false",
+        "rollout.samples_per_prompt=8", "train.steps=8", "run.progress=false", "run.eval_every=0",
         "run.write_episodes=false", "run.save_every=0",
     ])
     ctl = Controller(cfg)
     rewards = []
     while ctl.step < cfg.train.steps:
         rewards.append(ctl.train_step()["reward"])
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.15, rewards
+    # step 1 is sampled from the embedded model itself; the last steps from the trained one
+    assert sum(rewards[-3:]) / 3 > rewards[0] + 0.2, rewards
 
 
 @pytest.mark.slow

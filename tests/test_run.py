@@ -118,3 +118,15 @@ def test_several_updates_per_batch_anchor_on_the_rollout_policy(tiny_model_dir, 
     ctl.trainer.forward_backward = lambda b: seen.append(b.old_logprobs is not None) or fb(b)
     ctl.train_step()
     assert seen == [True] * 4 and ctl.trainer.version == 4 and ctl.engine.version == 4
+
+
+def test_cli_options_between_overrides(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    common = [f"model.path={tiny_model_dir}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+              "rollout.max_new_tokens=4", "task.train_size=8", "task.eval_size=4", "run.eval_every=0"]
+    assert main(["train", f"run.dir={run}", *common, "train.steps=1", "run.progress=false"]) == 0
+    assert main(["train", f"run.dir={run}", "--resume", *common, "train.steps=2", "run.progress=false"]) == 0
+    assert [m["step"] for m in _metrics(run)] == [1, 2]
+    with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
+        main(["train", "--bogus", f"run.dir={run}"])
+    assert exit_info.value.code == 2 and "--bogus" in capsys.readouterr().err

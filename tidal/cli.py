@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
-    ns = p.parse_args(argv)
+    # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
+    ns, rest = p.parse_known_args(argv)
+    if any(r.startswith("-") for r in rest):
+        p.error(f"unrecognized arguments: {' '.join(r for r in rest if r.startswith('-'))}")
+    ns.args = [*ns.args, *rest]
     try:
         return ns.fn(ns)
     except USER_ERRORS as err:
