@@ -93,3 +93,21 @@ def test_env_reset_failure_is_typed():
     ep = asyncio.run(rollout.run(specs, engine=None, step=2))[0]
     assert ep.status is Status.ENV_ERROR and "env `broken` reset raised RuntimeError(no such task)" in ep.error
     assert "episode s2-p0-e0" in ep.error and ep.reward != ep.reward  # NaN: never scored as 0
+
+
+def test_slow_episode_ends_timeout_and_others_finish(tiny_model_dir, tokenizer):
+    from tidal.envs.single_turn import SingleTurnEnv
+
+    class Stuck(SingleTurnEnv):
+        async def step(self, action):
+            if self.row["prompt"] == "stuck":
+                await asyncio.sleep(60)
+            return await super().step(action)
+
+    engine = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    rollout = Rollout(tokenizer, SamplingParams(max_new_tokens=2), timeout_s=2.0)
+    rows = [{"prompt": "stuck", "answer": "1"}, {"prompt": "fine", "answer": "1"}]
+    specs = group_specs(rows, lambda row: Stuck(row, lambda completion, answer: 1.0), samples=1, seed=0, step=1)
+    stuck, fine = asyncio.run(rollout.run(specs, engine, step=1))
+    assert stuck.status is Status.TIMEOUT and "episode_timeout_s=2" in stuck.error
+    assert fine.status in (Status.OK, Status.TRUNCATED) and fine.reward == 1.0

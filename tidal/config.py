@@ -52,6 +52,7 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature (0 = greedy). The trainer scores with the same temperature.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
+    episode_timeout_s: float = Field(600.0, gt=0.0, description="Wall-clock bound of one episode (all turns); past it the episode ends `timeout`.")
 
     @property
     def global_batch(self) -> int:

@@ -114,7 +114,7 @@ class Controller:
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
         )
-        self.rollout = Rollout(self.tokenizer, self.params)
+        self.rollout = Rollout(self.tokenizer, self.params, timeout_s=cfg.rollout.episode_timeout_s)
         self.step = 0
         if resume_from is not None:
             self._load(resume_from)

@@ -49,6 +49,11 @@ class BatchingClient:
             for _, fut in pending:
                 fut.set_exception(e)
             return
+        if len(results) != len(pending):
+            err = RuntimeError(f"engine returned {len(results)} results for {len(pending)} requests")
+            for _, fut in pending:
+                fut.set_exception(err)
+            return
         for (_, fut), res in zip(pending, results):
             fut.set_result(res)
 
@@ -68,10 +73,11 @@ class EpisodeSpec:
 
 
 class Rollout:
-    def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1):
+    def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0):
         self.tokenizer = tokenizer
         self.params = params
         self.max_turns = max_turns
+        self.timeout_s = timeout_s  # one episode, all its turns: nothing waits forever
 
     def _continuation(self, rendered: str, history: list[Message], new: list[Message]) -> tuple[list[int], str]:
         """Tokens of the `new` messages after the policy's last turn, and the new rendering.
@@ -158,9 +164,16 @@ class Rollout:
         ep.error = f"{error} on episode {ep.episode_id} (task {ep.task_id}) of step {ep.step}"
         return ep
 
+    async def _bounded(self, spec: EpisodeSpec, client: BatchingClient, step: int) -> Episode:
+        try:
+            return await asyncio.wait_for(self.run_episode(spec, client, step), self.timeout_s)
+        except asyncio.TimeoutError:
+            ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step)
+            return self._fail(ep, Status.TIMEOUT, f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
+
     async def run(self, specs: list[EpisodeSpec], engine, step: int) -> list[Episode]:
         client = BatchingClient(engine)
-        return list(await asyncio.gather(*(self.run_episode(s, client, step) for s in specs)))
+        return list(await asyncio.gather(*(self._bounded(s, client, step) for s in specs)))
 
 
 def group_specs(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,6 @@ class TrainBatch:
     advantages: list[float]
     behaviour_logprobs: list[list[float]]  # engine log-probs, 0 off the mask
     old_logprobs: list[list[float]] | None = None  # proximal policy; None: on-policy (= current, detached)
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.tokens)
