@@ -130,3 +130,17 @@ def test_cli_options_between_overrides(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:  # argparse's own usage error
         main(["train", "--bogus", f"run.dir={run}"])
     assert exit_info.value.code == 2 and "--bogus" in capsys.readouterr().err
+
+
+def test_custom_dataset_example_trains(tiny_model_dir, tmp_path):
+    """examples/custom_dataset.yaml: a JSONL dataset whose `answer` column reaches the reward."""
+    from pathlib import Path
+
+    example = Path(__file__).parent.parent / "examples" / "custom_dataset.yaml"
+    cfg = load_config(example, [f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "train.steps=1",
+                                "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "run.progress=false",
+                                "rollout.max_new_tokens=4", "eval.n=4"])
+    cfg.task.dataset = str(Path(__file__).parent.parent / cfg.task.dataset)
+    cfg.task.eval_dataset = str(Path(__file__).parent.parent / cfg.task.eval_dataset)
+    m = Controller(cfg).train()
+    assert m["episodes"] == 4 and m["episodes/reward_error"] == 0

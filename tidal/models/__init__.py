@@ -51,7 +51,9 @@ def load_tokenizer(path: str | Path):
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # tidal's own progress bar is the one on the console
     p = resolve_model_dir(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
