@@ -111,3 +111,12 @@ def test_slow_episode_ends_timeout_and_others_finish(tiny_model_dir, tokenizer):
     stuck, fine = asyncio.run(rollout.run(specs, engine, step=1))
     assert stuck.status is Status.TIMEOUT and "episode_timeout_s=2" in stuck.error
     assert fine.status in (Status.OK, Status.TRUNCATED) and fine.reward == 1.0
+
+
+def test_out_of_turns_is_truncated_without_trailing_tokens(tiny_model_dir, tokenizer):
+    engine = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=4, stop_token_ids=tuple(range(len(tokenizer))))
+    rollout = Rollout(tokenizer, params, max_turns=1)  # TwoTurnEnv wants a second turn
+    ep = asyncio.run(rollout.run(group_specs([{"prompt": "Hi"}], TwoTurnEnv, 1, 0, 1), engine, step=1))[0]
+    assert ep.status is Status.TRUNCATED and ep.reward == 0.25
+    assert ep.loss_mask[-1] and len(ep.tokens) == ep.prompt_len + 1

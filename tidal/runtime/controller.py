@@ -28,10 +28,17 @@ from tidal.monitor.sinks import JsonlSink
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.rollout import Rollout, group_specs
 from tidal.runtime.tasks import Task, build_task
-from tidal.trainer.trainer import TrainBatch, Trainer, write_json
+from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.types import Episode, SamplingParams
 
 log = logging.getLogger("tidal")
+
+
+def write_json(path: Path, obj) -> None:
+    """Write through a temporary file and rename: a reader never sees half a file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
 
 
 def episodes_to_batch(episodes: list[Episode], advantages: list[float]) -> TrainBatch:

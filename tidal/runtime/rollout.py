@@ -138,6 +138,9 @@ class Rollout:
             ep.status = Status.TRUNCATED if res.finish_reason == "length" else Status.OK
             if out.done or res.finish_reason == "length":
                 break
+            if turn == self.max_turns - 1:  # out of turns: no continuation that nobody answers
+                ep.status = Status.TRUNCATED
+                break
             history = history + [{"role": "assistant", "content": text}]
             rendered += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
             try:
@@ -149,8 +152,6 @@ class Rollout:
             ep.logprobs += [0.0] * len(new)
             ep.versions += [-1] * len(new)
             history = history + out.messages
-        else:
-            ep.status = Status.TRUNCATED
         ep.metrics["turns"] = float(turn + 1)
         ep.metrics["response_tokens"] = float(ep.num_policy_tokens)
         ep.metrics["generate_s"] = gen_time
