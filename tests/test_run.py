@@ -115,7 +115,7 @@ def test_several_updates_per_batch_anchor_on_the_rollout_policy(tiny_model_dir, 
                           "train.epochs=2", "train.lr=0.05"))
     seen = []
     fb = ctl.trainer.forward_backward
-    ctl.trainer.forward_backward = lambda b: seen.append(b.old_logprobs is not None) or fb(b)
+    ctl.trainer.forward_backward = lambda b, **kw: seen.append(b.old_logprobs is not None) or fb(b, **kw)
     ctl.train_step()
     assert seen == [True] * 4 and ctl.trainer.version == 4 and ctl.engine.version == 4
 

@@ -23,7 +23,8 @@ def _batch(n=8, seed=0, with_old=True) -> TrainBatch:
         behav.append([0.0] * p + [rng.uniform(-6, -4) for _ in range(r)])
         # per target position (len - 1): perturbed old log-probs make some ratios clip
         old.append([rng.uniform(-6.5, -4.5) for _ in range(p + r - 1)])
-    adv = [rng.uniform(-1.5, 1.5) for _ in range(n)]
+    # per-token advantages (target-aligned), varying within a sequence as GAE/REINFORCE++ give
+    adv = [[rng.uniform(-1.5, 1.5) if m else 0.0 for m in mk[1:]] for mk in masks]
     return TrainBatch(tokens, masks, adv, behav, old if with_old else None)
 
 
@@ -73,7 +74,7 @@ def test_on_policy_gradient_is_minus_advantage_times_grad_logp(tiny_model_dir):
     for toks, mask, a in zip(b.tokens, b.loss_mask, b.advantages):
         logits = tr.model(torch.tensor([toks])).logits[0, :-1].log_softmax(-1)
         lp = logits.gather(-1, torch.tensor(toks[1:])[:, None]).squeeze(-1)
-        obj = obj - a * (lp * torch.tensor(mask[1:], dtype=torch.float32)).sum() / total
+        obj = obj - (torch.tensor(a) * lp * torch.tensor(mask[1:], dtype=torch.float32)).sum() / total
     obj.backward()
     for n, p in tr.model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6)

@@ -1,15 +1,36 @@
 """Pure tensor functions of the post-training objectives. Imports nothing from tidal."""
 
-from tidal.algorithms.advantages import group_advantages
-from tidal.algorithms.kl import kl_estimate
-from tidal.algorithms.losses import AGGREGATIONS, aggregate, entropy_from_logits, ppo_clip_loss, token_logprobs
+from tidal.algorithms.advantages import (
+    ESTIMATORS,
+    discounted_returns,
+    estimate_advantages,
+    gae,
+    group_advantages,
+    masked_whiten,
+    remax_advantages,
+    rloo_advantages,
+    terminal_rewards,
+)
+from tidal.algorithms.corrections import IS_LEVELS, REJECTION_LEVELS, importance_weights, rejection_mask
+from tidal.algorithms.kl import KL_ESTIMATORS, AdaptiveKLController, kl_estimate
+from tidal.algorithms.losses import (
+    AGGREGATIONS,
+    POLICY_LOSSES,
+    aggregate,
+    cispo_loss,
+    entropy_from_logits,
+    gspo_loss,
+    policy_loss,
+    ppo_clip_loss,
+    token_logprobs,
+    value_loss,
+)
+from tidal.algorithms.shaping import informative_groups, overlong_penalty
 
 __all__ = [
-    "AGGREGATIONS",
-    "aggregate",
-    "entropy_from_logits",
-    "group_advantages",
-    "kl_estimate",
-    "ppo_clip_loss",
-    "token_logprobs",
+    "AGGREGATIONS", "ESTIMATORS", "IS_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES", "REJECTION_LEVELS",
+    "AdaptiveKLController", "aggregate", "cispo_loss", "discounted_returns", "entropy_from_logits",
+    "estimate_advantages", "gae", "group_advantages", "gspo_loss", "importance_weights", "informative_groups",
+    "kl_estimate", "masked_whiten", "overlong_penalty", "policy_loss", "ppo_clip_loss", "rejection_mask",
+    "remax_advantages", "rloo_advantages", "terminal_rewards", "token_logprobs", "value_loss",
 ]

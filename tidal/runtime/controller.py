@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from tidal.algorithms import group_advantages
+from tidal.algorithms import AdaptiveKLController
 from tidal.config import TidalConfig, dump_config
 from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.dataset import PromptSource
@@ -25,10 +25,11 @@ from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_tok
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.progress import Progress
 from tidal.monitor.sinks import JsonlSink
+from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.rollout import Rollout, group_specs
 from tidal.runtime.tasks import Task, build_task
-from tidal.trainer.trainer import TrainBatch, Trainer
+from tidal.trainer.trainer import Trainer
 from tidal.types import Episode, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -39,22 +40,6 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
-
-
-def episodes_to_batch(episodes: list[Episode], advantages: list[float]) -> TrainBatch:
-    return TrainBatch(
-        tokens=[e.tokens for e in episodes],
-        loss_mask=[e.loss_mask for e in episodes],
-        advantages=advantages,
-        behaviour_logprobs=[e.logprobs for e in episodes],
-    )
-
-
-def compute_advantages(episodes: list[Episode], scale: str) -> list[float]:
-    groups: dict[str, int] = {}
-    index = [groups.setdefault(e.group_id, len(groups)) for e in episodes]
-    rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float64)
-    return group_advantages(rewards, torch.tensor(index, dtype=torch.long), scale).tolist()
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -114,7 +99,8 @@ class Controller:
         device = cfg.model.resolved_device()
         self.trainer = Trainer(str(self.model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                                temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id,
-                               device=device)
+                               device=device, norm_len=cfg.loss_norm_len)
+        self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         self.engine = TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype, device=device),
                                   self.tokenizer.pad_token_id, max_batch_size=cfg.engine.max_batch_size)
         self.params = SamplingParams(
@@ -132,27 +118,29 @@ class Controller:
     def train_step(self) -> dict[str, float]:
         cfg, step = self.cfg, self.step + 1
         t0 = time.perf_counter()
-        rows = self.source.take(cfg.rollout.prompts_per_step)
-        specs = group_specs(rows, self.task.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step)
-        episodes = asyncio.run(self.rollout.run(specs, self.engine, step))  # sample + reward
+        episodes, train_eps, baselines, metrics = self._sample(step)  # sample + reward (+ DAPO refill)
         t_rollout = time.perf_counter() - t0
 
-        trainable = [e for e in episodes if e.status.trainable]  # failures are never scored 0
         self._report_failures(step, episodes)
-        metrics = episode_metrics(episodes)
-        if trainable:
-            advantages = compute_advantages(trainable, cfg.algorithm.std_scale)
-            batch = episodes_to_batch(trainable, advantages)
+        metrics.update(episode_metrics(episodes))
+        if train_eps:
+            batch, prep = build_batch(train_eps, cfg.algorithm, self.trainer, kl_coef=self.kl_ctl.coef,
+                                      baselines=baselines)  # advantages
+            metrics.update(prep)
             minis = self._mini_batches(len(batch))
-            if cfg.train.epochs * len(minis) > 1:
+            if cfg.train.epochs * len(minis) > 1 and batch.old_logprobs is None:
                 # Several updates per batch: the policy before the first one is the PPO anchor.
                 batch.old_logprobs = self.trainer.logprobs(batch)
             per_update = []
             for _ in range(cfg.train.epochs):
                 for mini in minis:
-                    m = self.trainer.forward_backward(batch.select(mini))
+                    m = self.trainer.forward_backward(batch.select(mini), kl_coef=self.kl_ctl.coef)
                     per_update.append({**m, **self.trainer.optim_step()})
-            metrics.update({k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]})
+            if per_update:
+                metrics.update({k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]})
+            metrics["kl_coef"] = self.kl_ctl.coef
+            if "kl" in metrics:
+                self.kl_ctl.update(metrics["kl"], len(batch))
         t_train = time.perf_counter() - t0 - t_rollout
 
         self.engine.update_weights(self.trainer.version, self.trainer.named_weights())  # weight sync
@@ -171,6 +159,55 @@ class Controller:
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             self.save()
         return metrics
+
+    def _sample(self, step: int) -> tuple[list[Episode], list[Episode], dict[str, float], dict[str, float]]:
+        """Roll out this step's prompts. Returns (every sampled episode, the episodes to train
+        on, greedy baseline reward per group (remax), metrics).
+
+        With DAPO's dynamic sampling, groups whose rewards are all equal are dropped and
+        further prompts are sampled, up to `algorithm.max_sampling_rounds` rounds, until
+        `rollout.prompts_per_step` informative groups are collected; extra groups are cut."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        want = cfg.rollout.prompts_per_step
+        episodes: list[Episode] = []
+        baselines: dict[str, float] = {}
+        kept: list[str] = []  # group ids to train on, in sampling order
+        rounds = 0
+        while True:
+            rows = self.source.take(want)
+            specs = group_specs(rows, self.task.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
+                                offset=rounds * want, greedy_baseline=algo.advantage == "remax")
+            batch = asyncio.run(self.rollout.run(specs, self.engine, step))
+            for spec, e in zip(specs, batch):
+                if spec.greedy:  # a baseline, not a sample: no training, no sample metrics
+                    if e.status.trainable:
+                        baselines[e.group_id] = e.reward
+                else:
+                    episodes.append(e)
+            new = [e for e in batch if e.status.trainable and not e.episode_id.endswith("-greedy")]
+            shape_rewards(new, algo, cfg.rollout.max_new_tokens)
+            groups = list(dict.fromkeys(e.group_id for e in new))
+            if algo.advantage == "remax":
+                groups = [g for g in groups if g in baselines]  # no baseline, no advantage
+            if algo.dynamic_sampling:
+                useful = informative(new)
+                groups = [g for g in groups if g in useful]
+            kept += groups
+            rounds += 1
+            if not algo.dynamic_sampling or len(kept) >= want or rounds >= algo.max_sampling_rounds:
+                break
+        kept_set = set(kept[:want] if algo.dynamic_sampling else kept)
+        train_eps = [e for e in episodes if e.status.trainable and e.group_id in kept_set]
+        trained = {id(e) for e in train_eps}
+        for e in episodes:
+            e.metrics["trained"] = float(id(e) in trained)
+        metrics: dict[str, float] = {}
+        if algo.dynamic_sampling:
+            metrics.update({"sampling/rounds": float(rounds), "sampling/groups_kept": float(len(kept_set)),
+                            "sampling/groups_generated": float(rounds * want)})
+        if algo.advantage == "remax" and baselines:
+            metrics["remax/greedy_reward"] = sum(baselines.values()) / len(baselines)
+        return episodes, train_eps, baselines, metrics
 
     @staticmethod
     def _report_failures(step: int, episodes: list[Episode]) -> None:
@@ -205,7 +242,7 @@ class Controller:
         tmp.mkdir(parents=True)
         self.trainer.save(tmp, tokenizer=self.tokenizer)
         write_json(tmp / "controller.json", {"step": self.step, "data": self.source.state_dict(),
-                                             "engine_version": self.engine.version})
+                                             "engine_version": self.engine.version, "kl": self.kl_ctl.state_dict()})
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         old = sorted(p for p in self.paths.checkpoints.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
@@ -218,4 +255,6 @@ class Controller:
         state = json.loads((ckpt / "controller.json").read_text())
         self.step = state["step"]
         self.source.load_state_dict(state["data"])
+        if "kl" in state:
+            self.kl_ctl.load_state_dict(state["kl"])
         self.engine.update_weights(self.trainer.version, self.trainer.named_weights())

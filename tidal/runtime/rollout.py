@@ -70,6 +70,7 @@ class EpisodeSpec:
     group_id: str
     task_id: str
     seed: int
+    greedy: bool = False  # a baseline rollout (ReMax): temperature 0, not trained on
 
 
 class Rollout:
@@ -114,6 +115,8 @@ class Rollout:
         gen_time = 0.0
         for turn in range(self.max_turns):
             params = replace(self.params, seed=request_seed(spec.seed, turn))
+            if spec.greedy:
+                params = replace(params, temperature=0.0)
             t1 = time.perf_counter()
             try:
                 res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", list(ep.tokens), params))
@@ -178,13 +181,19 @@ class Rollout:
 
 
 def group_specs(
-    rows: list[dict[str, Any]], make_env: Callable[[dict[str, Any]], Env], samples: int, seed: int, step: int
+    rows: list[dict[str, Any]], make_env: Callable[[dict[str, Any]], Env], samples: int, seed: int, step: int,
+    offset: int = 0, greedy_baseline: bool = False,
 ) -> list[EpisodeSpec]:
-    """`samples` episodes per row; episode ids and seeds are functions of (seed, step, index)."""
+    """`samples` episodes per row; episode ids and seeds are functions of (seed, step, index).
+    `offset` numbers the rows after those already sampled in this step (dynamic sampling);
+    `greedy_baseline` adds one greedy episode per row (ReMax), id suffix `-greedy`."""
     specs = []
-    for p, row in enumerate(rows):
+    for p, row in enumerate(rows, start=offset):
         task_id = str(row.get("task_id", p))
         for s in range(samples):
             specs.append(EpisodeSpec(make_env(row), f"s{step}-p{p}-e{s}", f"s{step}-p{p}", task_id,
                                      request_seed(seed, step, p, s)))
+        if greedy_baseline:
+            specs.append(EpisodeSpec(make_env(row), f"s{step}-p{p}-greedy", f"s{step}-p{p}", task_id,
+                                     request_seed(seed, step, p, "greedy"), greedy=True))
     return specs

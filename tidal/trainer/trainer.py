@@ -1,4 +1,4 @@
-"""The Trainer role: policy, optimizer, optional frozen reference; micro-batching by tokens.
+"""The Trainer role: policy, optimizer, optional frozen reference and critic; micro-batching by tokens.
 
 `forward_backward` accumulates gradients over micro-batches whose losses are each a
 share of the batch loss under one normalization (tidal.algorithms.aggregate), so the
@@ -15,20 +15,35 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.algorithms import aggregate, entropy_from_logits, kl_estimate, ppo_clip_loss, token_logprobs
+from tidal.algorithms import (
+    aggregate,
+    entropy_from_logits,
+    importance_weights,
+    kl_estimate,
+    policy_loss,
+    rejection_mask,
+    token_logprobs,
+)
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.models import load_model
+from tidal.trainer.critic import Critic
 
 
 @dataclass
 class TrainBatch:
-    """What the trainer needs of a set of episodes. Lists are per sequence."""
+    """What the trainer needs of a set of episodes. Lists are per sequence.
+
+    `tokens`, `loss_mask` and `behaviour_logprobs` are aligned with the tokens; the
+    per-position lists (`advantages`, `old_logprobs`, `returns`, `old_values`) are
+    aligned with the trainer's targets: entry t belongs to token t+1 (one shorter)."""
 
     tokens: list[list[int]]
     loss_mask: list[list[bool]]
-    advantages: list[float]
+    advantages: list[list[float]]
     behaviour_logprobs: list[list[float]]  # engine log-probs, 0 off the mask
     old_logprobs: list[list[float]] | None = None  # proximal policy; None: on-policy (= current, detached)
+    returns: list[list[float]] | None = None  # critic targets (gae)
+    old_values: list[list[float]] | None = None  # critic values before the update (value clipping)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -36,7 +51,14 @@ class TrainBatch:
     def select(self, idx: list[int]) -> "TrainBatch":
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return TrainBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
-                          pick(self.behaviour_logprobs), pick(self.old_logprobs))
+                          pick(self.behaviour_logprobs), pick(self.old_logprobs), pick(self.returns),
+                          pick(self.old_values))
+
+    def totals(self) -> tuple[float, float]:
+        """(masked tokens, sequences with any masked token): the loss denominators of this
+        batch. A data-parallel rank passes the totals of the global batch instead."""
+        masks = [m[1:] for m in self.loss_mask]
+        return float(sum(sum(m) for m in masks)), float(sum(1 for m in masks if any(m)))
 
 
 def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
@@ -68,10 +90,12 @@ def _pad(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
 
 class Trainer:
     def __init__(self, model_path: str, train: TrainConfig, algo: AlgorithmConfig, *,
-                 dtype: str = "float32", temperature: float = 1.0, pad_token_id: int = 0, device: str = "cpu"):
+                 dtype: str = "float32", temperature: float = 1.0, pad_token_id: int = 0, device: str = "cpu",
+                 norm_len: int = 1):
         self.train_cfg, self.algo = train, algo
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
+        self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
         self.device = torch.device(device)
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.model.config.use_cache = False
@@ -79,6 +103,10 @@ class Trainer:
         self.ref_model = None
         if algo.kl_coef > 0:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
+        self.critic = None
+        if algo.advantage == "gae":
+            self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
+                                 warmup_steps=train.warmup_steps, betas=train.betas)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
         )
@@ -86,71 +114,115 @@ class Trainer:
         self.version = 0
 
     # -- forward passes -------------------------------------------------------------------
-    def _forward(self, model, tokens: list[list[int]]):
+    def _inputs(self, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = _pad(tokens, self.pad_token_id, torch.long, self.device)
         attn = _pad([[1] * len(t) for t in tokens], 0, torch.long, self.device)
+        return ids, attn
+
+    def _forward(self, model, tokens: list[list[int]]):
+        ids, attn = self._inputs(tokens)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         return logits, ids[:, 1:]
 
     @torch.no_grad()
-    def logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        """Current-policy log-probs of every token after the first (position 0 scores token 1)."""
+    def _per_position(self, batch: TrainBatch, fn) -> list[list[float]]:
         out: list[list[float]] = [[] for _ in range(len(batch))]
         for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
-            logits, targets = self._forward(self.model, [batch.tokens[i] for i in idx])
-            lp = token_logprobs(logits, targets, self.temperature)
+            values = fn([batch.tokens[i] for i in idx])
             for row, i in enumerate(idx):
-                out[i] = lp[row, : len(batch.tokens[i]) - 1].tolist()
+                out[i] = values[row, : len(batch.tokens[i]) - 1].tolist()
         return out
 
-    def forward_backward(self, batch: TrainBatch) -> dict[str, float]:
-        """Accumulate the gradient of the batch loss; return token-weighted metrics."""
+    def logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Current-policy log-probs of every token after the first (position 0 scores token 1)."""
+        return self._per_position(batch, lambda toks: token_logprobs(*self._forward(self.model, toks), self.temperature))
+
+    def ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """The frozen reference's log-probs, aligned as `logprobs`."""
+        if self.ref_model is None:
+            raise RuntimeError("no reference model: algorithm.kl_coef is 0")
+        return self._per_position(batch, lambda toks: token_logprobs(*self._forward(self.ref_model, toks), self.temperature))
+
+    def values(self, batch: TrainBatch) -> list[list[float]]:
+        """The critic's V(s_t), aligned as `logprobs`."""
+        if self.critic is None:
+            raise RuntimeError("no critic: algorithm.advantage is not gae")
+        return self._per_position(batch, lambda toks: self.critic.forward(*self._inputs(toks)))
+
+    def forward_backward(self, batch: TrainBatch, kl_coef: float | None = None,
+                         totals: tuple[float, float] | None = None) -> dict[str, float]:
+        """Accumulate the gradient of the batch loss (policy, and critic when there is one);
+        return token-weighted metrics. `totals` = (tokens, sequences) of the whole batch
+        across data-parallel ranks; default: this batch's own. `kl_coef` overrides the
+        configured coefficient (adaptive KL)."""
         algo = self.algo
+        kl_coef = algo.kl_coef if kl_coef is None else kl_coef
+        kl_in_loss = self.ref_model is not None and algo.kl_in == "loss"
         masks = [m[1:] for m in batch.loss_mask]  # aligned with targets
-        total_tokens = float(sum(sum(m) for m in masks))
-        total_seqs = float(sum(1 for m in masks if any(m)))
-        norm_len = float(max(len(m) for m in masks))
-        sums = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_frac": 0.0,
-                "logprob_abs_diff": 0.0, "mismatch_kl": 0.0}
+        total_tokens, total_seqs = totals if totals is not None else batch.totals()
+        sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "logprob_abs_diff", "mismatch_kl",
+                                 "is_weight", "is_truncated_frac", "rejected_frac", "value_loss", "value_clip_frac")}
         max_diff = 0.0
         for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
-            logits, targets = self._forward(self.model, [batch.tokens[i] for i in idx])
+            toks = [batch.tokens[i] for i in idx]
+            pad = lambda rows, v=0.0: _pad(rows, v, torch.float32, self.device)  # noqa: E731
+            logits, targets = self._forward(self.model, toks)
             mask = _pad([masks[i] for i in idx], False, torch.bool, self.device)
             logp = token_logprobs(logits, targets, self.temperature)
-            behav = _pad([batch.behaviour_logprobs[i][1:] for i in idx], 0.0, torch.float32, self.device)
-            if batch.old_logprobs is None:
-                old = logp.detach()
-            else:
-                old = _pad([batch.old_logprobs[i] for i in idx], 0.0, torch.float32, self.device)
-            adv = torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32, device=self.device)
-            adv = adv[:, None].expand_as(logp)
-            pg_BT, clipped_BT = ppo_clip_loss(logp, old, adv, algo.clip_low, algo.clip_high)
-            loss_BT = pg_BT
-            if self.ref_model is not None:
+            behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
+            prox = logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i] for i in idx])
+            anchor = behav if algo.anchor == "behaviour" else prox
+            adv = pad([batch.advantages[i] for i in idx])
+            weight, truncated = importance_weights(prox, behav, mask, algo.is_level, algo.is_cap)
+            keep = rejection_mask(prox, behav, mask, algo.rejection, algo.reject_low, algo.reject_high)
+            pg_BT, clipped_BT = policy_loss(algo.policy_loss, logp, anchor, adv, mask, algo.clip_low, algo.clip_high,
+                                            algo.dual_clip)
+            loss_BT = weight * pg_BT
+            if kl_in_loss:
                 with torch.no_grad():
-                    ref_logits, _ = self._forward(self.ref_model, [batch.tokens[i] for i in idx])
-                    ref_logp = token_logprobs(ref_logits, targets, self.temperature)
+                    ref_logp = token_logprobs(self._forward(self.ref_model, toks)[0], targets, self.temperature)
                 kl_BT = kl_estimate(logp, ref_logp, algo.kl_estimator)
-                loss_BT = loss_BT + algo.kl_coef * kl_BT
+                loss_BT = loss_BT + kl_coef * kl_BT
                 sums["kl"] += float((kl_BT.detach() * mask).sum())
-            loss = aggregate(loss_BT, mask, algo.loss_agg, total_tokens, total_seqs, norm_len)
+            entropy_BT = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(), self.temperature)
+            if algo.entropy_coef > 0:
+                loss_BT = loss_BT - algo.entropy_coef * entropy_BT
+            # Rejected tokens add nothing, but the denominators stay those of the batch as
+            # sampled: rejection never depends on how the batch is split.
+            loss = aggregate(loss_BT, keep, algo.loss_agg, total_tokens, total_seqs, self.norm_len)
+            if self.critic is not None and batch.returns is not None:
+                ids, attn = self._inputs(toks)
+                v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
+                                                  pad([batch.returns[i] for i in idx]), mask, total_tokens)
+                v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
+                for k, v in v_sums.items():
+                    sums[k] += v
             loss.backward()
             with torch.no_grad():
                 m = mask.float()
                 sums["loss"] += float(loss)
                 sums["pg_loss"] += float((pg_BT * m).sum())
-                sums["entropy"] += float((entropy_from_logits(logits.detach(), self.temperature) * m).sum())
+                sums["entropy"] += float((entropy_BT.detach() * m).sum())
                 sums["clip_frac"] += float((clipped_BT.float() * m).sum())
+                sums["is_weight"] += float((weight * m).sum())
+                sums["is_truncated_frac"] += float(truncated.float().sum())
+                sums["rejected_frac"] += float((mask & ~keep).float().sum())
                 diff = (logp.detach() - behav).abs() * m
                 sums["logprob_abs_diff"] += float(diff.sum())
                 sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
                 max_diff = max(max_diff, float(diff.max()) if diff.numel() else 0.0)
-        denom = max(total_tokens, 1.0)
+        denom = max(float(sum(sum(m) for m in masks)), 1.0)  # this batch's tokens: metrics are local
         metrics = {k: v / denom for k, v in sums.items() if k != "loss"}
         metrics["loss"] = sums["loss"]
         metrics["logprob_max_abs_diff"] = max_diff
-        if self.ref_model is None:
+        if not kl_in_loss:
             metrics.pop("kl")
+        if self.critic is None:
+            metrics.pop("value_loss"), metrics.pop("value_clip_frac")
+        if algo.is_level == "none":
+            metrics.pop("is_weight"), metrics.pop("is_truncated_frac")
+        if algo.rejection == "none":
+            metrics.pop("rejected_frac")
         return metrics
 
     def optim_step(self) -> dict[str, float]:
@@ -161,7 +233,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.version += 1
-        return {"grad_norm": float(grad_norm), "lr": lr, "skipped_step": float(not torch.isfinite(grad_norm))}
+        out = {"grad_norm": float(grad_norm), "lr": lr, "skipped_step": float(not torch.isfinite(grad_norm))}
+        if self.critic is not None:
+            out.update(self.critic.step(self.train_cfg.grad_clip))
+        return out
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters()}
@@ -173,11 +248,12 @@ class Trainer:
         self.model.save_pretrained(path / "model", safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(path / "model")
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-             "version": self.version, "rng": rng_state()},
-            path / "trainer_state.pt",
-        )
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "version": self.version, "rng": rng_state()}
+        if self.critic is not None:
+            self.critic.save(path / "critic")
+            state["critic"] = self.critic.state_dict()
+        torch.save(state, path / "trainer_state.pt")
 
     def load(self, path: str | Path) -> None:
         from safetensors.torch import load_file
@@ -193,6 +269,10 @@ class Trainer:
         self.optimizer.load_state_dict(st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.version = st["version"]
+        if self.critic is not None:
+            if "critic" not in st:
+                raise ValueError(f"checkpoint {path} has no critic, but algorithm.advantage=gae needs one")
+            self.critic.load(path / "critic", st["critic"])
         set_rng_state(st["rng"])
 
 
