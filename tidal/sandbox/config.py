@@ -1,0 +1,51 @@
+"""Typed settings of the sandbox: the limits of one run and the pool that runs them.
+
+`SandboxLimits` is what one execution may use; a call may override any of its fields.
+`SandboxConfig` chooses the isolation, the interpreter, the concurrency and the number of
+warm (pre-started) sandboxes. Isolation defaults to bubblewrap; the only alternative is
+named `unsafe_host` so that nobody turns isolation off by accident.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MiB = 1 << 20
+
+
+class SandboxLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    wall_s: float = Field(10.0, gt=0.0, description="Wall-clock bound of one run (of one turn in a session); past it every process of the sandbox is killed and the status is `timeout`.")
+    cpu_s: int = Field(10, ge=1, description="CPU seconds (RLIMIT_CPU) of each process; reaching it ends the process with SIGXCPU, status `timeout`. In a session it counts over the whole session.")
+    memory_bytes: int = Field(1024 * MiB, ge=64 * MiB, description="Address space of each process (RLIMIT_AS); exceeding it fails allocations, status `memory`. Threads reserve stack and malloc arenas against it.")
+    max_processes: int = Field(64, ge=4, description="Processes and threads alive at once inside the sandbox, its own init included (RLIMIT_NPROC in the sandbox's user namespace).")
+    max_open_files: int = Field(256, ge=16, description="Open file descriptors per process (RLIMIT_NOFILE).")
+    output_bytes: int = Field(1 * MiB, ge=1024, description="Bytes kept of stdout and of stderr each; more ends the run, status `output_limit`.")
+    file_bytes: int = Field(64 * MiB, ge=4096, description="Largest file a process may write (RLIMIT_FSIZE); status `output_limit` when hit.")
+    workspace_bytes: int = Field(128 * MiB, ge=1 * MiB, description="Size of the private /workspace (a tmpfs; the host disk is never written). Full: status `output_limit`.")
+    tmp_bytes: int = Field(64 * MiB, ge=1 * MiB, description="Size of the private /tmp (a tmpfs).")
+
+    def updated(self, overrides: dict[str, Any] | None) -> SandboxLimits:
+        """These limits with some fields replaced, validated like the originals."""
+        if not overrides:
+            return self
+        return SandboxLimits.model_validate({**self.model_dump(), **overrides})
+
+
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    isolation: Literal["bwrap", "unsafe_host"] = Field("bwrap", description="`bwrap`: bubblewrap namespaces (no network, read-only system, private /tmp and workspace, own PID namespace). `unsafe_host`: run untrusted code directly on the host with rlimits only; logs a warning on every run. Without bwrap, tidal refuses to run code unless this is `unsafe_host`.")
+    limits: SandboxLimits = Field(default_factory=SandboxLimits, description="Default limits of every run; a call may override fields.")
+    max_concurrency: int = Field(2, ge=1, description="Runs (and session turns) executing at once; further calls wait for a slot.")
+    warm: int = Field(2, ge=0, description="Sandboxes started ahead of need, so that a run skips the sandbox and interpreter start-up. 0: start each on demand.")
+    idle_timeout_s: int = Field(300, ge=1, description="A warm sandbox, or a session, that receives no work for this long exits by itself.")
+    python: str | None = Field(None, description="Interpreter run inside the sandbox. None: the base interpreter of the running Python if the sandbox user can read it, else /usr/bin/python3. Its installation prefix is bound read-only.")
+    python_site_packages: bool = Field(False, description="Let sandboxed Python import from its site-packages (costs start-up time). False: standard library only (`-S`).")
+    extra_ro_binds: list[str] = Field(default_factory=list, description="More host paths bound read-only at the same place inside (e.g. a virtualenv with numpy). Nothing else of the host is visible.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of sandboxed programs (the host environment is never passed in).")
+    sandbox_uid: int = Field(65534, ge=1, description="When tidal runs as root: the unprivileged host uid that bubblewrap and the sandbox run as (root would exempt them from the process limit).")
+    bwrap: str = Field("bwrap", description="The bubblewrap executable (a name looked up on PATH, or a path).")

@@ -1,0 +1,207 @@
+"""How a sandbox process is started: the bubblewrap command line, or the unsafe host one.
+
+The sandbox sees only what is bound into it: /usr (with the /bin, /lib… links of a
+merged-/usr system), a few files of /etc that programs need to start (the dynamic linker
+cache, alternatives, time zone), the interpreter's own installation prefix, and the
+paths the config lists. Everything is read-only. / and /dev are read-only tmpfs, /tmp and
+/workspace are private tmpfs of bounded size, /proc belongs to the sandbox's own PID
+namespace. Every namespace is new (user, mount, PID, network with only its own loopback,
+IPC, UTS, cgroup) and nested user namespaces are refused.
+
+When tidal runs as root, bubblewrap is started as an unprivileged uid (`setpriv`):
+bubblewrap then creates a user namespace, whose process count is what RLIMIT_NPROC limits
+(host root would be exempt from it). An interpreter under a directory that uid cannot
+read (pyenv under /root, mode 700) is not used; the system one is.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tidal.sandbox.config import SandboxConfig, SandboxLimits
+from tidal.sandbox.result import SandboxUnavailable
+
+RUNNER_SOURCE = (Path(__file__).with_name("_runner.py")).read_text()
+# Started with `-c`: reads the runner's code object (the first frame on the request pipe,
+# compiled once per interpreter) and runs it; compiling the runner's source instead would
+# cost every run a millisecond and a half.
+BOOTSTRAP = ("import marshal,posix,sys\n"
+             "def _read(fd,n):\n"
+             " b=b''\n"
+             " while len(b)<n:\n"
+             "  c=posix.read(fd,n-len(b))\n"
+             "  if not c:raise SystemExit(0)\n"
+             "  b+=c\n"
+             " return b\n"
+             "_fd=int(sys.argv[1])\n"
+             "exec(marshal.loads(_read(_fd,int.from_bytes(_read(_fd,8),'little'))))\n")
+WORKSPACE = "/workspace"
+# Of /etc only what ordinary programs need to start: the dynamic linker's cache and the
+# alternatives links some /usr/bin commands point through (awk, editor…).
+ETC_PATHS = ("/etc/ld.so.cache", "/etc/alternatives")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def python_flags(site_packages: bool) -> list[str]:
+    """Interpreter flags of every sandboxed Python (and of the benchmark's bare baseline):
+    isolated mode (no PYTHON* variables, no user site, no script dir on sys.path), no
+    bytecode files written; `-S` unless site-packages were asked for."""
+    return ["-I", "-B"] + ([] if site_packages else ["-S"])
+
+
+@dataclass(frozen=True)
+class SandboxPython:
+    executable: str
+    prefixes: tuple[str, ...]  # installation directories to bind (outside /usr)
+    runner_frame: bytes  # the runner compiled by this interpreter, framed for the request pipe
+
+
+@dataclass
+class Launch:
+    """A command line that starts the runner, and what belongs to that one start."""
+
+    argv: list[str]
+    env: dict[str, str]
+    runner_frame: bytes  # to write first on the request pipe
+    workspace: str  # the workspace as the runner sees it
+    host_workspace: str | None  # unsafe_host only: the host directory to remove afterwards
+    isolated: bool
+
+
+def _runs_as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _readable_by(path: str, uid: int) -> bool:
+    """Whether `uid` can reach and read `path` through ordinary permissions."""
+    if uid == os.geteuid():
+        return os.access(path, os.R_OK)
+    parts = Path(path).resolve().parts
+    for i in range(1, len(parts) + 1):
+        node = os.stat(os.path.join(*parts[:i]))
+        needed = stat.S_IROTH if i == len(parts) else stat.S_IXOTH
+        if node.st_uid == uid:
+            needed <<= 6
+        if not node.st_mode & needed:
+            return False
+    return True
+
+
+def sandbox_uid(config: SandboxConfig) -> int:
+    return config.sandbox_uid if _runs_as_root() else os.geteuid()
+
+
+@functools.lru_cache(maxsize=8)
+def _describe_python(executable: str) -> SandboxPython:
+    out = subprocess.run([executable, "-I", "-S", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+                         capture_output=True, text=True, timeout=30)
+    if out.returncode != 0:
+        raise SandboxUnavailable(f"sandbox interpreter {executable} does not start: {out.stderr.strip()[-500:]}")
+    prefixes = {os.path.realpath(p) for p in out.stdout.split()}
+    outside_usr = tuple(sorted(p for p in prefixes if not (p == "/usr" or p.startswith("/usr/"))))
+    compiled = subprocess.run(
+        [executable, "-I", "-S", "-c", "import marshal,sys;"
+         "sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(),'<tidal-sandbox-runner>','exec')))"],
+        input=RUNNER_SOURCE.encode(), capture_output=True, timeout=30)
+    if compiled.returncode != 0:
+        raise SandboxUnavailable(f"sandbox interpreter {executable} cannot compile the sandbox runner: "
+                                 f"{compiled.stderr.decode(errors='replace').strip()[-500:]}")
+    frame = len(compiled.stdout).to_bytes(8, "little") + compiled.stdout
+    return SandboxPython(executable, outside_usr, frame)
+
+
+def resolve_python(config: SandboxConfig) -> SandboxPython:
+    """The interpreter for sandboxed Python: the configured one, else the base interpreter
+    of this process (never its virtualenv), else /usr/bin/python3 — the first one the
+    sandbox uid can read."""
+    uid = sandbox_uid(config) if config.isolation == "bwrap" else os.geteuid()
+    if config.python is not None:
+        candidates = [config.python]
+    else:
+        base = getattr(sys, "_base_executable", None) or sys.executable
+        candidates = [os.path.realpath(base), "/usr/bin/python3"]
+    for candidate in candidates:
+        path = shutil.which(candidate) or candidate
+        if os.path.exists(path) and _readable_by(path, uid):
+            described = _describe_python(os.path.realpath(path))
+            if all(_readable_by(p, uid) for p in described.prefixes):
+                return described
+    raise SandboxUnavailable(
+        f"no Python interpreter readable by the sandbox uid {uid} among {candidates}; set sandbox.python "
+        "to an interpreter outside private home directories (e.g. /usr/bin/python3)")
+
+
+def find_bwrap(config: SandboxConfig) -> str:
+    path = shutil.which(config.bwrap)
+    if path is None:
+        raise SandboxUnavailable(
+            f"bubblewrap (`{config.bwrap}`) is not installed, so untrusted code cannot be isolated. Install it "
+            "(`apt-get install bubblewrap`; scripts/setup.sh does this as root), or set "
+            "sandbox.isolation=unsafe_host to run untrusted code on this host without isolation.")
+    return path
+
+
+def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLimits) -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for link in MERGED_USR_LINKS:
+        if os.path.islink(link):
+            args += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            args += ["--ro-bind", link, link]
+    site_config = sorted(glob.glob("/etc/python3*")) if config.python_site_packages else []
+    for path in [*ETC_PATHS, *site_config]:
+        if os.path.exists(path):
+            args += ["--ro-bind", path, path]
+    for path in [*python.prefixes, *config.extra_ro_binds]:
+        args += ["--ro-bind", path, path]
+    for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
+        args += ["--dev-bind", device, device]
+    args += ["--proc", "/proc",
+             "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+             "--size", str(limits.workspace_bytes), "--tmpfs", WORKSPACE,
+             # bwrap's own root is a tmpfs without a size: writable, it would let the code
+             # fill the host's memory.
+             "--remount-ro", "/"]
+    return args
+
+
+def _sandbox_env(config: SandboxConfig, workspace: str, tmp: str) -> dict[str, str]:
+    return {"PATH": SANDBOX_PATH, "HOME": workspace, "TMPDIR": tmp, "LANG": "C.UTF-8", **config.env}
+
+
+def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, status_fd: int) -> Launch:
+    """The command that starts one runner, reading its request from `request_fd` and
+    reporting set-up on `status_fd` (both inherited at the same numbers)."""
+    python = resolve_python(config)
+    runner = [python.executable, *python_flags(config.python_site_packages), "-c", BOOTSTRAP,
+              str(request_fd), str(status_fd), str(config.idle_timeout_s)]
+    if config.isolation == "unsafe_host":
+        workspace = tempfile.mkdtemp(prefix="tidal-sandbox-unsafe-")
+        env = _sandbox_env(config, workspace, workspace)
+        return Launch(runner, env, python.runner_frame, workspace, workspace, isolated=False)
+    argv = [find_bwrap(config), *_mount_args(config, python, limits),
+            "--unshare-user", "--unshare-all", "--disable-userns",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
+        argv += ["--setenv", name, value]
+    argv += ["--chdir", WORKSPACE, "--", *runner]
+    if _runs_as_root():
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            raise SandboxUnavailable("tidal runs as root and `setpriv` (util-linux) is missing: it is needed to start "
+                                     "bubblewrap as an unprivileged uid")
+        uid = str(config.sandbox_uid)
+        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
+    host_env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "LANG": "C.UTF-8"}
+    return Launch(argv, host_env, python.runner_frame, WORKSPACE, None, isolated=True)

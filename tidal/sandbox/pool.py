@@ -1,0 +1,252 @@
+"""The entry point: a pool that runs code in sandboxes for many episodes at once.
+
+Every run gets a fresh sandbox (new namespaces, empty workspace): nothing one run does is
+seen by the next. What a pool shares is start-up work: it keeps `warm` sandboxes started
+ahead of need — bubblewrap set up, the interpreter loaded, the runner blocked on its
+request pipe — so a run pays only for its own code while the next sandbox starts on an
+idle core. A semaphore bounds the runs executing at once (`max_concurrency`).
+
+The pool is used from one event loop (`async with SandboxPool(cfg) as pool: await
+pool.run_python(...)`). `run_python_sync` / `run_command_sync` are for scripts without
+a loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tidal.sandbox.config import SandboxConfig, SandboxLimits
+from tidal.sandbox.launch import find_bwrap, resolve_python
+from tidal.sandbox.process import SandboxProcess
+from tidal.sandbox.result import SandboxResult, SandboxStatus, SandboxUnavailable
+from tidal.sandbox.session import PythonSession, ShellSession
+
+log = logging.getLogger("tidal.sandbox")
+
+Files = Mapping[str, "bytes | str"]
+# A warm sandbox this close to its idle timeout is not handed out: it may exit meanwhile.
+WARM_MARGIN_S = 5.0
+
+
+def _request_files(files: Files | None, reserved: str | None = None) -> dict[str, bytes]:
+    """Workspace files as the runner takes them, with paths checked to stay inside."""
+    out: dict[str, bytes] = {}
+    for path, data in (files or {}).items():
+        parts = path.split("/")
+        if not path or path.startswith("/") or ".." in parts or "" in parts:
+            raise ValueError(f"sandbox file path {path!r} must be relative, inside the workspace, without '..'")
+        if path == reserved:
+            raise ValueError(f"sandbox file {path!r} would overwrite the script of run_python")
+        out[path] = data.encode() if isinstance(data, str) else bytes(data)
+    return out
+
+
+def _limits_for_runner(limits: SandboxLimits) -> dict[str, int]:
+    return {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_bytes, "max_processes": limits.max_processes,
+            "max_open_files": limits.max_open_files, "file_bytes": limits.file_bytes}
+
+
+class SandboxPool:
+    """Runs commands, Python snippets and sessions in sandboxes; see the module docstring."""
+
+    def __init__(self, config: SandboxConfig | None = None):
+        self.config = config or SandboxConfig()
+        self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        self._warm: list[SandboxProcess] = []
+        self._closing: set[asyncio.Task] = set()  # sandboxes being torn down after their run
+        self._sessions: set[PythonSession | ShellSession] = set()
+        self._checked = False
+        self._closed = False
+
+    async def __aenter__(self) -> SandboxPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Check that isolation works here (raises SandboxUnavailable, naming what is
+        missing) and start the warm sandboxes. Called by the first run if not before."""
+        if self._checked:
+            return
+        if self.config.isolation == "bwrap":
+            find_bwrap(self.config)
+            resolve_python(self.config)
+            probe = SandboxProcess.start(self.config, self.config.limits)
+            try:
+                result = await probe.run(self._python_request(probe, "pass", b"", {}, (), self.config.limits),
+                                         self.config.limits.updated({"wall_s": 30.0}))
+            finally:
+                await probe.close()
+            if result.status is not SandboxStatus.OK or result.exit_code != 0:
+                raise SandboxUnavailable(f"bubblewrap is installed but cannot start a sandbox here: "
+                                         f"{result.error or result.stderr.strip()[-1000:]}")
+        else:
+            resolve_python(self.config)
+        self._checked = True
+        self._fill_warm()
+
+    async def close(self) -> None:
+        """End every warm sandbox and open session. The pool cannot be used afterwards."""
+        self._closed = True
+        warm, self._warm = self._warm, []
+        sessions, self._sessions = list(self._sessions), set()
+        await asyncio.gather(*(p.close() for p in warm), *(s.close() for s in sessions), *self._closing,
+                             return_exceptions=True)
+
+    # -- one-shot runs -------------------------------------------------------------------
+
+    async def run_python(self, code: str, *, stdin: bytes | str = b"", files: Files | None = None,
+                         argv: Sequence[str] = (), limits: Mapping[str, Any] | None = None) -> SandboxResult:
+        """Run `code` as the script `main.py` in the workspace (with `files` next to it),
+        `stdin` as its standard input and `argv` as sys.argv[1:]."""
+        run_limits = self.config.limits.updated(limits)
+        request_files = _request_files(files, reserved="main.py")
+        request_files["main.py"] = code.encode()
+        stdin_bytes = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+        return await self._run_one(
+            lambda p: self._python_request(p, code, stdin_bytes, request_files, argv, run_limits), run_limits)
+
+    async def run_command(self, argv: Sequence[str], *, stdin: bytes | str = b"", files: Files | None = None,
+                          limits: Mapping[str, Any] | None = None) -> SandboxResult:
+        """Run a command (looked up on the sandbox's PATH) in the workspace, e.g.
+        `["bash", "-c", "ls | wc -l"]`."""
+        if not argv:
+            raise ValueError("run_command needs a non-empty argv")
+        run_limits = self.config.limits.updated(limits)
+        request_files = _request_files(files)
+        stdin_bytes = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
+
+        def request(p: SandboxProcess) -> dict:
+            return {"mode": "exec", "argv": [str(a) for a in argv], "files": request_files, "stdin": stdin_bytes,
+                    "limits": _limits_for_runner(run_limits), "workspace": p.launch.workspace}
+
+        return await self._run_one(request, run_limits)
+
+    @staticmethod
+    def _python_request(p: SandboxProcess, code: str, stdin: bytes, files: dict[str, bytes], argv: Sequence[str],
+                        limits: SandboxLimits) -> dict:
+        return {"mode": "python", "code": code, "script": "main.py", "argv": [str(a) for a in argv],
+                "files": files, "stdin": stdin, "limits": _limits_for_runner(limits), "workspace": p.launch.workspace}
+
+    async def _run_one(self, make_request, limits: SandboxLimits) -> SandboxResult:
+        await self.start()
+        self._warn_if_unsafe()
+        async with self._slots:
+            process, warm = self._take_process(limits)
+            result = await self._run_in(process, make_request, limits)
+            if result.status is SandboxStatus.SANDBOX_ERROR and warm:
+                # A warm sandbox can have died while waiting (idle timeout); a cold one is
+                # the fair second try, and its error is the one reported.
+                log.info("warm sandbox failed (%s); retrying in a fresh one", result.error)
+                result = await self._run_in(self._start_process(limits), make_request, limits)
+            return result
+
+    async def _run_in(self, process: SandboxProcess, make_request, limits: SandboxLimits) -> SandboxResult:
+        try:
+            return await process.run(make_request(process), limits)
+        finally:
+            self._close_later(process)  # the result is complete; teardown need not delay it
+
+    def _start_process(self, limits: SandboxLimits, stdin_pipe: bool = False) -> SandboxProcess:
+        try:
+            return SandboxProcess.start(self.config, limits, stdin_pipe)
+        except OSError as e:
+            raise SandboxUnavailable(f"starting a sandbox failed: {e}") from e
+
+    # -- sessions ------------------------------------------------------------------------
+
+    async def python_session(self, *, files: Files | None = None,
+                             limits: Mapping[str, Any] | None = None) -> PythonSession:
+        """A Python interpreter whose globals last across `run` calls (one episode's tool
+        calls); `await session.close()` (or `async with`) at the episode's end."""
+        session_limits = self.config.limits.updated(limits)
+        await self.start()
+        self._warn_if_unsafe()
+        process, _ = self._take_process(session_limits)
+        session = PythonSession(process, session_limits, self._slots, self.config.idle_timeout_s, self._sessions)
+        await session.open(_request_files(files), _limits_for_runner(session_limits))
+        return session
+
+    async def shell_session(self, *, files: Files | None = None,
+                            limits: Mapping[str, Any] | None = None) -> ShellSession:
+        """A bash whose state (cwd, variables, functions) lasts across `run` calls."""
+        session_limits = self.config.limits.updated(limits)
+        await self.start()
+        self._warn_if_unsafe()
+        process = self._start_process(session_limits, stdin_pipe=True)
+        session = ShellSession(process, session_limits, self._slots, self.config.idle_timeout_s, self._sessions)
+        await session.open(_request_files(files), _limits_for_runner(session_limits))
+        return session
+
+    # -- warm sandboxes ------------------------------------------------------------------
+
+    def _take_process(self, limits: SandboxLimits) -> tuple[SandboxProcess, bool]:
+        """A warm sandbox if one fits, else a new one; whether it was warm."""
+        if self._closed:
+            raise RuntimeError("SandboxPool is closed")
+        max_age = self.config.idle_timeout_s - WARM_MARGIN_S
+        # Replacements start on the next loop iteration, after this run's request is sent.
+        asyncio.get_running_loop().call_soon(self._fill_warm)
+        for i, process in enumerate(self._warm):
+            if process.fits(limits):
+                del self._warm[i]
+                if process.alive and time.monotonic() - process.started_at < max_age:
+                    return process, True
+                self._close_later(process)
+                return self._take_process(limits)
+        return self._start_process(limits), False
+
+    def _fill_warm(self) -> None:
+        while not self._closed and len(self._warm) < self.config.warm:
+            try:
+                self._warm.append(self._start_process(self.config.limits))
+            except SandboxUnavailable as e:  # the run that needs one will report it
+                log.warning("starting a warm sandbox failed: %s", e)
+                return
+
+    def _close_later(self, process: SandboxProcess) -> None:
+        task = asyncio.ensure_future(process.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _warn_if_unsafe(self) -> None:
+        if self.config.isolation == "unsafe_host":
+            log.warning("sandbox isolation=unsafe_host: running untrusted code directly on this host, without "
+                        "namespaces (only rlimits); use isolation=bwrap for anything but trusted code")
+
+
+def _run_sync(coro_factory) -> SandboxResult:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_factory())
+    raise RuntimeError("run_python_sync/run_command_sync called inside an event loop; use `await pool.run_python(...)`")
+
+
+def run_python_sync(code: str, config: SandboxConfig | None = None, **kwargs: Any) -> SandboxResult:
+    """One Python run from synchronous code (a fresh pool without warm sandboxes)."""
+    cfg = (config or SandboxConfig()).model_copy(update={"warm": 0})
+
+    async def once() -> SandboxResult:
+        async with SandboxPool(cfg) as pool:
+            return await pool.run_python(code, **kwargs)
+
+    return _run_sync(once)
+
+
+def run_command_sync(argv: Sequence[str], config: SandboxConfig | None = None, **kwargs: Any) -> SandboxResult:
+    """One command run from synchronous code (a fresh pool without warm sandboxes)."""
+    cfg = (config or SandboxConfig()).model_copy(update={"warm": 0})
+
+    async def once() -> SandboxResult:
+        async with SandboxPool(cfg) as pool:
+            return await pool.run_command(argv, **kwargs)
+
+    return _run_sync(once)
+
