@@ -11,3 +11,18 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/pip install --quiet -e ".[dev]"
   touch "$stamp"
 fi
+# bubblewrap isolates generated code (tidal/sandbox); without it sandboxed runs refuse to
+# start. Installed only where missing; where it cannot be installed the sandbox tests fail
+# (rather than skip) if this machine could have installed it (see tests/sandbox_support.py).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing bubblewrap (the sandbox for generated code)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+      || echo "WARNING: apt-get could not install bubblewrap: tidal will refuse to run generated code" >&2
+  else
+    echo "WARNING: bubblewrap (bwrap) is missing and this script can install it only as root with apt-get;" \
+         "install it to run generated code in tidal's sandbox" >&2
+  fi
+fi
