@@ -30,6 +30,8 @@ log = logging.getLogger("tidal.sandbox")
 Files = Mapping[str, "bytes | str"]
 # A warm sandbox this close to its idle timeout is not handed out: it may exit meanwhile.
 WARM_MARGIN_S = 5.0
+# Sandbox settings already shown to work in this process (one probe run each, not one per pool).
+_PROBED: set[str] = set()
 
 
 def _request_files(files: Files | None, reserved: str | None = None) -> dict[str, bytes]:
@@ -74,7 +76,9 @@ class SandboxPool:
         missing) and start the warm sandboxes. Called by the first run if not before."""
         if self._checked:
             return
-        if self.config.isolation == "bwrap":
+        probe_key = self.config.model_dump_json(include={"isolation", "python", "python_site_packages",
+                                                         "extra_ro_binds", "sandbox_uid", "bwrap"})
+        if self.config.isolation == "bwrap" and probe_key not in _PROBED:
             find_bwrap(self.config)
             resolve_python(self.config)
             probe = SandboxProcess.start(self.config, self.config.limits)
@@ -86,6 +90,7 @@ class SandboxPool:
             if result.status is not SandboxStatus.OK or result.exit_code != 0:
                 raise SandboxUnavailable(f"bubblewrap is installed but cannot start a sandbox here: "
                                          f"{result.error or result.stderr.strip()[-1000:]}")
+            _PROBED.add(probe_key)
         else:
             resolve_python(self.config)
         self._checked = True

@@ -41,35 +41,51 @@ def encode_frame(message: dict) -> bytes:
     return len(payload).to_bytes(8, "little") + payload
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class PipeReader:
-    """The read end of a pipe, read through the event loop. `read` returns b"" at EOF and
-    may be cancelled without losing data."""
+    """The read end of a pipe, read through the event loop. `read` returns b"" at EOF (and
+    once closed) and may be cancelled without losing data."""
 
     def __init__(self, fd: int):
         self.fd = fd
         self.eof = False
+        self._waiter: asyncio.Future | None = None
         os.set_blocking(fd, False)
 
     async def read(self, n: int = READ_CHUNK) -> bytes:
-        loop = asyncio.get_running_loop()
-        while True:
+        while self.fd >= 0:
             try:
                 data = os.read(self.fd, n)
             except BlockingIOError:
-                readable = loop.create_future()
-                loop.add_reader(self.fd, _resolve, readable)
-                try:
-                    await readable
-                finally:
-                    loop.remove_reader(self.fd)
+                await self.wait_readable()
                 continue
             self.eof = not data
             return data
+        return b""
+
+    async def wait_readable(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        loop.add_reader(self.fd, _resolve, self._waiter)
+        try:
+            await self._waiter
+        finally:
+            self._unregister()
+
+    def _unregister(self) -> None:
+        if self._waiter is not None:
+            asyncio.get_running_loop().remove_reader(self.fd)
+            _resolve(self._waiter)
+            self._waiter = None
 
     def read_available(self) -> bytes:
         """Whatever the pipe holds now, without waiting."""
         chunks = []
-        while True:
+        while self.fd >= 0:
             try:
                 chunk = os.read(self.fd, READ_CHUNK)
             except BlockingIOError:
@@ -81,14 +97,12 @@ class PipeReader:
         return b"".join(chunks)
 
     def close(self) -> None:
+        """Close the pipe; a read waiting on it returns b"" (its registration goes first, so
+        the descriptor number can be reused safely)."""
         if self.fd >= 0:
+            self._unregister()
             os.close(self.fd)
             self.fd = -1
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)
 
 
 async def write_all(fd: int, data: bytes) -> None:
@@ -164,7 +178,7 @@ class SandboxProcess:
         self.status = PipeReader(fds["status"])
         self.status_bytes = b""
         self.started_at = time.monotonic()
-        self._pidfd = os.pidfd_open(popen.pid)
+        self._exit_watch = PipeReader(os.pidfd_open(popen.pid))
         self._closed = False
 
     @classmethod
@@ -223,14 +237,8 @@ class SandboxProcess:
 
     async def wait_exit(self) -> int:
         """The exit code of bubblewrap (or, unsafe, the runner), once it has exited."""
-        loop = asyncio.get_running_loop()
         while self.popen.poll() is None:
-            exited = loop.create_future()
-            loop.add_reader(self._pidfd, _resolve, exited)
-            try:
-                await exited
-            finally:
-                loop.remove_reader(self._pidfd)
+            await self._exit_watch.wait_readable()  # a pidfd turns readable at the process's exit
         return self.popen.returncode
 
     async def read_status(self) -> bytes:
@@ -260,11 +268,11 @@ class SandboxProcess:
             await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
         except asyncio.TimeoutError:
             log.error("sandbox process %d did not exit %.0f s after SIGKILL", self.popen.pid, KILL_GRACE_S)
-        for fd in (self.request_fd, self.stdin_fd, self._pidfd):
+        for fd in (self.request_fd, self.stdin_fd):
             if fd >= 0:
                 os.close(fd)
-        self.request_fd = self.stdin_fd = self._pidfd = -1
-        for reader in (self.stdout, self.stderr, self.status):
+        self.request_fd = self.stdin_fd = -1
+        for reader in (self.stdout, self.stderr, self.status, self._exit_watch):
             reader.close()
         if self.launch.host_workspace:
             shutil.rmtree(self.launch.host_workspace, ignore_errors=True)
@@ -310,6 +318,7 @@ class SandboxProcess:
         finally:
             for task in tasks.values():
                 task.cancel()  # cancelled reads consume nothing; the rest is read below
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
         if host_kill is not None:
             self.kill()
             try:

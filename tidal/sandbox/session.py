@@ -126,7 +126,12 @@ class _Session:
                             self._eof[name] = True
             finally:
                 for task in reads.values():
-                    task.cancel()  # safe: a cancelled StreamReader.read consumes nothing
+                    task.cancel()  # safe: a cancelled read consumes nothing
+                await asyncio.gather(*reads.values(), return_exceptions=True)
+        if len(turn_out) > cap or len(turn_err) > cap:  # it all came at once, marker included
+            self._pending_out[:0], self._pending_err[:0] = turn_out, turn_err
+            return await self._killed(SandboxStatus.OUTPUT_LIMIT, t0,
+                                      f"killed after output_bytes={cap} on one stream in a session turn")
         status, code, sig = classify_exit(exit_code, turn_err, from_bwrap=True)
         return SandboxResult(status, turn_out.decode(errors="replace"), turn_err.decode(errors="replace"), code, sig,
                              time.monotonic() - t0)
