@@ -118,3 +118,70 @@ def test_lr_schedule_warmup_then_constant_or_cosine():
     assert cos(0) == pytest.approx(1.0) and cos(5) == pytest.approx(0.55) and cos(10) == pytest.approx(0.1)
     two_updates = lr_factor(TrainConfig(steps=10, warmup_steps=0, lr_schedule="cosine", mini_batches=2))
     assert two_updates(10) == pytest.approx(0.55)  # the schedule counts optimizer steps
+
+
+OPTIONS = {
+    "gspo": dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(policy_loss="cispo", clip_low=1.0, clip_high=0.28),
+    "dual-clip+entropy": dict(dual_clip=3.0, entropy_coef=0.01, loss_agg="seq-mean-token-sum"),
+    "token-is+token-rejection": dict(is_level="token", is_cap=2.0, rejection="token", reject_low=0.5, reject_high=2.0),
+    "seq-is+geometric-rejection": dict(is_level="sequence", is_cap=1.0, rejection="geometric", reject_low=0.7,
+                                       reject_high=1.5, loss_agg="seq-mean-token-sum-norm"),
+    "behaviour-anchor": dict(anchor="behaviour"),
+}
+
+
+def _option_grads(model_dir, budget, opts, batch=None, totals=None):
+    torch.manual_seed(0)
+    tr = Trainer(str(model_dir), TrainConfig(micro_batch_tokens=budget), AlgorithmConfig(**opts), pad_token_id=0,
+                 norm_len=7)
+    metrics = tr.forward_backward(batch or _batch(), totals=totals)
+    return {n: p.grad.clone() for n, p in tr.model.named_parameters()}, metrics
+
+
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_split_invariance_of_every_loss_option(tiny_model_dir, option):
+    """The invariant holds for every policy loss, correction and bonus, not just plain PPO."""
+    whole, m = _option_grads(tiny_model_dir, 10_000, OPTIONS[option])
+    split, _ = _option_grads(tiny_model_dir, 24, OPTIONS[option])
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], rtol=1e-4, atol=1e-6)
+    if "is_level" in OPTIONS[option]:
+        # the batch's behaviour log-probs are not the model's: the correction is exercised
+        assert m["is_truncated_frac"] > 0 and m["is_weight"] != pytest.approx(1.0)
+        assert 0 < m["rejected_frac"] < 1
+
+
+def test_data_parallel_shards_with_global_totals_sum_to_the_whole_batch(tiny_model_dir):
+    """What a data-parallel rank does: its shard's share with the global denominators.
+    The shards' gradients add up to the whole batch's (the gloo version of this runs in
+    tests/test_aggregation_dp.py on the pure functions)."""
+    b = _batch()
+    for agg in AGGREGATIONS:
+        opts = dict(loss_agg=agg)
+        whole, _ = _option_grads(tiny_model_dir, 10_000, opts, batch=b)
+        shards = [b.select([0, 1, 2]), b.select([3, 4, 5, 6, 7])]
+        parts = [_option_grads(tiny_model_dir, 10_000, opts, batch=s, totals=b.totals())[0] for s in shards]
+        for name in whole:
+            torch.testing.assert_close(parts[0][name] + parts[1][name], whole[name], rtol=1e-4, atol=1e-6)
+
+
+def test_critic_starts_at_zero_and_fits_returns(tiny_model_dir, tmp_path):
+    tr = Trainer(str(tiny_model_dir), TrainConfig(warmup_steps=0), AlgorithmConfig(advantage="gae"), pad_token_id=0)
+    b = _batch(with_old=False)
+    values = tr.values(b)
+    assert [len(v) for v in values] == [len(t) - 1 for t in b.tokens]
+    assert all(v == 0.0 for row in values for v in row)  # zero-initialized head
+    b.old_values = values
+    b.returns = [[1.0 if m else 0.0 for m in mk[1:]] for mk in b.loss_mask]
+    losses = []
+    for _ in range(15):
+        losses.append(tr.forward_backward(b)["value_loss"])
+        tr.optim_step()
+        b.old_values = tr.values(b)  # fresh anchor each round, as each PPO batch has
+    assert losses[0] == pytest.approx(0.5)  # ½(0 − 1)² on every token
+    assert losses[-1] < 0.1 * losses[0]
+    tr.save(tmp_path / "ck")
+    tr2 = Trainer(str(tiny_model_dir), TrainConfig(warmup_steps=0), AlgorithmConfig(advantage="gae"), pad_token_id=0)
+    tr2.load(tmp_path / "ck")
+    assert tr2.values(b) == tr.values(b)
