@@ -105,15 +105,15 @@ def sandbox_uid(config: SandboxConfig) -> int:
 @functools.lru_cache(maxsize=8)
 def _describe_python(executable: str) -> SandboxPython:
     out = subprocess.run([executable, "-I", "-S", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
-                         capture_output=True, text=True, timeout=30)
+                         capture_output=True, text=True, timeout=30, check=False)
     if out.returncode != 0:
         raise SandboxUnavailable(f"sandbox interpreter {executable} does not start: {out.stderr.strip()[-500:]}")
     prefixes = {os.path.realpath(p) for p in out.stdout.split()}
     outside_usr = tuple(sorted(p for p in prefixes if not (p == "/usr" or p.startswith("/usr/"))))
     compiled = subprocess.run(
-        [executable, "-I", "-S", "-c", "import marshal,sys;"
-         "sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(),'<tidal-sandbox-runner>','exec')))"],
-        input=RUNNER_SOURCE.encode(), capture_output=True, timeout=30)
+        [executable, "-I", "-S", "-c", ("import marshal,sys;sys.stdout.buffer.write(marshal.dumps("
+                                        "compile(sys.stdin.read(),'<tidal-sandbox-runner>','exec')))")],
+        input=RUNNER_SOURCE.encode(), capture_output=True, timeout=30, check=False)
     if compiled.returncode != 0:
         raise SandboxUnavailable(f"sandbox interpreter {executable} cannot compile the sandbox runner: "
                                  f"{compiled.stderr.decode(errors='replace').strip()[-500:]}")

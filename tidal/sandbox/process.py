@@ -266,7 +266,7 @@ class SandboxProcess:
         self.kill()
         try:
             await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.error("sandbox process %d did not exit %.0f s after SIGKILL", self.popen.pid, KILL_GRACE_S)
         for fd in (self.request_fd, self.stdin_fd):
             if fd >= 0:
@@ -323,7 +323,7 @@ class SandboxProcess:
             self.kill()
             try:
                 await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 return self._result(SandboxStatus.SANDBOX_ERROR, stdout, stderr, t0, error=(
                     f"sandbox process {self.popen.pid} did not exit {KILL_GRACE_S:.0f} s after SIGKILL"))
         for reader, buffer in ((self.stdout, stdout), (self.stderr, stderr)):

@@ -18,7 +18,6 @@ import secrets
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from tidal.sandbox.config import SandboxLimits
 from tidal.sandbox.process import KILL_GRACE_S, Done, SandboxProcess
@@ -61,7 +60,7 @@ class _Session:
     async def __aenter__(self):
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -147,7 +146,7 @@ class _Session:
         try:
             returncode = await asyncio.wait_for(self.process.wait_exit(), KILL_GRACE_S)
             status_bytes = await asyncio.wait_for(self.process.read_status(), KILL_GRACE_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             returncode, status_bytes = None, self.process.status_bytes
         await self._end(f"the sandbox exited (exit {returncode})")
         wall_s = time.monotonic() - t0
