@@ -125,6 +125,9 @@ class TrainConfig(_Section):
 class EngineConfig(_Section):
     kind: Literal["torch"] = Field("torch", description="Rollout engine.")
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
+    replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
+    max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent.")
 
 
 class PlacementConfig(_Section):

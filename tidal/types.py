@@ -41,11 +41,14 @@ class SamplingParams:
 
 @dataclass
 class GenerationRequest:
-    """Token ids in. `request_id` is echoed back so callers can match results."""
+    """Token ids in. `request_id` is echoed back so callers can match results. `session_id`
+    groups the turns of one episode: a router sends them to the same replica, whose prefix
+    cache then holds the conversation so far ("" : the request is its own session)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    session_id: str = ""
 
 
 @dataclass

@@ -18,6 +18,10 @@ from tidal.engines.sampling import sample
 from tidal.types import GenerationRequest, GenerationResult
 
 
+class EngineClosed(RuntimeError):
+    """The engine was closed and serves no more calls."""
+
+
 class TorchEngine:
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512):
         self.model = model.eval()
@@ -26,6 +30,7 @@ class TorchEngine:
         self._version = 0
         self._running = threading.Event()
         self._running.set()
+        self._closed = False
 
     @property
     def version(self) -> int:
@@ -42,7 +47,17 @@ class TorchEngine:
     def resume(self) -> None:
         self._running.set()
 
+    def close(self) -> None:
+        """Stop serving: later calls raise EngineClosed (a replica that was shut down)."""
+        self._closed = True
+        self._running.set()  # wake anything waiting on pause(), so it can fail
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise EngineClosed(f"torch engine: {call} after close()")
+
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._check_open(f"update_weights v{version}")
         params = dict(self.model.named_parameters())
         unknown = sorted(set(tensors) - set(params))
         missing = sorted(set(params) - set(tensors))
@@ -58,6 +73,7 @@ class TorchEngine:
         return await asyncio.to_thread(self.generate_sync, requests)
 
     def generate_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        self._check_open(f"generate ({len(requests)} requests)")
         # Similar prompt lengths batch together: less padding.
         order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
         out: list[GenerationResult | None] = [None] * len(requests)

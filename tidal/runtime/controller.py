@@ -19,6 +19,7 @@ import torch
 
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import TidalConfig, dump_config
+from tidal.engines.router import Router
 from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
@@ -101,8 +102,11 @@ class Controller:
                                temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id,
                                device=device, norm_len=cfg.loss_norm_len)
         self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
-        self.engine = TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype, device=device),
-                                  self.tokenizer.pad_token_id, max_batch_size=cfg.engine.max_batch_size)
+        engines = [TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype, device=device),
+                               self.tokenizer.pad_token_id, max_batch_size=cfg.engine.max_batch_size)
+                   for _ in range(cfg.engine.replicas)]
+        self.engine = engines[0] if len(engines) == 1 else Router(
+            engines, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),

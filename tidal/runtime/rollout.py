@@ -119,7 +119,8 @@ class Rollout:
                 params = replace(params, temperature=0.0)
             t1 = time.perf_counter()
             try:
-                res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", list(ep.tokens), params))
+                res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", list(ep.tokens), params,
+                                                                session_id=spec.episode_id))
             except Exception as e:  # noqa: BLE001
                 return self._fail(ep, Status.ENGINE_ERROR, f"engine raised {type(e).__name__}({e}) on turn {turn}")
             gen_time += time.perf_counter() - t1
