@@ -41,7 +41,7 @@ class SandboxConfig(BaseModel):
     isolation: Literal["bwrap", "unsafe_host"] = Field("bwrap", description="`bwrap`: bubblewrap namespaces (no network, read-only system, private /tmp and workspace, own PID namespace). `unsafe_host`: run untrusted code directly on the host with rlimits only; logs a warning on every run. Without bwrap, tidal refuses to run code unless this is `unsafe_host`.")
     limits: SandboxLimits = Field(default_factory=SandboxLimits, description="Default limits of every run; a call may override fields.")
     max_concurrency: int = Field(2, ge=1, description="Runs (and session turns) executing at once; further calls wait for a slot.")
-    warm: int = Field(2, ge=0, description="Sandboxes started ahead of need, so that a run skips the sandbox and interpreter start-up. 0: start each on demand.")
+    warm: int = Field(4, ge=0, description="Sandboxes started ahead of need (on idle cores, off the event loop), so that a run skips the sandbox and interpreter start-up; about 4 per concurrent run keeps up with back-to-back short runs. 0: start each on demand.")
     idle_timeout_s: int = Field(300, ge=1, description="A warm sandbox, or a session, that receives no work for this long exits by itself.")
     python: str | None = Field(None, description="Interpreter run inside the sandbox. None: the base interpreter of the running Python if the sandbox user can read it, else /usr/bin/python3. Its installation prefix is bound read-only.")
     python_site_packages: bool = Field(False, description="Let sandboxed Python import from its site-packages (costs start-up time). False: standard library only (`-S`).")

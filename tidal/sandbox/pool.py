@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,7 +60,12 @@ class SandboxPool:
         self.config = config or SandboxConfig()
         self._slots = asyncio.Semaphore(self.config.max_concurrency)
         self._warm: list[SandboxProcess] = []
-        self._closing: set[asyncio.Task] = set()  # sandboxes being torn down after their run
+        self._warming = 0  # warm starts in flight
+        self._background: set[asyncio.Task] = set()  # warm starts, and teardowns after a run
+        # Starting a process blocks its caller until the exec (milliseconds under load): done
+        # on these threads, the event loop keeps serving runs. They live as long as the pool,
+        # which matters: bubblewrap dies with the thread that started it (PR_SET_PDEATHSIG).
+        self._starter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidal-sandbox-start")
         self._sessions: set[PythonSession | ShellSession] = set()
         self._checked = False
         self._closed = False
@@ -99,10 +105,14 @@ class SandboxPool:
     async def close(self) -> None:
         """End every warm sandbox and open session. The pool cannot be used afterwards."""
         self._closed = True
+        while self._background:  # warm starts close what they start once the pool is closed
+            await asyncio.gather(*self._background, return_exceptions=True)
         warm, self._warm = self._warm, []
         sessions, self._sessions = list(self._sessions), set()
-        await asyncio.gather(*(p.close() for p in warm), *(s.close() for s in sessions), *self._closing,
-                             return_exceptions=True)
+        await asyncio.gather(*(p.close() for p in warm), *(s.close() for s in sessions), return_exceptions=True)
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        self._starter.shutdown(wait=False)
 
     # -- one-shot runs -------------------------------------------------------------------
 
@@ -143,13 +153,13 @@ class SandboxPool:
         await self.start()
         self._warn_if_unsafe()
         async with self._slots:
-            process, warm = self._take_process(limits)
+            process, warm = await self._take_process(limits)
             result = await self._run_in(process, make_request, limits)
             if result.status is SandboxStatus.SANDBOX_ERROR and warm:
                 # A warm sandbox can have died while waiting (idle timeout); a cold one is
                 # the fair second try, and its error is the one reported.
                 log.info("warm sandbox failed (%s); retrying in a fresh one", result.error)
-                result = await self._run_in(self._start_process(limits), make_request, limits)
+                result = await self._run_in(await self._start_process(limits), make_request, limits)
             return result
 
     async def _run_in(self, process: SandboxProcess, make_request, limits: SandboxLimits) -> SandboxResult:
@@ -158,9 +168,14 @@ class SandboxPool:
         finally:
             self._close_later(process)  # the result is complete; teardown need not delay it
 
-    def _start_process(self, limits: SandboxLimits, stdin_pipe: bool = False) -> SandboxProcess:
+    async def _start_process(self, limits: SandboxLimits, stdin_pipe: bool = False) -> SandboxProcess:
+        started = asyncio.get_running_loop().run_in_executor(self._starter, SandboxProcess.start, self.config,
+                                                             limits, stdin_pipe)
         try:
-            return SandboxProcess.start(self.config, limits, stdin_pipe)
+            return await asyncio.shield(started)
+        except asyncio.CancelledError:  # the caller gave up: whatever was started is ended
+            started.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self._close_later(f.result()))
+            raise
         except OSError as e:
             raise SandboxUnavailable(f"starting a sandbox failed: {e}") from e
 
@@ -173,7 +188,7 @@ class SandboxPool:
         session_limits = self.config.limits.updated(limits)
         await self.start()
         self._warn_if_unsafe()
-        process, _ = self._take_process(session_limits)
+        process, _ = await self._take_process(session_limits)
         session = PythonSession(process, session_limits, self._slots, self.config.idle_timeout_s, self._sessions)
         await session.open(_request_files(files), _limits_for_runner(session_limits))
         return session
@@ -184,41 +199,52 @@ class SandboxPool:
         session_limits = self.config.limits.updated(limits)
         await self.start()
         self._warn_if_unsafe()
-        process = self._start_process(session_limits, stdin_pipe=True)
+        process = await self._start_process(session_limits, stdin_pipe=True)
         session = ShellSession(process, session_limits, self._slots, self.config.idle_timeout_s, self._sessions)
         await session.open(_request_files(files), _limits_for_runner(session_limits))
         return session
 
     # -- warm sandboxes ------------------------------------------------------------------
 
-    def _take_process(self, limits: SandboxLimits) -> tuple[SandboxProcess, bool]:
+    async def _take_process(self, limits: SandboxLimits) -> tuple[SandboxProcess, bool]:
         """A warm sandbox if one fits, else a new one; whether it was warm."""
         if self._closed:
             raise RuntimeError("SandboxPool is closed")
         max_age = self.config.idle_timeout_s - WARM_MARGIN_S
-        # Replacements start on the next loop iteration, after this run's request is sent.
-        asyncio.get_running_loop().call_soon(self._fill_warm)
-        for i, process in enumerate(self._warm):
-            if process.fits(limits):
-                del self._warm[i]
-                if process.alive and time.monotonic() - process.started_at < max_age:
-                    return process, True
-                self._close_later(process)
-                return self._take_process(limits)
-        return self._start_process(limits), False
+        while (i := next((i for i, p in enumerate(self._warm) if p.fits(limits)), None)) is not None:
+            process = self._warm.pop(i)
+            if process.alive and time.monotonic() - process.started_at < max_age:
+                self._fill_warm()
+                return process, True
+            self._close_later(process)
+        self._fill_warm()
+        return await self._start_process(limits), False
 
     def _fill_warm(self) -> None:
-        while not self._closed and len(self._warm) < self.config.warm:
-            try:
-                self._warm.append(self._start_process(self.config.limits))
-            except SandboxUnavailable as e:  # the run that needs one will report it
-                log.warning("starting a warm sandbox failed: %s", e)
-                return
+        for _ in range(self.config.warm - len(self._warm) - self._warming):
+            self._warming += 1
+            self._in_background(self._start_warm())
+
+    async def _start_warm(self) -> None:
+        try:
+            process = await self._start_process(self.config.limits)
+        except SandboxUnavailable as e:  # the run that needs one will start it and report
+            log.warning("starting a warm sandbox failed: %s", e)
+            return
+        finally:
+            self._warming -= 1
+        if self._closed:
+            await process.close()
+        else:
+            self._warm.append(process)
 
     def _close_later(self, process: SandboxProcess) -> None:
-        task = asyncio.ensure_future(process.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        self._in_background(process.close())
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _warn_if_unsafe(self) -> None:
         if self.config.isolation == "unsafe_host":
