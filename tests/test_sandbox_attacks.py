@@ -241,3 +241,41 @@ def test_unsafe_mode_leaves_nothing_behind():
     r = run_python("open('left.txt', 'w').write('x'); print(__import__('os').getcwd())",
                    config=SandboxConfig(isolation="unsafe_host", warm=0))
     assert r.ok and not Path(r.stdout.strip()).exists()  # its host workspace is removed
+
+
+@pytest.mark.slow
+def test_attacks_and_honest_runs_mixed_under_load():
+    """Many episodes at once: attacks running next to honest runs and sessions change
+    nothing about the honest results, and leave nothing behind."""
+    import asyncio
+
+    from tidal.sandbox import SandboxPool
+
+    attacks = {
+        "fork bomb": ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", {"wall_s": 2}, TIMEOUT),
+        "memory": ("x = []\nwhile True: x.append(bytearray(32 << 20))", {"memory_bytes": 256 << 20}, MEMORY),
+        "flood": ("while True: print('x' * 4096)", {"output_bytes": 1 << 16}, OUTPUT_LIMIT),
+        "spin": ("while True: pass", {"cpu_s": 1}, TIMEOUT),
+    }
+
+    async def go():
+        async with SandboxPool(SandboxConfig(max_concurrency=4, warm=8)) as pool:
+            async def honest(i: int):
+                return await pool.run_python("import sys; print(int(sys.stdin.read()) * 2)", stdin=str(i))
+
+            async def session(i: int):
+                async with await pool.python_session() as s:
+                    outs = [await s.run(f"v = {i}"), await s.run("v += 1"), await s.run("v")]
+                return outs[-1]
+
+            jobs = [honest(i) for i in range(120)] + [session(i) for i in range(20)]
+            jobs += [pool.run_python(code, limits=limits) for code, limits, _ in attacks.values() for _ in range(3)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(go())
+    honest, sessions, attacked = results[:120], results[120:140], results[140:]
+    assert [r.stdout for r in honest] == [f"{2 * i}\n" for i in range(120)]
+    assert [r.stdout for r in sessions] == [f"{i + 1}\n" for i in range(20)]
+    expected = [status for _, _, status in attacks.values() for _ in range(3)]
+    assert [r.status for r in attacked] == expected
+    assert wait_for_no_sandbox_processes() == []
