@@ -123,3 +123,25 @@ def test_pause_blocks_until_resume(tokenizer, engine):
 
 def test_stop_token_ids_of_chat_tokenizer(tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tokenizer)
+
+
+def test_continuous_batching_new_requests_join_and_match_alone(tiny_model_dir, tokenizer):
+    """More requests than max_batch_size, with different lengths: rows that finish leave,
+    waiting requests join the running batch (prefill + cache merge), and every request's
+    tokens and log-probs equal those it gets alone."""
+    prompts = [f"What is {a} + {b}?" + " please" * (a % 3) for a, b in zip(range(10, 40, 3), range(50, 20, -3))]
+    reqs = [GenerationRequest(str(i), tokenizer(_ids(tokenizer, p), add_special_tokens=False)["input_ids"],
+                              SamplingParams(max_new_tokens=2 + (i * 5) % 11, temperature=1.0, seed=7 + i))
+            for i, p in enumerate(prompts)]
+    eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, max_batch_size=4)
+    prefills = []
+    prefill = eng._prefill
+    eng._prefill = lambda requests, take: prefills.append(len(take)) or prefill(requests, take)
+    together = eng.generate_sync(reqs)
+    assert len(prefills) > 3 and max(prefills) <= 4  # rows joined in several waves, never past the limit
+    alone = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    for r, got in zip(reqs, together):
+        ref = alone.generate_sync([r])[0]
+        assert got.request_id == r.request_id and got.token_ids == ref.token_ids
+        assert len(got.token_ids) == r.params.max_new_tokens or got.finish_reason == "stop"
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)

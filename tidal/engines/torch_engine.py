@@ -1,14 +1,20 @@
 """The built-in torch engine: batched sampling with a KV cache on any HF causal LM.
 
-It is the embedded default and the reference for correctness. Prompts of a batch are
-left-padded and share one KV cache; a row that finishes (stop token or its own
-max_new_tokens) leaves the batch at once, so the remaining rows stop paying for it.
+It is the embedded default and the reference for correctness. Prompts are left-padded
+and share one KV cache. Continuous batching: a row that finishes (stop token or its own
+max_new_tokens) leaves the batch at once, so the others stop paying for it, and waiting
+requests join the running batch (prefilled, then their cache is merged in) as soon as
+enough rows have left, so the batch stays full. Sampling noise is a function of
+(request seed, position, token), so a request's tokens do not depend on which requests
+it shares a batch with (up to float rounding of padded attention).
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -74,71 +80,128 @@ class TorchEngine:
 
     def generate_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         self._check_open(f"generate ({len(requests)} requests)")
-        # Similar prompt lengths batch together: less padding.
-        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError(f"request {r.request_id} has an empty prompt")
+        # Shortest prompts first: rows that join together pad little.
+        waiting = deque(sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids)))
+        tokens: list[list[int]] = [[] for _ in requests]
+        logps: list[list[float]] = [[] for _ in requests]
         out: list[GenerationResult | None] = [None] * len(requests)
-        for start in range(0, len(order), self.max_batch_size):
-            idx = order[start : start + self.max_batch_size]
-            for i, res in zip(idx, self._generate_batch([requests[i] for i in idx])):
-                out[i] = res
+        rows: _Rows | None = None
+        with torch.inference_mode():
+            while waiting or rows is not None:
+                free = self.max_batch_size - (len(rows) if rows is not None else 0)
+                # New requests join when a worthwhile number of slots is free (one prefill
+                # per join), or when every waiting request fits.
+                if waiting and free > 0 and (rows is None or free >= min(len(waiting), self._join_at)):
+                    take = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+                    new = self._prefill(requests, take)
+                    rows = new if rows is None else rows.merge(new)
+                assert rows is not None
+                steps = torch.tensor([len(tokens[i]) for i in rows.idx.tolist()], device=rows.seeds.device)
+                tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, steps)
+                keep = []
+                for row, (i, t, lpv) in enumerate(zip(rows.idx.tolist(), tok.tolist(), lp.tolist())):
+                    tokens[i].append(t)
+                    logps[i].append(lpv)
+                    params = requests[i].params
+                    if t in params.stop_token_ids or len(tokens[i]) >= params.max_new_tokens:
+                        reason = "stop" if t in params.stop_token_ids else "length"
+                        out[i] = GenerationResult(requests[i].request_id, tokens[i], logps[i], reason, self._version)
+                    else:
+                        keep.append(row)
+                if not keep:
+                    rows = None
+                    continue
+                if len(keep) < len(rows):  # finished rows leave the batch and the cache
+                    keep_t = torch.tensor(keep, device=rows.seeds.device)
+                    rows.select(keep_t)
+                    tok = tok[keep_t]
+                rows.decode(self.model, tok)
         return out  # type: ignore[return-value]
 
-    @torch.inference_mode()
-    def _generate_batch(self, reqs: list[GenerationRequest]) -> list[GenerationResult]:
+    @property
+    def _join_at(self) -> int:
+        return max(1, self.max_batch_size // 8)
+
+    def _prefill(self, requests: list[GenerationRequest], take: list[int]) -> "_Rows":
+        reqs = [requests[i] for i in take]
         dev, B = self.device, len(reqs)
         L = max(len(r.prompt_ids) for r in reqs)
         input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
         attn = torch.zeros((B, L), dtype=torch.long)
         for i, r in enumerate(reqs):
-            if not r.prompt_ids:
-                raise ValueError(f"request {r.request_id} has an empty prompt")
             input_ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
             attn[i, L - len(r.prompt_ids) :] = 1
         input_ids, attn = input_ids.to(dev), attn.to(dev)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        temperature = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev)
-        top_p = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([r.params.seed for r in reqs], dtype=torch.long, device=dev)
-        stops = [set(r.params.stop_token_ids) for r in reqs]
-        max_new = [r.params.max_new_tokens for r in reqs]
-
         cache = DynamicCache()
         logits = self.model(
             input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
-        next_pos = attn.sum(-1)
-        active = torch.arange(B, device=dev)  # which request each cache row belongs to
-        tokens: list[list[int]] = [[] for _ in reqs]
-        logps: list[list[float]] = [[] for _ in reqs]
-        finish = ["length"] * B
-        step = 0
-        while True:
-            tok, lp = sample(logits, temperature[active], top_k[active], top_p[active], seeds[active],
-                             torch.full_like(active, step))
-            keep = []
-            for row, (i, t, l) in enumerate(zip(active.tolist(), tok.tolist(), lp.tolist())):
-                tokens[i].append(t)
-                logps[i].append(l)
-                if t in stops[i]:
-                    finish[i] = "stop"
-                elif len(tokens[i]) < max_new[i]:
-                    keep.append(row)
-            if not keep:
-                break
-            if len(keep) < len(active):  # finished rows leave the batch and the cache
-                keep_t = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(keep_t)
-                active, attn, next_pos, tok = active[keep_t], attn[keep_t], next_pos[keep_t], tok[keep_t]
-            attn = torch.cat([attn, attn.new_ones((len(active), 1))], dim=1)
-            logits = self.model(
-                input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                cache=cache, use_cache=True,
-            ).logits[:, -1]
-            next_pos = next_pos + 1
-            step += 1
-        return [
-            GenerationResult(r.request_id, tokens[i], logps[i], finish[i], self._version)
-            for i, r in enumerate(reqs)
-        ]
+        return _Rows(
+            idx=torch.tensor(take, device=dev), cache=cache, attn=attn, next_pos=attn.sum(-1), logits=logits,
+            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
+            top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([r.params.seed for r in reqs], dtype=torch.long, device=dev),
+        )
+
+
+@dataclass
+class _Rows:
+    """The running batch: one row per request being decoded, with its KV cache (left-padded
+    to a common length), attention mask, next position, next-token logits and sampling
+    parameters. Rows leave (`select`) and join (`merge`) between decode steps."""
+
+    idx: torch.Tensor  # request index of each row
+    cache: DynamicCache
+    attn: torch.Tensor
+    next_pos: torch.Tensor
+    logits: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+
+    _PER_ROW = ("idx", "attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds")
+
+    def __len__(self) -> int:
+        return len(self.idx)
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep)
+        for name in self._PER_ROW:
+            setattr(self, name, getattr(self, name)[keep])
+
+    def decode(self, model, tok: torch.Tensor) -> None:
+        """Feed each row's sampled token; the logits become those of the next position."""
+        self.attn = torch.cat([self.attn, self.attn.new_ones((len(self), 1))], dim=1)
+        self.logits = model(
+            input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
+            cache=self.cache, use_cache=True,
+        ).logits[:, -1]
+        self.next_pos = self.next_pos + 1
+
+    def merge(self, new: "_Rows") -> "_Rows":
+        """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
+        T = max(self.attn.shape[1], new.attn.shape[1])
+        for mine, theirs in zip(self.cache.layers, new.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, T, 2), _left_pad(theirs.keys, T, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, T, 2), _left_pad(theirs.values, T, 2)])
+        self.attn = torch.cat([_left_pad(self.attn, T, 1), _left_pad(new.attn, T, 1)])
+        for name in self._PER_ROW:
+            if name != "attn":
+                setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
+        return self
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    missing = length - x.shape[dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
