@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tidal.envs.base import Message, RewardError, StepResult
-from tidal.rewards import RewardFn, call_reward, reward_name
+from tidal.rewards import RewardFn, call_reward_async, reward_name
 
 
 def prompt_messages(prompt: Any) -> list[Message]:
@@ -31,7 +31,7 @@ class SingleTurnEnv:
     async def step(self, action: str) -> StepResult:
         extra = {k: v for k, v in self.row.items() if k != "prompt"}
         try:
-            total, parts = call_reward(self.reward_fn, action, extra)
+            total, parts = await call_reward_async(self.reward_fn, action, extra)
         except Exception as e:  # noqa: BLE001 - any failure of user code is typed, not fatal
             raise RewardError(f"reward function `{reward_name(self.reward_fn)}` raised {type(e).__name__}({e})") from e
         correct = parts["correct"] if "correct" in parts else float(total > 0)

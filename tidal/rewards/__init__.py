@@ -1,4 +1,5 @@
-"""Reward functions: `fn(completion: str, **row_columns) -> float | dict[str, float]`.
+"""Reward functions: `fn(completion: str, **row_columns) -> float | dict[str, float]`, or
+`async def` (awaited by the environment; `tidal.rewards.code` runs code in the sandbox).
 
 A dict gives named parts whose sum is the reward; a part named `correct` (0 or 1) is what
 accuracy is measured on. Users name their own function by dotted path,
@@ -46,12 +47,31 @@ def reward_name(fn: RewardFn) -> str:
 
 def call_reward(fn: RewardFn, completion: str, columns: dict[str, Any]) -> tuple[float, dict[str, float]]:
     """Call `fn` with the columns it accepts; return (total, parts). Raises on bad output."""
+    out = fn(completion, **_accepted_columns(fn, columns))
+    if inspect.isawaitable(out):
+        if inspect.iscoroutine(out):
+            out.close()
+        raise TypeError("is async: call it with `await call_reward_async(...)`")
+    return _total_and_parts(out)
+
+
+async def call_reward_async(fn: RewardFn, completion: str, columns: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """`call_reward` for a function that may be async (e.g. one that runs code in the
+    sandbox): awaited, so that the rewards of many episodes overlap."""
+    out = fn(completion, **_accepted_columns(fn, columns))
+    if inspect.isawaitable(out):
+        out = await out
+    return _total_and_parts(out)
+
+
+def _accepted_columns(fn: RewardFn, columns: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = columns
-    else:
-        kwargs = {k: v for k, v in columns.items() if k in params}
-    out = fn(completion, **kwargs)
+        return columns
+    return {k: v for k, v in columns.items() if k in params}
+
+
+def _total_and_parts(out: Any) -> tuple[float, dict[str, float]]:
     if isinstance(out, dict):
         parts = {str(k): float(v) for k, v in out.items()}
         total = sum(parts.values())

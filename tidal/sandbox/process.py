@@ -268,14 +268,15 @@ class SandboxProcess:
             await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
         except TimeoutError:
             log.error("sandbox process %d did not exit %.0f s after SIGKILL", self.popen.pid, KILL_GRACE_S)
-        for fd in (self.request_fd, self.stdin_fd):
-            if fd >= 0:
-                os.close(fd)
-        self.request_fd = self.stdin_fd = -1
-        for reader in (self.stdout, self.stderr, self.status, self._exit_watch):
-            reader.close()
-        if self.launch.host_workspace:
-            shutil.rmtree(self.launch.host_workspace, ignore_errors=True)
+        finally:  # also when cancelled (a loop shutting down): the process is killed already
+            for fd in (self.request_fd, self.stdin_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self.request_fd = self.stdin_fd = -1
+            for reader in (self.stdout, self.stderr, self.status, self._exit_watch):
+                reader.close()
+            if self.launch.host_workspace:
+                shutil.rmtree(self.launch.host_workspace, ignore_errors=True)
 
     async def run(self, request: dict, limits: SandboxLimits) -> SandboxResult:
         """Send the one request of this sandbox and collect its result. The caller closes
