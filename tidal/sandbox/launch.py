@@ -1,9 +1,9 @@
 """How a sandbox process is started: the bubblewrap command line, or the unsafe host one.
 
 The sandbox sees only what is bound into it: /usr (with the /bin, /lib… links of a
-merged-/usr system), a few files of /etc that programs need to start (the dynamic linker
-cache, alternatives, time zone), the interpreter's own installation prefix, and the
-paths the config lists. Everything is read-only. / and /dev are read-only tmpfs, /tmp and
+merged-/usr system), the two pieces of /etc that programs need to start (the dynamic
+linker cache, alternatives), five harmless devices, the interpreter's own installation
+prefix, and the paths the config lists, all read-only. / is a read-only tmpfs, /tmp and
 /workspace are private tmpfs of bounded size, /proc belongs to the sandbox's own PID
 namespace. Every namespace is new (user, mount, PID, network with only its own loopback,
 IPC, UTS, cgroup) and nested user namespaces are refused.
