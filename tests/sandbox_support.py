@@ -7,14 +7,13 @@ TIDAL_REQUIRE_BWRAP=1, its absence is a failure, so CI never passes by skipping 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import time
 
 import pytest
 
-from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult
+from tidal.sandbox import SandboxConfig
 from tidal.sandbox.launch import sandbox_uid
 
 
@@ -27,23 +26,6 @@ def require_bwrap() -> None:
                     "(scripts/setup.sh does, as root with apt-get); sandbox tests do not skip here", pytrace=False)
     pytest.skip("bubblewrap is not installed and cannot be here (not root, or no apt-get); "
                 "TIDAL_REQUIRE_BWRAP=1 makes this a failure")
-
-
-def run_python(code: str, config: SandboxConfig | None = None, **kwargs) -> SandboxResult:
-    """One run in a fresh pool without warm sandboxes (closed, torn down, on return)."""
-    async def once() -> SandboxResult:
-        async with SandboxPool(config or SandboxConfig(warm=0)) as pool:
-            return await pool.run_python(code, **kwargs)
-
-    return asyncio.run(once())
-
-
-def run_command(argv: list[str], config: SandboxConfig | None = None, **kwargs) -> SandboxResult:
-    async def once() -> SandboxResult:
-        async with SandboxPool(config or SandboxConfig(warm=0)) as pool:
-            return await pool.run_command(argv, **kwargs)
-
-    return asyncio.run(once())
 
 
 def _pid_namespace(pid: str) -> str | None:

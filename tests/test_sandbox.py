@@ -11,7 +11,7 @@ import time
 
 import pytest
 from pydantic import ValidationError
-from sandbox_support import require_bwrap, run_command, run_python, wait_for_no_sandbox_processes
+from sandbox_support import require_bwrap, wait_for_no_sandbox_processes
 
 from tidal.sandbox import (
     SandboxConfig,
@@ -22,6 +22,8 @@ from tidal.sandbox import (
     SandboxUnavailable,
     run_python_sync,
 )
+from tidal.sandbox import run_command_sync as run_command
+from tidal.sandbox import run_python_sync as run_python
 
 OK, TIMEOUT, MEMORY, OUTPUT_LIMIT, KILLED = (SandboxStatus.OK, SandboxStatus.TIMEOUT, SandboxStatus.MEMORY,
                                              SandboxStatus.OUTPUT_LIMIT, SandboxStatus.KILLED)

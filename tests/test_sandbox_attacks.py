@@ -19,9 +19,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sandbox_support import require_bwrap, run_command, run_python, sandbox_processes, wait_for_no_sandbox_processes
+from sandbox_support import require_bwrap, sandbox_processes, wait_for_no_sandbox_processes
 
 from tidal.sandbox import SandboxConfig, SandboxStatus
+from tidal.sandbox import run_command_sync as run_command
+from tidal.sandbox import run_python_sync as run_python
 
 OK, TIMEOUT, MEMORY, OUTPUT_LIMIT = SandboxStatus.OK, SandboxStatus.TIMEOUT, SandboxStatus.MEMORY, SandboxStatus.OUTPUT_LIMIT
 REPO = Path(__file__).resolve().parents[1]

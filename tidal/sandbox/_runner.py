@@ -136,6 +136,11 @@ def _interpreter_shutdown():
         except BaseException:
             _report_exception()
     atexit._run_exitfuncs()
+    _flush_standard_streams()
+
+
+def _flush_standard_streams():
+    """Flush what the code printed (also when it replaced sys.stdout), whatever it did to them."""
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         try:
             stream.flush()
@@ -243,11 +248,7 @@ def _python_session(request_fd, workspace):
             return 0
         idle_timeout_s = turn["idle_timeout_s"]
         rc = _run_session_turn(turn["code"], namespace)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
+        _flush_standard_streams()
         token = turn["token"].encode()
         _write_all(1, b"\n" + token + b":" + str(rc).encode() + b"\n")
         _write_all(2, b"\n" + token + b"\n")

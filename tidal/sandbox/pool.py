@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
@@ -252,32 +252,28 @@ class SandboxPool:
                         "namespaces (only rlimits); use isolation=bwrap for anything but trusted code")
 
 
-def _run_sync(coro_factory) -> SandboxResult:
+def _run_in_fresh_pool(config: SandboxConfig | None, call) -> SandboxResult:
+    """`await call(pool)` in a pool made for it (no warm sandboxes) and closed after."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(coro_factory())
-    raise RuntimeError("run_python_sync/run_command_sync called inside an event loop; use `await pool.run_python(...)`")
+        pass
+    else:
+        raise RuntimeError("run_python_sync/run_command_sync called inside an event loop; "
+                           "use `await pool.run_python(...)`")
+
+    async def once() -> SandboxResult:
+        async with SandboxPool((config or SandboxConfig()).model_copy(update={"warm": 0})) as pool:
+            return await call(pool)
+
+    return asyncio.run(once())
 
 
 def run_python_sync(code: str, config: SandboxConfig | None = None, **kwargs: Any) -> SandboxResult:
-    """One Python run from synchronous code (a fresh pool without warm sandboxes)."""
-    cfg = (config or SandboxConfig()).model_copy(update={"warm": 0})
-
-    async def once() -> SandboxResult:
-        async with SandboxPool(cfg) as pool:
-            return await pool.run_python(code, **kwargs)
-
-    return _run_sync(once)
+    """One Python run from synchronous code; the keywords are those of `SandboxPool.run_python`."""
+    return _run_in_fresh_pool(config, lambda pool: pool.run_python(code, **kwargs))
 
 
 def run_command_sync(argv: Sequence[str], config: SandboxConfig | None = None, **kwargs: Any) -> SandboxResult:
-    """One command run from synchronous code (a fresh pool without warm sandboxes)."""
-    cfg = (config or SandboxConfig()).model_copy(update={"warm": 0})
-
-    async def once() -> SandboxResult:
-        async with SandboxPool(cfg) as pool:
-            return await pool.run_command(argv, **kwargs)
-
-    return _run_sync(once)
-
+    """One command run from synchronous code; the keywords are those of `SandboxPool.run_command`."""
+    return _run_in_fresh_pool(config, lambda pool: pool.run_command(argv, **kwargs))
