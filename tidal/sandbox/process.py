@@ -344,15 +344,18 @@ class SandboxProcess:
         if host_kill is SandboxStatus.OUTPUT_LIMIT or stdout.exceeded or stderr.exceeded:
             return self._result(SandboxStatus.OUTPUT_LIMIT, stdout, stderr, t0, sig=signal.SIGKILL,
                                 error=f"killed after output_bytes={limits.output_bytes} on one stream")
-        done = Done.parse(self.status_bytes)
-        if done is not None:
-            if done.signal is not None:
-                status = classify_signal(done.signal, done.cpu_s, limits.cpu_s)
-                return self._result(status, stdout, stderr, t0, sig=done.signal)
-            status, exit_code, _ = classify_exit(done.exit_code, bytes(stderr.data), from_bwrap=False)
-            return self._result(status, stdout, stderr, t0, exit_code=exit_code)
-        status, exit_code, sig = classify_exit(self.popen.returncode, bytes(stderr.data), self.launch.isolated)
+        status, exit_code, sig = self.outcome(bytes(stderr.data), limits.cpu_s)
         return self._result(status, stdout, stderr, t0, exit_code=exit_code, sig=sig)
+
+    def outcome(self, stderr: bytes, cpu_limit_s: int) -> tuple[SandboxStatus, int | None, int | None]:
+        """Status, exit code and signal of code that ended by itself: from the runner's done
+        report when there is one (exact), else from the sandbox's exit code."""
+        done = Done.parse(self.status_bytes)
+        if done is None:
+            return classify_exit(self.popen.returncode, stderr, self.launch.isolated)
+        if done.signal is not None:
+            return classify_signal(done.signal, done.cpu_s, cpu_limit_s), None, done.signal
+        return classify_exit(done.exit_code, stderr, from_bwrap=False)
 
     @staticmethod
     def _result(status: SandboxStatus, stdout: OutputBuffer, stderr: OutputBuffer, t0: float,

@@ -20,8 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from tidal.sandbox.config import SandboxLimits
-from tidal.sandbox.process import KILL_GRACE_S, Done, SandboxProcess
-from tidal.sandbox.result import SandboxResult, SandboxSessionClosed, SandboxStatus, classify_exit, classify_signal
+from tidal.sandbox.process import KILL_GRACE_S, SandboxProcess
+from tidal.sandbox.result import SandboxResult, SandboxSessionClosed, SandboxStatus, classify_exit
 
 READ_CHUNK = 1 << 16
 # bash reads each turn as one line and runs it in the same shell, so state persists; a
@@ -155,13 +155,7 @@ class _Session:
             detail = status_bytes[1:].decode(errors="replace") or text_err.strip()[-2000:]
             return SandboxResult(SandboxStatus.SANDBOX_ERROR, text_out, text_err, None, None, wall_s,
                                  f"session sandbox failed (exit {returncode}): {detail}")
-        done = Done.parse(status_bytes)
-        if done is not None and done.signal is not None:
-            status, code, sig = classify_signal(done.signal, done.cpu_s, self.limits.cpu_s), None, done.signal
-        elif done is not None:
-            status, code, sig = classify_exit(done.exit_code, err, from_bwrap=False)
-        else:
-            status, code, sig = classify_exit(returncode, err, self.process.launch.isolated)
+        status, code, sig = self.process.outcome(err, self.limits.cpu_s)
         return SandboxResult(status, text_out, text_err, code, sig, wall_s, "the session's process exited")
 
 
