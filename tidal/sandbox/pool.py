@@ -68,6 +68,7 @@ class SandboxPool:
         self._starter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidal-sandbox-start")
         self._sessions: set[PythonSession | ShellSession] = set()
         self._checked = False
+        self._start_lock = asyncio.Lock()  # the first runs of many episodes arrive together
         self._closed = False
 
     async def __aenter__(self) -> SandboxPool:
@@ -80,8 +81,11 @@ class SandboxPool:
     async def start(self) -> None:
         """Check that isolation works here (raises SandboxUnavailable, naming what is
         missing) and start the warm sandboxes. Called by the first run if not before."""
-        if self._checked:
-            return
+        async with self._start_lock:
+            if not self._checked:
+                await self._check_and_warm()
+
+    async def _check_and_warm(self) -> None:
         probe_key = self.config.model_dump_json(include={"isolation", "python", "python_site_packages",
                                                          "extra_ro_binds", "sandbox_uid", "bwrap"})
         if self.config.isolation == "bwrap" and probe_key not in _PROBED:
