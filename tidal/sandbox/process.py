@@ -194,9 +194,13 @@ class SandboxProcess:
                 mine, child = (w, r) if name in ("request", "stdin") else (r, w)
                 ours[name] = mine
                 theirs.append(child)
+                os.set_blocking(mine, False)
             request_r, status_w, stdout_w, stderr_w = theirs[:4]
             launch = build_launch(config, limits, request_r, status_w)
-            os.write(ours["request"], launch.runner_frame)  # a fresh pipe holds it whole
+            # Written before the runner exists: a pipe buffers 64 KiB, the runner is ~17 KiB
+            # (a partial write, or BlockingIOError, would say it no longer fits).
+            if os.write(ours["request"], launch.runner_frame) != len(launch.runner_frame):
+                raise OSError("the sandbox runner does not fit in a pipe buffer")
             popen = subprocess.Popen(
                 launch.argv, stdin=theirs[4] if stdin_pipe else subprocess.DEVNULL, stdout=stdout_w, stderr=stderr_w,
                 pass_fds=(request_r, status_w), start_new_session=True, env=launch.env,
@@ -210,9 +214,6 @@ class SandboxProcess:
         finally:
             for fd in theirs:
                 os.close(fd)
-        os.set_blocking(ours["request"], False)
-        if stdin_pipe:
-            os.set_blocking(ours["stdin"], False)
         return cls(popen, launch, ours, limits)
 
     @property
