@@ -32,8 +32,57 @@ EXPECTED = "4950\n"
 WARM_PER_SLOT = 4  # warm sandboxes per concurrent run (SandboxConfig.warm's guidance)
 
 
-async def _rate(run_one, concurrency: int, seconds: float) -> float:
-    """Executions per second with `concurrency` workers looping on `run_one` for `seconds`."""
+class CgroupCpu:
+    """CPU time used by this process and all it starts (sandboxes included, also those the
+    host's init adopts), read from a cgroup made for the benchmark and removed after it.
+    Unlike a rate, this does not depend on what else the machine runs. Needs root and
+    cgroup CPU accounting (v1 cpuacct or v2); `read()` is None without them."""
+
+    def __init__(self) -> None:
+        self.dir: Path | None = None
+        self.home: Path | None = None
+        v1, v2 = Path("/sys/fs/cgroup/cpuacct"), Path("/sys/fs/cgroup")
+        if (v1 / "cpuacct.usage").exists():
+            self.mount, self.usage_file = v1, "cpuacct.usage"
+        elif (v2 / "cgroup.controllers").exists():
+            self.mount, self.usage_file = v2, "cpu.stat"
+        else:
+            return
+        own = [line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
+               if line.split(":", 2)[1] in (("cpuacct", "cpu,cpuacct", "cpuacct,cpu") if v1 == self.mount else ("",))]
+        try:
+            self.home = self.mount / own[0].lstrip("/")
+            self.dir = self.home / f"tidal-bench-{os.getpid()}"
+            self.dir.mkdir()
+            (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+        except (OSError, IndexError):
+            self.dir = None
+
+    def read(self) -> float | None:
+        """CPU seconds so far."""
+        if self.dir is None:
+            return None
+        text = (self.dir / self.usage_file).read_text()
+        if self.usage_file == "cpuacct.usage":
+            return int(text) / 1e9
+        return int(dict(line.split() for line in text.splitlines())["usage_usec"]) / 1e6
+
+    def remove(self) -> None:
+        if self.dir is None:
+            return
+        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+        for _ in range(100):  # finished sandboxes' last processes may still be on their way out
+            try:
+                self.dir.rmdir()
+                return
+            except OSError:
+                time.sleep(0.05)
+        print(f"could not remove {self.dir}: processes are still in it", flush=True)
+
+
+async def _rate(run_one, concurrency: int, seconds: float, cpu: CgroupCpu) -> tuple[float, float | None]:
+    """Executions per second with `concurrency` workers looping on `run_one` for `seconds`,
+    and CPU milliseconds per execution."""
     count = 0
     deadline = time.perf_counter() + seconds
 
@@ -45,9 +94,10 @@ async def _rate(run_one, concurrency: int, seconds: float) -> float:
                 raise RuntimeError(f"benchmark snippet printed {out!r}")
             count += 1
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu.read()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return count / (time.perf_counter() - t0)
+    rate, cpu1 = count / (time.perf_counter() - t0), cpu.read()
+    return rate, None if cpu0 is None else (cpu1 - cpu0) * 1000 / count
 
 
 async def _bare_once(argv: list[str]) -> str:
@@ -57,7 +107,8 @@ async def _bare_once(argv: list[str]) -> str:
     return done.stdout.decode()
 
 
-async def _sandboxed_rate(config: SandboxConfig, concurrency: int, seconds: float) -> float:
+async def _sandboxed_rate(config: SandboxConfig, concurrency: int, seconds: float,
+                          cpu: CgroupCpu) -> tuple[float, float | None]:
     async with SandboxPool(config.model_copy(update={"max_concurrency": concurrency})) as pool:
         await asyncio.sleep(0.2)  # let the warm sandboxes start, as they would between steps
 
@@ -67,36 +118,48 @@ async def _sandboxed_rate(config: SandboxConfig, concurrency: int, seconds: floa
                 raise RuntimeError(f"sandboxed benchmark run failed: {result} {result.stderr[-500:]}")
             return result.stdout
 
-        return await _rate(once, concurrency, seconds)
+        return await _rate(once, concurrency, seconds, cpu)
 
 
 async def measure(seconds: float, rounds: int) -> dict:
     base = SandboxConfig()
     python = resolve_python(base)
     bare_argv = [python.executable, *python_flags(base.python_site_packages), "-c", SNIPPET]
+    cpu = CgroupCpu()
     variants = {
-        "bare": lambda c: _rate(lambda: _bare_once(bare_argv), c, seconds),
-        "sandbox_warm": lambda c: _sandboxed_rate(base.model_copy(update={"warm": WARM_PER_SLOT * c}), c, seconds),
-        "sandbox_cold": lambda c: _sandboxed_rate(base.model_copy(update={"warm": 0}), c, seconds),
+        "bare": lambda c: _rate(lambda: _bare_once(bare_argv), c, seconds, cpu),
+        "sandbox_warm": lambda c: _sandboxed_rate(base.model_copy(update={"warm": WARM_PER_SLOT * c}), c, seconds, cpu),
+        "sandbox_cold": lambda c: _sandboxed_rate(base.model_copy(update={"warm": 0}), c, seconds, cpu),
     }
     raw: dict[str, dict[str, list[float]]] = {name: {"1": [], "2": []} for name in variants}
-    for r in range(rounds):
-        for concurrency in (1, 2):
-            for name, rate in variants.items():
-                raw[name][str(concurrency)].append(await rate(concurrency))
-        print(f"round {r + 1}/{rounds}: " + ", ".join(
-            f"{n}@{c}={raw[n][c][-1]:.0f}/s" for c in ("1", "2") for n in variants), flush=True)
+    raw_cpu: dict[str, dict[str, list[float | None]]] = {name: {"1": [], "2": []} for name in variants}
+    loads = []
+    try:
+        for r in range(rounds):
+            loads.append(os.getloadavg()[0])
+            for concurrency in ("1", "2"):
+                for name, measure_variant in variants.items():
+                    rate, cpu_ms = await measure_variant(int(concurrency))
+                    raw[name][concurrency].append(rate)
+                    raw_cpu[name][concurrency].append(cpu_ms)
+            print(f"round {r + 1}/{rounds} (load {loads[-1]:.1f}): " + ", ".join(
+                f"{n}@{c}={raw[n][c][-1]:.0f}/s" for c in ("1", "2") for n in variants), flush=True)
+    finally:
+        cpu.remove()
     summary = {}
     for concurrency in ("1", "2"):
         bare = raw["bare"][concurrency]
         summary[concurrency] = {
             name: {"median_per_s": statistics.median(raw[name][concurrency]),
-                   "ratio_to_bare_median": statistics.median(x / b for x, b in zip(raw[name][concurrency], bare))}
+                   "ratio_to_bare_median": statistics.median(x / b for x, b in zip(raw[name][concurrency], bare)),
+                   "cpu_ms_per_execution_median": (None if None in raw_cpu[name][concurrency]
+                                                   else statistics.median(raw_cpu[name][concurrency]))}
             for name in variants}
     return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "load_average_at_round_start": loads,
             "interpreter": python.executable, "flags": python_flags(base.python_site_packages), "snippet": SNIPPET,
             "seconds_per_measurement": seconds, "rounds": rounds, "warm_sandboxes": f"{WARM_PER_SLOT} x concurrency",
-            "raw_per_s": raw, "summary": summary}
+            "raw_per_s": raw, "raw_cpu_ms_per_execution": raw_cpu, "summary": summary}
 
 
 def main() -> None:
@@ -114,6 +177,10 @@ def main() -> None:
         print(f"| {c} | {s['bare']['median_per_s']:.0f}/s | {s['sandbox_warm']['median_per_s']:.0f}/s "
               f"| {s['sandbox_warm']['ratio_to_bare_median']:.2f}× | {s['sandbox_cold']['median_per_s']:.0f}/s "
               f"| {s['sandbox_cold']['ratio_to_bare_median']:.2f}× |")
+    if result["summary"]["1"]["bare"]["cpu_ms_per_execution_median"] is not None:
+        print("\nCPU ms per execution (median):")
+        for c, s in result["summary"].items():
+            print(f"  concurrency {c}: " + ", ".join(f"{n} {v['cpu_ms_per_execution_median']:.1f}" for n, v in s.items()))
 
 
 if __name__ == "__main__":
