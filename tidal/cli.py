@@ -42,9 +42,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     ctl = Controller(cfg, resume=ns.resume)
     print(f"tidal: run directory {ctl.paths.root}  (model {ctl.model_dir}, {cfg.rollout.prompts_per_step}×"
-          f"{cfg.rollout.samples_per_prompt} episodes per step, {cfg.train.steps} steps)", file=sys.stderr)
+          f"{cfg.rollout.samples_per_prompt} episodes per step, {cfg.train.steps} steps; engine {ctl.engine_choice})",
+          file=sys.stderr)
     t0 = time.time()
-    last = ctl.train()
+    try:
+        last = ctl.train()
+    finally:
+        ctl.close()
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
     return 0

