@@ -114,7 +114,7 @@ def run_vllm(model_dir: Path, reqs: list[GenerationRequest], batch: int, mode: s
 
     from tidal.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(model_dir), mode=mode, max_num_seqs=batch)
+    engine = VLLMEngine(model_dir, mode=mode, max_batch_size=batch)
     try:
         t0 = time.perf_counter()
         results = asyncio.run(engine.generate(reqs))
