@@ -24,9 +24,10 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIR
     pytest.skip("vLLM is not installed (`make setup-vllm`); set TIDAL_REQUIRE_VLLM=1 to fail instead",
                 allow_module_level=True)
 
-# Measured on this model (fp32, CPU): greedy tokens agree on every prompt and log-probs to
-# ~1e-5; these bounds leave an order of magnitude for other CPUs' kernels.
-LOGPROB_TOL = 1e-4
+# Measured on this model (fp32, CPU, 500 held-out prompts): greedy tokens agree on every
+# prompt; |Δ log-prob| ≤ 1.3e-4 (mean ≤ 5e-7) against the torch engine and the trainer, the
+# largest on randomly perturbed weights. The bound leaves ~4× for other CPUs' kernels.
+LOGPROB_TOL = 5e-4
 MODEL = DEFAULT_MODEL_DIR
 
 
