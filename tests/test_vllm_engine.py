@@ -68,8 +68,9 @@ def torch_engine(tok):
 
 def requests(prompts, tok, temperature=0.0, seed=0, max_new_tokens=32, tag="r"):
     stops = stop_token_ids(tok)
-    return [GenerationRequest(f"{tag}{i}", list(p), SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                                   seed=seed + i, stop_token_ids=stops))
+    return [GenerationRequest(f"{tag}{i}", list(p), SamplingParams(max_new_tokens=max_new_tokens,
+                                                                   temperature=temperature, seed=seed + i,
+                                                                   stop_token_ids=stops))
             for i, p in enumerate(prompts)]
 
 
@@ -163,10 +164,33 @@ def test_same_seed_same_sample(engine, prompts, tok):
     assert len({tuple(r.token_ids) for r in batch}) > 1, "different seeds gave one sample"
 
 
+def test_pause_and_updates_wait_for_calls_in_flight(engine, prompts, tok):
+    """A result's version produced all of its tokens: an update waits for the generate calls
+    in flight and holds new ones back; pause() holds new calls until resume()."""
+    base = {n: p.detach() for n, p in load_model(MODEL).named_parameters()}
+    engine.update_weights(20, base)
+
+    async def scenario():
+        first = asyncio.create_task(engine.generate(requests(prompts, tok, temperature=1.0, tag="a")))
+        await asyncio.sleep(0.05)  # in flight
+        await asyncio.to_thread(engine.update_weights, 21, base)
+        assert first.done(), "the update did not wait for the call in flight"
+        engine.pause()
+        held = asyncio.create_task(engine.generate(requests(prompts[:2], tok, tag="b")))
+        await asyncio.sleep(0.3)
+        assert not held.done()
+        engine.resume()
+        return await first, await held
+
+    first, held = run(scenario())
+    assert {r.version for r in first} == {20} and {r.version for r in held} == {21}
+
+
 def test_request_too_long_names_the_request(engine, prompts, tok):
     from tidal.engines.vllm_engine import VLLMEngineError
 
-    long = GenerationRequest("too-long", [prompts[0][0]] * (engine.max_model_len - 4), SamplingParams(max_new_tokens=16))
+    long = GenerationRequest("too-long", [prompts[0][0]] * (engine.max_model_len - 4),
+                             SamplingParams(max_new_tokens=16))
     with pytest.raises(VLLMEngineError, match=r"vLLM engine \(in-process\): request too-long: .*max_model_len"):
         run(engine.generate([long]))
 
@@ -186,7 +210,8 @@ def test_server_mode(engine, prompts, tok, tmp_path):
         greedy = run(server.generate(reqs))
         assert [r.token_ids for r in greedy] == [r.token_ids for r in run(engine.generate(reqs))]
         # Same seeds, same engine arithmetic: the server samples what the in-process engine samples.
-        assert [r.token_ids for r in run(server.generate(sampled))] == [r.token_ids for r in run(engine.generate(sampled))]
+        in_process = run(engine.generate(sampled))
+        assert [r.token_ids for r in run(server.generate(sampled))] == [r.token_ids for r in in_process]
 
         new = perturbed_weights(seed=3)
         server.update_weights(3, new)

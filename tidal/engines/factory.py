@@ -44,8 +44,9 @@ def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: 
                               "in-process vLLM engine; use engine.vllm_mode=server for several replicas")
         from tidal.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_dir, mode=cfg.vllm_mode, device=device, dtype=dtype, seed=seed, max_batch_size=cfg.max_batch_size,
-                          kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        return VLLMEngine(model_dir, mode=cfg.vllm_mode, device=device, dtype=dtype, seed=seed,
+                          max_batch_size=cfg.max_batch_size, kv_cache_gib=cfg.kv_cache_gib,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization,
                           start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
                           log_dir=log_dir)
     raise ConfigError(f"engine.kind must be one of auto, torch, vllm; got {kind!r}")

@@ -55,8 +55,9 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Self
 
 import numpy as np
 import torch
@@ -67,6 +68,7 @@ log = logging.getLogger("tidal")
 
 Mode = Literal["in_process", "server"]
 LOGPROBS_MODE = "processed_logprobs"
+Completion = tuple[list[int], list[float], str]  # token ids, their log-probs, finish reason
 
 
 class VLLMEngineError(RuntimeError):
@@ -197,15 +199,16 @@ class VLLMEngine:
         try:
             outs = await self._backend.generate(requests, self.request_timeout_s)
         except VLLMEngineError as e:
-            raise VLLMEngineError(f"{self.name}: {e}") from e.__cause__
-        except asyncio.TimeoutError:
+            raise VLLMEngineError(f"{self.name}: {e}") from e
+        except TimeoutError:
             raise VLLMEngineError(f"{self.name}: {what} did not finish within {self.request_timeout_s:g} s "
                                   f"(engine.request_timeout_s)") from None
         except Exception as e:
             raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
         finally:
             self._exit()
-        return [GenerationResult(r.request_id, toks, lps, reason, version) for r, (toks, lps, reason) in zip(requests, outs)]
+        return [GenerationResult(r.request_id, toks, lps, reason, version)
+                for r, (toks, lps, reason) in zip(requests, outs, strict=True)]
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         what = f"update_weights(version={version})"
@@ -236,7 +239,7 @@ class VLLMEngine:
             self._backend.load_weights(named, self.request_timeout_s)
             self._version = version
         except VLLMEngineError as e:
-            raise VLLMEngineError(f"{self.name}: {what}: {e}") from e.__cause__
+            raise VLLMEngineError(f"{self.name}: {what}: {e}") from e
         except Exception as e:
             raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
         finally:
@@ -249,7 +252,7 @@ class VLLMEngine:
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -281,8 +284,8 @@ class VLLMEngine:
         """Wait (polling: a cancelled caller leaves nothing behind) until not paused nor updating."""
         while True:
             with self._gate:
+                self._check_open(what)
                 if not self._paused and not self._updating:
-                    self._check_open(what)
                     self._inflight += 1
                     return self._version
             await asyncio.sleep(0.005)
@@ -352,7 +355,13 @@ class _InProcess:
                             fut = self._futures.pop(out.request_id, None)
                             if fut is not None and not fut.done():
                                 fut.set_result(out)
-        except BaseException as e:  # noqa: BLE001 - every waiting caller learns of it
+                elif self._futures:  # never expected; without it this loop would spin
+                    lost = VLLMEngineError(f"vLLM dropped {len(self._futures)} requests without finishing them "
+                                           f"(first {next(iter(self._futures))})")
+                    for fut in self._futures.values():
+                        fut.set_exception(lost)
+                    self._futures.clear()
+        except BaseException as e:  # every waiting caller learns of it
             self._error = e
             log.exception("vLLM in-process worker thread failed")
         finally:
@@ -388,22 +397,28 @@ class _InProcess:
             self._cv.notify()
         return fut
 
-    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[tuple[list[int], list[float], str]]:
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[Completion]:
         from vllm import SamplingParams as VParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
-        params = [VParams(**_sampling_fields(r.params), detokenize=False) for r in requests]
+        params = [VParams(**_sampling_fields(r.params), detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for r in requests]
         results = [concurrent.futures.Future() for _ in requests]
         ids: list[str] = []
 
         def add() -> None:
             engine = self.llm.llm_engine
-            for r, prompt, p, fut in zip(requests, engine.renderer.render_cmpl(prompts), params, results):
-                rid = f"{next(self._ids)}:{r.request_id}"  # unique even if a caller reuses a request id
-                engine.add_request(rid, prompt, p)
-                ids.append(rid)
-                self._futures[rid] = fut
+            try:
+                for r, prompt, p, fut in zip(requests, engine.renderer.render_cmpl(prompts), params, results):
+                    rid = f"{next(self._ids)}:{r.request_id}"  # unique even if a caller reuses a request id
+                    engine.add_request(rid, prompt, p)
+                    ids.append(rid)
+                    self._futures[rid] = fut
+            except BaseException:
+                self._abort(ids)  # all of the call's requests or none
+                raise
 
         await asyncio.wrap_future(self._run(add))
         try:
@@ -443,16 +458,14 @@ class _InProcess:
             self._cv.notify()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=60)
-        try:
-            self.llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001 - closing is best effort
-            pass
-        try:  # frees vLLM's process-wide state so another in-process engine can start later
+        try:  # closing is best effort; the second call frees vLLM's process-wide state so that
+            # another in-process engine can start later
             from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+            self.llm.llm_engine.engine_core.shutdown()
             cleanup_dist_env_and_memory()
-        except Exception:  # noqa: BLE001
-            pass
+        except Exception as e:  # noqa: BLE001
+            log.debug("closing the in-process vLLM engine: %s", e)
 
 
 # -- server ---------------------------------------------------------------------------------
@@ -493,7 +506,7 @@ class _Server:
         for k, v in engine_args.items():
             name = k.replace("_", "-")
             cmd += [f"--{name}"] if v is True else [f"--no-{name}"] if v is False else [f"--{name}", str(v)]
-        self._log = open(self.log_path, "ab")
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until close()
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.max_model_len = 0
@@ -538,18 +551,19 @@ class _Server:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return r.read().decode()
         except urllib.error.HTTPError as e:
-            raise VLLMEngineError(f"{method} {path} answered {e.code}: {e.read().decode(errors='replace')[:500]}") from e
+            detail = e.read().decode(errors="replace")[:500]
+            raise VLLMEngineError(f"{method} {path} answered {e.code}: {detail}") from e
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
             raise VLLMEngineError(f"{method} {path} failed: {e}. {self.dead()}") from e
 
-    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[tuple[list[int], list[float], str]]:
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[Completion]:
         import aiohttp  # a dependency of vLLM
 
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) as session:
             return list(await asyncio.gather(*(self._complete(session, r) for r in requests)))
 
-    async def _complete(self, session, r: GenerationRequest) -> tuple[list[int], list[float], str]:
+    async def _complete(self, session, r: GenerationRequest) -> Completion:
         import aiohttp
 
         body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params),
@@ -577,8 +591,8 @@ class _Server:
         tmp = self.weights_dir / "model.safetensors.tmp"
         save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in named.items()}, str(tmp))
         tmp.replace(self.weights_dir / "model.safetensors")
-        self._http("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)},
-                                               "timeout": timeout_s}, timeout_s)
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}, "timeout": timeout_s}
+        self._http("POST", "/collective_rpc", rpc, timeout_s)
         self._http("POST", "/reset_prefix_cache", {}, 60)
 
     def close(self) -> None:

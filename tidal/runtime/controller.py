@@ -19,8 +19,8 @@ import torch
 
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import TidalConfig, dump_config
-from tidal.engines.router import Router
 from tidal.engines.factory import build_engine, choose_engine_kind
+from tidal.engines.router import Router
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor.episodes import EpisodeWriter
