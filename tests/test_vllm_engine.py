@@ -242,3 +242,24 @@ def test_closed_in_process_engine_names_itself(engine, prompts, tok):
         run(engine.generate(requests(prompts[:1], tok)))
     with pytest.raises(VLLMEngineError, match=r"vLLM engine \(in-process\) is closed: update_weights\(version=11\)"):
         engine.update_weights(11, {})
+
+
+def test_controller_trains_with_vllm(engine, tmp_path):
+    """`tidal train engine.kind=vllm` end to end for two steps: weights follow the trainer and
+    the engine's behaviour log-probs match the trainer's. Runs after the module's engine is
+    closed (one in-process vLLM engine per process)."""
+    from tidal.config import load_config
+    from tidal.runtime.controller import Controller
+
+    cfg = load_config(None, ["engine.kind=vllm", f"run.dir={tmp_path / 'run'}", "train.steps=2",
+                             "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "run.eval_every=0",
+                             "run.progress=false"])
+    ctl = Controller(cfg)
+    try:
+        assert ctl.engine_choice.startswith("vllm")
+        last = ctl.train()
+        assert ctl.engine.version == ctl.trainer.version == 2
+        assert last["episodes/engine_error"] == 0 and last["episodes"] == 32
+        assert last["logprob_max_abs_diff"] < LOGPROB_TOL
+    finally:
+        ctl.close()
