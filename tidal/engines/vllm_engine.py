@@ -55,7 +55,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -488,6 +488,65 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM the process group `proc` leads (started with start_new_session=True), SIGKILL
+    after timeout_s, then wait until no live process of the group is left: children that
+    outlive the leader (vLLM's engine core, SGLang's scheduler) go too."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while _group_members(proc.pid) and time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.1)
+
+
+def _wait_healthy(proc: subprocess.Popen, health_url: str, timeout_s: float, who: str, log_path: Path,
+                  error: type[Exception], setting: str) -> None:
+    """Poll health_url until it answers 200; `error` names `who` if the process exits first or
+    the time (the config key `setting`) runs out, quoting the log's last lines."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise error(f"{who} (pid {proc.pid}) exited with code {proc.returncode} "
+                        f"while starting; last lines of {log_path}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(health_url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):  # HTTPError (503 while starting) included
+            pass
+        time.sleep(0.5)
+    raise error(f"{who} (pid {proc.pid}) was not healthy within {timeout_s:g} s "
+                f"({setting}); last lines of {log_path}:\n{_tail(log_path)}")
+
+
+def _http_call(base_url: str, method: str, path: str, body: dict | None, timeout_s: float,
+               error: type[Exception], dead: Callable[[], str]) -> str:
+    """One JSON HTTP call with a timeout; the answer's text, or `error` naming the call (and,
+    when the call could not be made, why the server is gone: `dead()`)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.read().decode()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise error(f"{method} {path} answered {e.code}: {detail}") from e
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+        raise error(f"{method} {path} failed: {e}. {dead()}") from e
+
+
 class _Server:
     """An OpenAI-compatible vLLM server child process, supervised."""
 
@@ -528,33 +587,11 @@ class _Server:
         return f"The server exited with code {code}; last lines of {self.log_path}:\n{_tail(self.log_path)}"
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise VLLMEngineError(f"vLLM server (pid {self.proc.pid}) exited with code {self.proc.returncode} "
-                                      f"while starting; last lines of {self.log_path}:\n{_tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.5)
-        raise VLLMEngineError(f"vLLM server (pid {self.proc.pid}) was not healthy within {timeout_s:g} s "
-                              f"(engine.vllm_start_timeout_s); last lines of {self.log_path}:\n{_tail(self.log_path)}")
+        _wait_healthy(self.proc, self.url + "/health", timeout_s, "vLLM server", self.log_path, VLLMEngineError,
+                      "engine.vllm_start_timeout_s")
 
     def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return r.read().decode()
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:500]
-            raise VLLMEngineError(f"{method} {path} answered {e.code}: {detail}") from e
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise VLLMEngineError(f"{method} {path} failed: {e}. {self.dead()}") from e
+        return _http_call(self.url, method, path, body, timeout_s, VLLMEngineError, self.dead)
 
     async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[Completion]:
         import aiohttp  # a dependency of vLLM
@@ -596,23 +633,7 @@ class _Server:
         self._http("POST", "/reset_prefix_cache", {}, 60)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-            except ProcessLookupError:
-                pass
-        # Children that outlived the leader (vLLM's engine core) go too; wait until they are gone.
-        deadline = time.monotonic() + 30
-        while _group_members(self.proc.pid) and time.monotonic() < deadline:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                break
-            time.sleep(0.1)
+        _stop_process_group(self.proc)
         self._log.close()
         shutil.rmtree(self.weights_dir, ignore_errors=True)
         if self.log_path.parent != self._tmp:
