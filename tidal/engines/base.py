@@ -3,7 +3,8 @@ implement it; the rest of tidal never knows which one runs."""
 
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -145,13 +145,14 @@ class Router:
         for start in range(0, len(reqs), self.max_inflight):
             chunk = reqs[start : start + self.max_inflight]
             async with room:
-                await room.wait_for(lambda: self.inflight[i] + len(chunk) <= self.max_inflight or not self.up[i])
+                need = len(chunk)
+                await room.wait_for(lambda: self.inflight[i] + need <= self.max_inflight or not self.up[i])
                 if not self.up[i]:
                     raise RouterError(f"{self.names[i]} went down while requests waited for it")
                 self.inflight[i] += len(chunk)
             try:
                 res = await asyncio.wait_for(self.replicas[i].generate(chunk), self.timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RouterError(f"{self.names[i]} did not answer {len(chunk)} requests within {self.timeout_s:g} s") from None
             finally:
                 async with room:

@@ -57,8 +57,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,6 +64,7 @@ from typing import Any, Self
 
 import torch
 
+from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.engines.vllm_engine import _free_port, _http_call, _stop_process_group, _tail, _wait_healthy
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
@@ -200,10 +199,7 @@ class SGLangEngine:
         self.max_model_len = int(cfg.get("max_position_embeddings") or 0)  # 0: unknown, not checked
         self._eos = model_eos_ids(self.model_dir)
         self._ids = itertools.count()
-        self._gate = threading.Condition()  # between generate calls and weight updates
-        self._inflight = 0
-        self._updating = False
-        self._paused = False
+        self._gate = UpdateGate()  # between generate calls and weight updates
 
         self.host, self.port = "127.0.0.1", _free_port()
         self.url = f"http://{self.host}:{self.port}"
@@ -237,13 +233,10 @@ class SGLangEngine:
 
     def pause(self) -> None:
         """New generate calls wait until resume(); calls in progress finish."""
-        with self._gate:
-            self._paused = True
+        self._gate.pause()
 
     def resume(self) -> None:
-        with self._gate:
-            self._paused = False
-            self._gate.notify_all()
+        self._gate.resume()
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if not requests:
@@ -252,7 +245,8 @@ class SGLangEngine:
         self._check_open(what)
         for r in requests:
             self._validate(r)
-        version = await self._enter(what)
+        await self._gate.enter(lambda: self._check_open(what))
+        version = self._version
         rids = [f"{next(self._ids)}:{r.request_id}" for r in requests]  # unique even if a caller reuses ids
         body = generate_payload(requests, rids, self._eos)
         try:
@@ -275,47 +269,28 @@ class SGLangEngine:
         except Exception as e:
             raise SGLangEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
         finally:
-            self._exit()
+            self._gate.exit()
         return [GenerationResult(r.request_id, toks, lps, reason, version)
                 for r, (toks, lps, reason) in zip(requests, parsed, strict=True)]
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         what = f"update_weights(version={version})"
         self._check_open(what)
-        named = dict(tensors)
-        if self._tied and "lm_head.weight" not in named:  # as the vLLM engine: always sent
-            embed = next((k for k in named if k.endswith("embed_tokens.weight")), None)
-            if embed is None:
-                raise SGLangEngineError(f"{self.name}: {what}: the model ties its embeddings but the update has "
-                                        f"neither lm_head.weight nor an embed_tokens.weight "
-                                        f"(first names: {sorted(named)[:5]})")
-            named["lm_head.weight"] = named[embed]
-        deadline = time.monotonic() + self.request_timeout_s
-        with self._gate:
-            self._updating = True  # new generate calls wait from here on
-            try:
-                while self._inflight:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise SGLangEngineError(
-                            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {self._inflight} generate "
-                            "calls in flight to finish (is update_weights called from the event loop that runs them?)")
-                    self._gate.wait(left)
-            except BaseException:
-                self._updating = False
-                self._gate.notify_all()
-                raise
         try:
-            self._load(named, version)
-            self._version = version
-        except SGLangEngineError as e:
-            raise SGLangEngineError(f"{self.name}: {what}: {e}") from e
-        except Exception as e:
-            raise SGLangEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
-        finally:
-            with self._gate:
-                self._updating = False
-                self._gate.notify_all()
+            named = with_tied_head(tensors, self._tied)
+        except ValueError as e:
+            raise SGLangEngineError(f"{self.name}: {what}: {e}") from None
+        too_slow = lambda n: SGLangEngineError(
+            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} generate calls in flight to "
+            "finish (is update_weights called from the event loop that runs them?)")
+        with self._gate.exclusive(self.request_timeout_s, too_slow):
+            try:
+                self._load(named, version)
+                self._version = version
+            except SGLangEngineError as e:
+                raise SGLangEngineError(f"{self.name}: {what}: {e}") from e
+            except Exception as e:
+                raise SGLangEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         """Stop the server (its whole process group). Later calls raise SGLangEngineError."""
@@ -374,21 +349,6 @@ class SGLangEngine:
             raise SGLangEngineError(
                 f"{self.name}: request {r.request_id}: prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
                 f"{r.params.max_new_tokens} exceeds the model's max_position_embeddings {self.max_model_len}")
-
-    async def _enter(self, what: str) -> int:
-        """Wait (polling: a cancelled caller leaves nothing behind) until not paused nor updating."""
-        while True:
-            with self._gate:
-                self._check_open(what)
-                if not self._paused and not self._updating:
-                    self._inflight += 1
-                    return self._version
-            await asyncio.sleep(0.005)
-
-    def _exit(self) -> None:
-        with self._gate:
-            self._inflight -= 1
-            self._gate.notify_all()
 
 
 def _close_server(proc: subprocess.Popen, log_file, tmp: Path, log_path: Path) -> None:

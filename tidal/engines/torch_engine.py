@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 from transformers import DynamicCache
@@ -125,7 +125,7 @@ class TorchEngine:
     def _join_at(self) -> int:
         return max(1, self.max_batch_size // 8)
 
-    def _prefill(self, requests: list[GenerationRequest], take: list[int]) -> "_Rows":
+    def _prefill(self, requests: list[GenerationRequest], take: list[int]) -> _Rows:
         reqs = [requests[i] for i in take]
         dev, B = self.device, len(reqs)
         L = max(len(r.prompt_ids) for r in reqs)
@@ -185,7 +185,7 @@ class _Rows:
         ).logits[:, -1]
         self.next_pos = self.next_pos + 1
 
-    def merge(self, new: "_Rows") -> "_Rows":
+    def merge(self, new: _Rows) -> _Rows:
         """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
         T = max(self.attn.shape[1], new.attn.shape[1])
         for mine, theirs in zip(self.cache.layers, new.cache.layers):

@@ -62,6 +62,7 @@ from typing import Any, Literal, Self
 import numpy as np
 import torch
 
+from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -146,10 +147,7 @@ class VLLMEngine:
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         # Gate between generate calls and weight updates (threads: update_weights is sync).
-        self._gate = threading.Condition()
-        self._inflight = 0
-        self._updating = False
-        self._paused = False
+        self._gate = UpdateGate()  # between generate calls and weight updates
         engine_args = {
             "dtype": dtype, "seed": seed, "max_num_seqs": max_batch_size, "enforce_eager": True,
             "logprobs_mode": LOGPROBS_MODE, "gpu_memory_utilization": gpu_memory_utilization,
@@ -180,13 +178,10 @@ class VLLMEngine:
 
     def pause(self) -> None:
         """New generate calls wait until resume(); calls in progress finish."""
-        with self._gate:
-            self._paused = True
+        self._gate.pause()
 
     def resume(self) -> None:
-        with self._gate:
-            self._paused = False
-            self._gate.notify_all()
+        self._gate.resume()
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         if not requests:
@@ -195,7 +190,8 @@ class VLLMEngine:
         self._check_open(what)
         for r in requests:
             self._validate(r)
-        version = await self._enter(what)
+        await self._gate.enter(lambda: self._check_open(what))
+        version = self._version
         try:
             outs = await self._backend.generate(requests, self.request_timeout_s)
         except VLLMEngineError as e:
@@ -206,46 +202,28 @@ class VLLMEngine:
         except Exception as e:
             raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
         finally:
-            self._exit()
+            self._gate.exit()
         return [GenerationResult(r.request_id, toks, lps, reason, version)
                 for r, (toks, lps, reason) in zip(requests, outs, strict=True)]
 
     def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         what = f"update_weights(version={version})"
         self._check_open(what)
-        named = dict(tensors)
-        if self._tied and "lm_head.weight" not in named:
-            embed = next((k for k in named if k.endswith("embed_tokens.weight")), None)
-            if embed is None:
-                raise VLLMEngineError(f"{self.name}: {what}: the model ties its embeddings but the update has neither "
-                                      f"lm_head.weight nor an embed_tokens.weight (first names: {sorted(named)[:5]})")
-            named["lm_head.weight"] = named[embed]
-        deadline = time.monotonic() + self.request_timeout_s
-        with self._gate:
-            self._updating = True  # new generate calls wait from here on
-            try:
-                while self._inflight:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise VLLMEngineError(
-                            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {self._inflight} generate "
-                            "calls in flight to finish (is update_weights called from the event loop that runs them?)")
-                    self._gate.wait(left)
-            except BaseException:
-                self._updating = False
-                self._gate.notify_all()
-                raise
         try:
-            self._backend.load_weights(named, self.request_timeout_s)
-            self._version = version
-        except VLLMEngineError as e:
-            raise VLLMEngineError(f"{self.name}: {what}: {e}") from e
-        except Exception as e:
-            raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
-        finally:
-            with self._gate:
-                self._updating = False
-                self._gate.notify_all()
+            named = with_tied_head(tensors, self._tied)
+        except ValueError as e:
+            raise VLLMEngineError(f"{self.name}: {what}: {e}") from None
+        too_slow = lambda n: VLLMEngineError(
+            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} generate calls in flight to "
+            "finish (is update_weights called from the event loop that runs them?)")
+        with self._gate.exclusive(self.request_timeout_s, too_slow):
+            try:
+                self._backend.load_weights(named, self.request_timeout_s)
+                self._version = version
+            except VLLMEngineError as e:
+                raise VLLMEngineError(f"{self.name}: {what}: {e}") from e
+            except Exception as e:
+                raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         """Stop the engine (and its server process). Later calls raise VLLMEngineError."""
@@ -279,21 +257,6 @@ class VLLMEngine:
             log.warning("%s: top_k/top_p truncation: vLLM returns log-probs renormalized over the kept tokens, "
                         "not tidal's untruncated log softmax(logits/T); engine/trainer log-prob mismatch grows "
                         "by log(kept mass) per token (first request %s)", self.name, r.request_id)
-
-    async def _enter(self, what: str) -> int:
-        """Wait (polling: a cancelled caller leaves nothing behind) until not paused nor updating."""
-        while True:
-            with self._gate:
-                self._check_open(what)
-                if not self._paused and not self._updating:
-                    self._inflight += 1
-                    return self._version
-            await asyncio.sleep(0.005)
-
-    def _exit(self) -> None:
-        with self._gate:
-            self._inflight -= 1
-            self._gate.notify_all()
 
 
 # -- in-process -----------------------------------------------------------------------------

@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from math import comb
-from typing import Any, Callable
+from typing import Any
 
 from tidal.runtime.rollout import Rollout, group_specs
 from tidal.types import SamplingParams

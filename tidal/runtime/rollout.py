@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from tidal.envs.base import Env, Message, RewardError
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status
@@ -172,7 +173,7 @@ class Rollout:
     async def _bounded(self, spec: EpisodeSpec, client: BatchingClient, step: int) -> Episode:
         try:
             return await asyncio.wait_for(self.run_episode(spec, client, step), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step)
             return self._fail(ep, Status.TIMEOUT, f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
 

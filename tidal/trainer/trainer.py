@@ -48,8 +48,8 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def select(self, idx: list[int]) -> "TrainBatch":
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+    def select(self, idx: list[int]) -> TrainBatch:
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]
         return TrainBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
                           pick(self.behaviour_logprobs), pick(self.old_logprobs), pick(self.returns),
                           pick(self.old_values))
@@ -165,7 +165,7 @@ class Trainer:
         max_diff = 0.0
         for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
             toks = [batch.tokens[i] for i in idx]
-            pad = lambda rows, v=0.0: _pad(rows, v, torch.float32, self.device)  # noqa: E731
+            pad = lambda rows, v=0.0: _pad(rows, v, torch.float32, self.device)
             logits, targets = self._forward(self.model, toks)
             mask = _pad([masks[i] for i in idx], False, torch.bool, self.device)
             logp = token_logprobs(logits, targets, self.temperature)
