@@ -295,12 +295,12 @@ def test_gpu_same_seed_same_sample(engine, prompts, tok):
 @pytest.mark.gpu
 @gpu_test
 def test_gpu_close_leaves_no_process(tok):
+    from tidal.engines.served import group_members
     from tidal.engines.sglang_engine import SGLangEngine
-    from tidal.engines.vllm_engine import _group_members
 
     eng = SGLangEngine(DEFAULT_MODEL_DIR, dtype="float32", gpu_memory_utilization=0.2)
     pgid = eng.proc.pid
     eng.close()
-    assert _group_members(pgid) == []
+    assert group_members(pgid) == []
     with pytest.raises(SGLangEngineError, match=r"SGLang engine \(server pid .*\) is closed"):
         run(eng.generate(requests([[5, 6, 7]], tok)))

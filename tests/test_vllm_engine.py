@@ -198,7 +198,8 @@ def test_request_too_long_names_the_request(engine, prompts, tok):
 def test_server_mode(engine, prompts, tok, tmp_path):
     """A supervised OpenAI-compatible server: token ids in and out, weight update over HTTP,
     errors that name it when it dies and after close, no process left behind."""
-    from tidal.engines.vllm_engine import VLLMEngine, VLLMEngineError, _group_members
+    from tidal.engines.served import group_members
+    from tidal.engines.vllm_engine import VLLMEngine, VLLMEngineError
 
     engine.update_weights(10, {n: p.detach() for n, p in load_model(MODEL).named_parameters()})
     reqs = requests(prompts[:16], tok)
@@ -228,7 +229,7 @@ def test_server_mode(engine, prompts, tok, tmp_path):
             run(server.generate(reqs[:1]))
     finally:
         server.close()
-    assert _group_members(pgid) == []
+    assert group_members(pgid) == []
     with pytest.raises(VLLMEngineError, match=r"vLLM engine \(server .*\) is closed: generate"):
         run(server.generate(reqs[:1]))
     assert list(tmp_path.glob("vllm-server-*.log")), "the server's log is kept in log_dir"

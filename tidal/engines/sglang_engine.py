@@ -65,7 +65,7 @@ from typing import Any, Self
 import torch
 
 from tidal.engines.gate import UpdateGate, with_tied_head
-from tidal.engines.vllm_engine import _free_port, _http_call, _stop_process_group, _tail, _wait_healthy
+from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -201,7 +201,7 @@ class SGLangEngine:
         self._ids = itertools.count()
         self._gate = UpdateGate()  # between generate calls and weight updates
 
-        self.host, self.port = "127.0.0.1", _free_port()
+        self.host, self.port = "127.0.0.1", free_port()
         self.url = f"http://{self.host}:{self.port}"
         self._tmp = Path(tempfile.mkdtemp(prefix="tidal-sglang-"))
         self.weights_dir = self._tmp / "weights"
@@ -216,7 +216,7 @@ class SGLangEngine:
         # Close on interpreter exit: no server process outlives tidal.
         self._finalizer = weakref.finalize(self, _close_server, self.proc, self._log, self._tmp, self.log_path)
         try:
-            _wait_healthy(self.proc, self.url + "/health", start_timeout_s, "SGLang server", self.log_path,
+            wait_healthy(self.proc, self.url + "/health", start_timeout_s, "SGLang server", self.log_path,
                           SGLangEngineError, "engine.vllm_start_timeout_s")
         except BaseException:
             self.close()
@@ -308,10 +308,10 @@ class SGLangEngine:
         code = self.proc.poll()
         if code is None:
             return ""
-        return f"The server exited with code {code}; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+        return f"The server exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path)}"
 
     def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
-        return _http_call(self.url, method, path, body, timeout_s, SGLangEngineError, self.dead)
+        return http_call(self.url, method, path, body, timeout_s, SGLangEngineError, self.dead)
 
     def _load(self, named: dict[str, torch.Tensor], version: int) -> None:
         from safetensors.torch import save_file
@@ -352,7 +352,7 @@ class SGLangEngine:
 
 
 def _close_server(proc: subprocess.Popen, log_file, tmp: Path, log_path: Path) -> None:
-    _stop_process_group(proc)
+    stop_process_group(proc)
     log_file.close()
     shutil.rmtree(tmp / "weights", ignore_errors=True)
     if log_path.parent != tmp:

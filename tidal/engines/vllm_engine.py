@@ -45,17 +45,12 @@ import logging
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -63,6 +58,7 @@ import numpy as np
 import torch
 
 from tidal.engines.gate import UpdateGate, with_tied_head
+from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -103,14 +99,6 @@ def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own log-prob only
     }
-
-
-def _tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return "(no log)"
-    return "\n".join(text[-lines:])
 
 
 def _finish_reason(reason: str | None, where: str) -> str:
@@ -432,90 +420,12 @@ class _InProcess:
 
 
 # -- server ---------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _stop_process_group(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM the process group `proc` leads (started with start_new_session=True), SIGKILL
-    after timeout_s, then wait until no live process of the group is left: children that
-    outlive the leader (vLLM's engine core, SGLang's scheduler) go too."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout_s)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout_s
-    while _group_members(proc.pid) and time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            break
-        time.sleep(0.1)
-
-
-def _wait_healthy(proc: subprocess.Popen, health_url: str, timeout_s: float, who: str, log_path: Path,
-                  error: type[Exception], setting: str) -> None:
-    """Poll health_url until it answers 200; `error` names `who` if the process exits first or
-    the time (the config key `setting`) runs out, quoting the log's last lines."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise error(f"{who} (pid {proc.pid}) exited with code {proc.returncode} "
-                        f"while starting; last lines of {log_path}:\n{_tail(log_path)}")
-        try:
-            with urllib.request.urlopen(health_url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):  # HTTPError (503 while starting) included
-            pass
-        time.sleep(0.5)
-    raise error(f"{who} (pid {proc.pid}) was not healthy within {timeout_s:g} s "
-                f"({setting}); last lines of {log_path}:\n{_tail(log_path)}")
-
-
-def _http_call(base_url: str, method: str, path: str, body: dict | None, timeout_s: float,
-               error: type[Exception], dead: Callable[[], str]) -> str:
-    """One JSON HTTP call with a timeout; the answer's text, or `error` naming the call (and,
-    when the call could not be made, why the server is gone: `dead()`)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(base_url + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return r.read().decode()
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")[:500]
-        raise error(f"{method} {path} answered {e.code}: {detail}") from e
-    except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-        raise error(f"{method} {path} failed: {e}. {dead()}") from e
-
-
 class _Server:
     """An OpenAI-compatible vLLM server child process, supervised."""
 
     def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], start_timeout_s: float,
                  request_timeout_s: float, log_dir: str | Path | None):
-        self.host, self.port = "127.0.0.1", _free_port()
+        self.host, self.port = "127.0.0.1", free_port()
         self.url = f"http://{self.host}:{self.port}"
         self._tmp = Path(tempfile.mkdtemp(prefix="tidal-vllm-"))
         self.weights_dir = self._tmp / "weights"
@@ -547,14 +457,14 @@ class _Server:
         code = self.proc.poll()
         if code is None:
             return ""
-        return f"The server exited with code {code}; last lines of {self.log_path}:\n{_tail(self.log_path)}"
+        return f"The server exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path)}"
 
     def _wait_healthy(self, timeout_s: float) -> None:
-        _wait_healthy(self.proc, self.url + "/health", timeout_s, "vLLM server", self.log_path, VLLMEngineError,
+        wait_healthy(self.proc, self.url + "/health", timeout_s, "vLLM server", self.log_path, VLLMEngineError,
                       "engine.vllm_start_timeout_s")
 
     def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
-        return _http_call(self.url, method, path, body, timeout_s, VLLMEngineError, self.dead)
+        return http_call(self.url, method, path, body, timeout_s, VLLMEngineError, self.dead)
 
     async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[Completion]:
         import aiohttp  # a dependency of vLLM
@@ -596,7 +506,7 @@ class _Server:
         self._http("POST", "/reset_prefix_cache", {}, 60)
 
     def close(self) -> None:
-        _stop_process_group(self.proc)
+        stop_process_group(self.proc)
         self._log.close()
         shutil.rmtree(self.weights_dir, ignore_errors=True)
         if self.log_path.parent != self._tmp:
