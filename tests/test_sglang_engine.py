@@ -10,12 +10,20 @@ lent yet (docs/engines.md, SGLang).
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 
 import pytest
 import torch
+from engine_checks import (
+    check_greedy_equals_reference,
+    check_same_seed_same_sample,
+    check_sampled_logprobs_match_trainer,
+    check_update_follows_new_weights,
+    held_out_prompt_ids,
+    requests,
+    run,
+)
 
 from tidal.config import ConfigError, EngineConfig, load_config
 from tidal.engines.factory import build_engine, choose_engine_kind
@@ -27,7 +35,7 @@ from tidal.engines.sglang_engine import (
     sampling_fields,
     server_command,
 )
-from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer, stop_token_ids
+from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
 from tidal.types import GenerationRequest, SamplingParams
 
 EOS = frozenset({2})
@@ -157,12 +165,6 @@ def test_auto_never_chooses_sglang(monkeypatch):
 # -- on a GPU: the real checks (never run yet) -------------------------------------------------
 GPU = torch.cuda.is_available() and importlib.util.find_spec("sglang") is not None
 gpu_test = pytest.mark.skipif(not GPU, reason="needs CUDA and `pip install sglang` (SGLang has no CPU kernels)")
-# Same bound as the vLLM tests (fp32); SGLang on GPU in fp32 is expected to be well inside it.
-LOGPROB_TOL = 5e-4
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +174,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    from tidal.config import TaskConfig
-    from tidal.runtime.tasks import build_task
-
-    rows = build_task(TaskConfig(eval_size=48)).eval_rows
-    return [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False)["input_ids"] for r in rows]
+    return held_out_prompt_ids(tok)
 
 
 @pytest.fixture(scope="module")
@@ -196,100 +193,30 @@ def torch_engine(tok):
     return TorchEngine(load_model(DEFAULT_MODEL_DIR, device="cuda"), tok.pad_token_id)
 
 
-def requests(prompts, tok, temperature=0.0, seed=0, tag="r"):
-    stops = stop_token_ids(tok)
-    return [GenerationRequest(f"{tag}{i}", list(p), SamplingParams(max_new_tokens=32, temperature=temperature,
-                                                                   seed=seed + i, stop_token_ids=stops))
-            for i, p in enumerate(prompts)]
-
-
-def perturbed_weights(seed: int, scale: float = 0.03) -> dict[str, torch.Tensor]:
-    """The model's own named_parameters() (no lm_head.weight: tied), moved by noise."""
-    model = load_model(DEFAULT_MODEL_DIR)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def trainer_logprobs(weights, results, reqs, temperature):
-    from tidal.algorithms import token_logprobs
-
-    model = load_model(DEFAULT_MODEL_DIR)
-    model.load_state_dict(weights, strict=False)
-    model.tie_weights()
-    out = []
-    with torch.no_grad():
-        for r, res in zip(reqs, results):
-            ids = torch.tensor([r.prompt_ids + res.token_ids])
-            lp = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:], temperature)
-            out.append(lp[0, len(r.prompt_ids) - 1:].tolist())
-    return out
-
-
-def max_diff(a, b) -> float:
-    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v, strict=True))
-
-
+# The same checks as the vLLM engine's (tests/engine_checks.py).
 @pytest.mark.gpu
 @gpu_test
 def test_gpu_greedy_equals_torch_engine(engine, torch_engine, prompts, tok):
-    reqs = requests(prompts, tok)
-    ours, ref = run(engine.generate(reqs)), run(torch_engine.generate(reqs))
-    same = sum(a.token_ids == b.token_ids for a, b in zip(ours, ref))
-    assert same == len(reqs), f"greedy outputs differ on {len(reqs) - same} of {len(reqs)} prompts"
-    assert [a.finish_reason for a in ours] == [b.finish_reason for b in ref]
-    assert max_diff([a.logprobs for a in ours], [b.logprobs for b in ref]) < LOGPROB_TOL
-    assert all(a.version == 0 for a in ours)
+    check_greedy_equals_reference(engine, torch_engine, prompts, tok)
 
 
 @pytest.mark.gpu
 @gpu_test
 def test_gpu_weight_update_follows_new_weights(engine, torch_engine, prompts, tok):
-    reqs = requests(prompts[:16], tok)
-    before = run(engine.generate(reqs))
-    new = perturbed_weights(seed=1)
-    engine.update_weights(7, new)
-    torch_engine.update_weights(7, new)
-    ours, ref = run(engine.generate(reqs)), run(torch_engine.generate(reqs))
-    assert engine.version == 7 and all(r.version == 7 for r in ours)
-    assert [a.token_ids for a in ours] != [b.token_ids for b in before], "the update changed nothing"
-    assert [a.token_ids for a in ours] == [b.token_ids for b in ref]
-    assert max_diff([a.logprobs for a in ours], [b.logprobs for b in ref]) < LOGPROB_TOL
-    base = {n: p.detach() for n, p in load_model(DEFAULT_MODEL_DIR).named_parameters()}
-    engine.update_weights(8, base)
-    torch_engine.update_weights(8, base)
-    assert [r.token_ids for r in run(engine.generate(reqs))] == [b.token_ids for b in before]
+    check_update_follows_new_weights(engine, torch_engine, prompts, tok)
 
 
 @pytest.mark.gpu
 @gpu_test
 def test_gpu_sampled_logprobs_match_trainer(engine, prompts, tok):
     """The temperature convention: SGLang's returned log-probs are log softmax(logits / T)."""
-    new = perturbed_weights(seed=2)
-    engine.update_weights(9, new)
-    for temperature in (1.0, 0.7):
-        reqs = requests(prompts[:24], tok, temperature=temperature, seed=100)
-        res = run(engine.generate(reqs))
-        assert sum(len(r.token_ids) for r in res) > 100
-        gap = max_diff([r.logprobs for r in res], trainer_logprobs(new, res, reqs, temperature))
-        assert gap < LOGPROB_TOL, f"engine/trainer log-prob mismatch {gap:.2e} at T={temperature}"
+    check_sampled_logprobs_match_trainer(engine, prompts, tok)
 
 
 @pytest.mark.gpu
 @gpu_test
 def test_gpu_same_seed_same_sample(engine, prompts, tok):
-    stops = stop_token_ids(tok)
-
-    def one(i, seed):
-        return GenerationRequest(f"s{i}", list(prompts[0]), SamplingParams(max_new_tokens=24, temperature=1.0,
-                                                                           seed=seed, stop_token_ids=stops))
-
-    batch = run(engine.generate([one(0, 11), one(1, 11), one(2, 12), one(3, 13), one(4, 14)]))
-    alone = run(engine.generate([one(5, 11)]))[0]
-    assert batch[0].token_ids == batch[1].token_ids == alone.token_ids
-    assert len({tuple(r.token_ids) for r in batch}) > 1, "different seeds gave one sample"
+    check_same_seed_same_sample(engine, prompts, tok)
 
 
 @pytest.mark.gpu

@@ -13,9 +13,22 @@ import importlib.util
 import os
 
 import pytest
-import torch
+from engine_checks import (
+    LOGPROB_TOL,
+    base_weights,
+    check_greedy_equals_reference,
+    check_same_seed_same_sample,
+    check_sampled_logprobs_match_trainer,
+    check_update_follows_new_weights,
+    held_out_prompt_ids,
+    max_diff,
+    perturbed_weights,
+    requests,
+    run,
+    trainer_logprobs,
+)
 
-from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer, stop_token_ids
+from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
 from tidal.types import GenerationRequest, SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -24,15 +37,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIR
     pytest.skip("vLLM is not installed (`make setup-vllm`); set TIDAL_REQUIRE_VLLM=1 to fail instead",
                 allow_module_level=True)
 
-# Measured on this model (fp32, CPU, 500 held-out prompts): greedy tokens agree on every
-# prompt; |Δ log-prob| ≤ 1.3e-4 (mean ≤ 5e-7) against the torch engine and the trainer, the
-# largest on randomly perturbed weights. The bound leaves ~4× for other CPUs' kernels.
-LOGPROB_TOL = 5e-4
 MODEL = DEFAULT_MODEL_DIR
-
-
-def run(coro):
-    return asyncio.run(coro)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +47,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    from tidal.config import TaskConfig
-    from tidal.runtime.tasks import build_task
-
-    rows = build_task(TaskConfig(eval_size=48)).eval_rows
-    return [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False)["input_ids"] for r in rows]
+    return held_out_prompt_ids(tok)
 
 
 @pytest.fixture(scope="module")
@@ -66,108 +66,26 @@ def torch_engine(tok):
     return TorchEngine(load_model(MODEL), tok.pad_token_id)
 
 
-def requests(prompts, tok, temperature=0.0, seed=0, max_new_tokens=32, tag="r"):
-    stops = stop_token_ids(tok)
-    return [GenerationRequest(f"{tag}{i}", list(p), SamplingParams(max_new_tokens=max_new_tokens,
-                                                                   temperature=temperature, seed=seed + i,
-                                                                   stop_token_ids=stops))
-            for i, p in enumerate(prompts)]
-
-
-def perturbed_weights(seed: int, scale: float = 0.03) -> dict[str, torch.Tensor]:
-    """Trainer-like new weights: the model's own named_parameters() (no lm_head.weight: the
-    embedding is tied), moved by noise."""
-    model = load_model(MODEL)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def trainer_logprobs(weights, results, reqs, temperature):
-    """log softmax(logits / T) of each generated token under an HF model holding `weights`."""
-    from tidal.algorithms import token_logprobs
-
-    model = load_model(MODEL)
-    if weights is not None:
-        model.load_state_dict(weights, strict=False)
-        model.tie_weights()
-    out = []
-    with torch.no_grad():
-        for r, res in zip(reqs, results):
-            ids = torch.tensor([r.prompt_ids + res.token_ids])
-            logits = model(input_ids=ids).logits[:, :-1]
-            lp = token_logprobs(logits, ids[:, 1:], temperature)[0, len(r.prompt_ids) - 1:]
-            out.append(lp.tolist())
-    return out
-
-
-def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v, strict=True))
-
-
 def test_greedy_equals_torch_engine(engine, torch_engine, prompts, tok):
-    reqs = requests(prompts, tok)
-    ours, ref = run(engine.generate(reqs)), run(torch_engine.generate(reqs))
-    same = sum(a.token_ids == b.token_ids for a, b in zip(ours, ref))
-    assert same == len(reqs), f"greedy outputs differ on {len(reqs) - same} of {len(reqs)} prompts"
-    assert [a.finish_reason for a in ours] == [b.finish_reason for b in ref]
-    assert {a.finish_reason for a in ours} <= {"stop", "length"} and any(a.finish_reason == "stop" for a in ours)
-    assert max_diff([a.logprobs for a in ours], [b.logprobs for b in ref]) < LOGPROB_TOL
-    assert all(a.version == 0 and a.request_id == r.request_id for a, r in zip(ours, reqs))
+    check_greedy_equals_reference(engine, torch_engine, prompts, tok)
 
 
 def test_weight_update_follows_new_weights(engine, torch_engine, prompts, tok):
-    reqs = requests(prompts[:16], tok)
-    before = run(engine.generate(reqs))
-    new = perturbed_weights(seed=1)
-    engine.update_weights(7, new)
-    torch_engine.update_weights(7, new)
-    ours, ref = run(engine.generate(reqs)), run(torch_engine.generate(reqs))
-    assert engine.version == 7 and all(r.version == 7 for r in ours)
-    assert [a.token_ids for a in ours] != [b.token_ids for b in before], "the update changed nothing"
-    assert [a.token_ids for a in ours] == [b.token_ids for b in ref]
-    # A stale tied output layer would be off by 0.2-0.7 here (PLATFORM.md).
-    assert max_diff([a.logprobs for a in ours], [b.logprobs for b in ref]) < LOGPROB_TOL
-    base = {n: p.detach() for n, p in load_model(MODEL).named_parameters()}
-    engine.update_weights(8, base)
-    torch_engine.update_weights(8, base)
-    assert [r.token_ids for r in run(engine.generate(reqs))] == [b.token_ids for b in before]
+    check_update_follows_new_weights(engine, torch_engine, prompts, tok)
 
 
 def test_sampled_logprobs_match_trainer(engine, prompts, tok):
-    """Engine/trainer mismatch on the engine's own sampled tokens, at a temperature ≠ 1 (the
-    processed_logprobs convention divides by T) and after a weight update."""
-    new = perturbed_weights(seed=2)
-    engine.update_weights(9, new)
-    for temperature in (1.0, 0.7):
-        reqs = requests(prompts[:24], tok, temperature=temperature, seed=100)
-        res = run(engine.generate(reqs))
-        assert sum(len(r.token_ids) for r in res) > 100
-        gap = max_diff([r.logprobs for r in res], trainer_logprobs(new, res, reqs, temperature))
-        assert gap < LOGPROB_TOL, f"engine/trainer log-prob mismatch {gap:.2e} at T={temperature}"
+    check_sampled_logprobs_match_trainer(engine, prompts, tok)
 
 
 def test_same_seed_same_sample(engine, prompts, tok):
-    stops = stop_token_ids(tok)
-    p = prompts[0]
-
-    def req(i, seed):
-        return GenerationRequest(f"s{i}", list(p), SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed,
-                                                                  stop_token_ids=stops))
-
-    batch = run(engine.generate([req(0, 11), req(1, 11), req(2, 12), req(3, 13), req(4, 14)]))
-    alone = run(engine.generate([req(5, 11)]))[0]
-    assert batch[0].token_ids == batch[1].token_ids == alone.token_ids
-    assert batch[0].logprobs == alone.logprobs
-    assert len({tuple(r.token_ids) for r in batch}) > 1, "different seeds gave one sample"
+    check_same_seed_same_sample(engine, prompts, tok)
 
 
 def test_pause_and_updates_wait_for_calls_in_flight(engine, prompts, tok):
     """A result's version produced all of its tokens: an update waits for the generate calls
     in flight and holds new ones back; pause() holds new calls until resume()."""
-    base = {n: p.detach() for n, p in load_model(MODEL).named_parameters()}
+    base = base_weights()
     engine.update_weights(20, base)
 
     async def scenario():
@@ -201,7 +119,7 @@ def test_server_mode(engine, prompts, tok, tmp_path):
     from tidal.engines.served import group_members
     from tidal.engines.vllm_engine import VLLMEngine, VLLMEngineError
 
-    engine.update_weights(10, {n: p.detach() for n, p in load_model(MODEL).named_parameters()})
+    engine.update_weights(10, base_weights())
     reqs = requests(prompts[:16], tok)
     sampled = requests(prompts[:8], tok, temperature=1.0, seed=5, tag="t")
     server = VLLMEngine(MODEL, mode="server", dtype="float32", log_dir=tmp_path, start_timeout_s=300)
