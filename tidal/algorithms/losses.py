@@ -50,10 +50,7 @@ def ppo_clip_loss(
     gradient a clip cut.
     """
     ratio = torch.exp((logp_BT - old_logp_BT).clamp(-20.0, 20.0))
-    unclipped = -ratio * adv_BT
-    clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_BT
-    loss = torch.maximum(unclipped, clipped)
-    cut = clipped > unclipped
+    loss, cut = _clipped_surrogate(ratio, adv_BT, clip_low, clip_high)
     if dual_clip is not None:
         bound = -dual_clip * adv_BT
         dual = (adv_BT < 0) & (loss > bound)
@@ -80,9 +77,14 @@ def gspo_loss(
     m = mask_BT.to(logp_BT.dtype)
     log_s_B = ((logp_BT - old_logp_BT) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
     s_BT = torch.exp(log_s_B.detach().clamp(-20.0, 20.0))[:, None] * torch.exp(logp_BT - logp_BT.detach())
-    unclipped = -s_BT * adv_BT
-    clipped = -s_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_BT
-    return torch.maximum(unclipped, clipped), (clipped > unclipped)
+    return _clipped_surrogate(s_BT, adv_BT, clip_low, clip_high)
+
+
+def _clipped_surrogate(ratio_BT, adv_BT, clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(−ρ·A, −clip(ρ, 1−clip_low, 1+clip_high)·A) and where the clip cut the gradient."""
+    unclipped = -ratio_BT * adv_BT
+    clipped = -ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high) * adv_BT
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 def cispo_loss(

@@ -14,7 +14,7 @@ import torch
 
 from tidal.algorithms import estimate_advantages, informative_groups, kl_estimate, overlong_penalty, terminal_rewards
 from tidal.config import AlgorithmConfig
-from tidal.trainer.trainer import TrainBatch
+from tidal.trainer.trainer import TrainBatch, pad_rows
 from tidal.types import Episode, Status
 
 
@@ -45,14 +45,6 @@ def informative(episodes: list[Episode]) -> set[str]:
     return {g for g, k in zip(ids, keep_G.tolist()) if k}
 
 
-def pad_positions(rows: list[list], value=0.0, dtype=torch.float32) -> torch.Tensor:
-    L = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), L), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out
-
-
 def unpad_positions(x_BT: torch.Tensor, lengths: list[int]) -> list[list[float]]:
     return [x_BT[i, :n].tolist() for i, n in enumerate(lengths)]
 
@@ -67,20 +59,21 @@ def build_batch(
     batch = TrainBatch(tokens=[e.tokens for e in episodes], loss_mask=[e.loss_mask for e in episodes],
                        advantages=[], behaviour_logprobs=[e.logprobs for e in episodes])
     lengths = [len(e.tokens) - 1 for e in episodes]
-    mask_BT = pad_positions([m[1:] for m in batch.loss_mask], False, torch.bool)
+    mask_BT = pad_rows([m[1:] for m in batch.loss_mask], False, torch.bool)
     token_rewards_BT = terminal_rewards(torch.tensor([e.reward for e in episodes]), mask_BT)
     metrics: dict[str, float] = {}
     if algo.kl_in == "reward" and trainer.ref_model is not None:
         # veRL/OpenRLHF's KL-in-reward: β·KL(π_prox ‖ π_ref) per token, before advantages.
         batch.old_logprobs = trainer.logprobs(batch)  # also the PPO anchor: no second pass later
-        kl_BT = kl_estimate(pad_positions(batch.old_logprobs), pad_positions(trainer.ref_logprobs(batch)),
+        prox_BT = pad_rows(batch.old_logprobs, 0.0, torch.float32)
+        kl_BT = kl_estimate(prox_BT, pad_rows(trainer.ref_logprobs(batch), 0.0, torch.float32),
                             algo.kl_estimator) * mask_BT
         token_rewards_BT = token_rewards_BT - kl_coef * kl_BT
         metrics["kl"] = float(kl_BT.sum() / mask_BT.sum().clamp(min=1))
     values_BT = None
     if algo.advantage == "gae":
         batch.old_values = trainer.values(batch)
-        values_BT = pad_positions(batch.old_values)
+        values_BT = pad_rows(batch.old_values, 0.0, torch.float32)
     baseline_N = None
     if algo.advantage == "remax":
         baseline_N = torch.tensor([baselines[e.group_id] for e in episodes])

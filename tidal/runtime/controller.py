@@ -184,14 +184,15 @@ class Controller:
             rows = self.source.take(want)
             specs = group_specs(rows, self.task.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
                                 offset=rounds * want, greedy_baseline=algo.advantage == "remax")
-            batch = asyncio.run(self.rollout.run(specs, self.engine, step))
-            for spec, e in zip(specs, batch):
+            new: list[Episode] = []  # this round's samples that were scored
+            for spec, e in zip(specs, asyncio.run(self.rollout.run(specs, self.engine, step))):
                 if spec.greedy:  # a baseline, not a sample: no training, no sample metrics
                     if e.status.trainable:
                         baselines[e.group_id] = e.reward
-                else:
-                    episodes.append(e)
-            new = [e for e in batch if e.status.trainable and not e.episode_id.endswith("-greedy")]
+                    continue
+                episodes.append(e)
+                if e.status.trainable:
+                    new.append(e)
             shape_rewards(new, algo, cfg.rollout.max_new_tokens)
             groups = list(dict.fromkeys(e.group_id for e in new))
             if algo.advantage == "remax":

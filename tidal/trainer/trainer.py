@@ -80,7 +80,8 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return out
 
 
-def _pad(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
+def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
+    """Right-pad ragged rows into one [len(rows), longest] tensor."""
     L = max(len(r) for r in rows)
     out = torch.full((len(rows), L), value, dtype=dtype)
     for i, r in enumerate(rows):
@@ -115,8 +116,8 @@ class Trainer:
 
     # -- forward passes -------------------------------------------------------------------
     def _inputs(self, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = _pad(tokens, self.pad_token_id, torch.long, self.device)
-        attn = _pad([[1] * len(t) for t in tokens], 0, torch.long, self.device)
+        ids = pad_rows(tokens, self.pad_token_id, torch.long, self.device)
+        attn = pad_rows([[1] * len(t) for t in tokens], 0, torch.long, self.device)
         return ids, attn
 
     def _forward(self, model, tokens: list[list[int]]):
@@ -165,9 +166,9 @@ class Trainer:
         max_diff = 0.0
         for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
             toks = [batch.tokens[i] for i in idx]
-            pad = lambda rows, v=0.0: _pad(rows, v, torch.float32, self.device)
+            pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
             logits, targets = self._forward(self.model, toks)
-            mask = _pad([masks[i] for i in idx], False, torch.bool, self.device)
+            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
             logp = token_logprobs(logits, targets, self.temperature)
             behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
             prox = logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i] for i in idx])
