@@ -99,8 +99,7 @@ class TorchEngine:
                     new = self._prefill(requests, take)
                     rows = new if rows is None else rows.merge(new)
                 assert rows is not None
-                steps = torch.tensor([len(tokens[i]) for i in rows.idx.tolist()], device=rows.seeds.device)
-                tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, steps)
+                tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps)
                 keep = []
                 for row, (i, t, lpv) in enumerate(zip(rows.idx.tolist(), tok.tolist(), lp.tolist())):
                     tokens[i].append(t)
@@ -147,6 +146,7 @@ class TorchEngine:
             top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
             top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
             seeds=torch.tensor([r.params.seed for r in reqs], dtype=torch.long, device=dev),
+            steps=torch.zeros(B, dtype=torch.long, device=dev),
         )
 
 
@@ -165,8 +165,9 @@ class _Rows:
     top_k: torch.Tensor
     top_p: torch.Tensor
     seeds: torch.Tensor
+    steps: torch.Tensor  # tokens generated so far per row: the position of the sampling noise
 
-    _PER_ROW = ("idx", "attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds")
+    _PER_ROW = ("idx", "attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps")
 
     def __len__(self) -> int:
         return len(self.idx)
@@ -184,6 +185,7 @@ class _Rows:
             cache=self.cache, use_cache=True,
         ).logits[:, -1]
         self.next_pos = self.next_pos + 1
+        self.steps = self.steps + 1
 
     def merge(self, new: _Rows) -> _Rows:
         """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
