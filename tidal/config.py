@@ -134,8 +134,31 @@ class EngineConfig(_Section):
     request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
 
 
+class RoleResources(_Section):
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs one actor of this role reserves.")
+    num_gpus: float = Field(0.0, ge=0.0, description="GPUs one actor of this role reserves (fractions share a GPU).")
+    resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources one actor needs, e.g. {node_type_a: 1}: pins the role to nodes that offer them.")
+
+
 class PlacementConfig(_Section):
-    mode: Literal["local"] = Field("local", description="local: every role in the driver process.")
+    mode: Literal["local", "ray"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors.")
+    address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
+    host: str = Field("127.0.0.1", description="ray, local instance: the address Ray and every service it starts listen on. 127.0.0.1 keeps everything on loopback.")
+    ray_temp_dir: str | None = Field(None, description="ray, local instance: Ray's session directory; None: Ray's default (/tmp/ray).")
+    trainer_ranks: int = Field(1, ge=1, description="Data-parallel trainer ranks (FSDP2-sharded when > 1; ray mode only).")
+    colocate: bool = Field(False, description="ray: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; weights move in process). False: engines are their own actors (disaggregated).")
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
+    trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
+    engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
+    weight_sync: Literal["auto", "inprocess", "broadcast", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; disk = safetensors under weight_sync_dir (a filesystem every node sees).")
+    weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
+    weight_sync_bucket_mb: float = Field(256.0, gt=0.0, description="broadcast transport: size of one flat bucket.")
+    weight_sync_checksum: bool = Field(False, description="Verify every sync: engines checksum what arrived against the trainer's checksum.")
+    call_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one remote call (a trainer step, a weight sync); past it the role is reported hung, with role, call and step.")
+    collective_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one torch.distributed collective of trainer ranks and weight broadcast.")
+    start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
+    restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
 
 
 class RunConfig(_Section):
@@ -173,6 +196,17 @@ class TidalConfig(_Section):
             raise ValueError("algorithm.advantage=remax compares samples with the greedy response: rollout.temperature must be > 0")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be below rollout.max_new_tokens={self.rollout.max_new_tokens}")
+        pl = self.placement
+        if pl.mode == "local" and pl.trainer_ranks > 1:
+            raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
+        if pl.mode == "local" and pl.colocate:
+            raise ValueError("placement.colocate applies to placement.mode=ray (local mode is always colocated)")
+        if pl.colocate and self.engine.replicas != pl.trainer_ranks:
+            raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
+        if pl.mode == "local" and pl.weight_sync == "broadcast":
+            raise ValueError("placement.weight_sync=broadcast needs placement.mode=ray (local mode moves weights in process)")
+        if pl.mode == "ray" and self.engine.kind == "vllm" and self.engine.vllm_mode == "server":
+            raise ValueError("engine.vllm_mode=server with placement.mode=ray: each engine actor runs vLLM in process; use engine.vllm_mode=in_process")
         if self.rollout.global_batch % self.train.mini_batches:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} does not divide the global batch "

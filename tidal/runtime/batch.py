@@ -62,7 +62,7 @@ def build_batch(
     mask_BT = pad_rows([m[1:] for m in batch.loss_mask], False, torch.bool)
     token_rewards_BT = terminal_rewards(torch.tensor([e.reward for e in episodes]), mask_BT)
     metrics: dict[str, float] = {}
-    if algo.kl_in == "reward" and trainer.ref_model is not None:
+    if algo.kl_in == "reward" and algo.kl_coef > 0:  # a reference model is loaded
         # veRL/OpenRLHF's KL-in-reward: β·KL(π_prox ‖ π_ref) per token, before advantages.
         batch.old_logprobs = trainer.logprobs(batch)  # also the PPO anchor: no second pass later
         prox_BT = pad_rows(batch.old_logprobs, 0.0, torch.float32)

@@ -19,8 +19,7 @@ import torch
 
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import TidalConfig, dump_config
-from tidal.engines.factory import build_engine, choose_engine_kind
-from tidal.engines.router import Router
+from tidal.engines.factory import choose_engine_kind
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor.episodes import EpisodeWriter
@@ -28,9 +27,9 @@ from tidal.monitor.progress import Progress
 from tidal.monitor.sinks import JsonlSink
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout, group_specs
 from tidal.runtime.tasks import Task, build_task
-from tidal.trainer.trainer import Trainer
 from tidal.types import Episode, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -98,18 +97,13 @@ class Controller:
 
         self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
         device = cfg.model.resolved_device()
-        self.trainer = Trainer(str(self.model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
-                               temperature=cfg.rollout.temperature, pad_token_id=self.tokenizer.pad_token_id,
-                               device=device, norm_len=cfg.loss_norm_len)
         self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
         kind, why = choose_engine_kind(cfg.engine.kind, device)
         log.info("engine: %s (%s)", kind, why)
         self.engine_choice = f"{kind} ({why})"
-        engines = [build_engine(kind, cfg.engine, self.model_dir, dtype=cfg.model.dtype, device=device,
-                                pad_token_id=self.tokenizer.pad_token_id, seed=cfg.run.seed, log_dir=run_dir / "engine")
-                   for _ in range(cfg.engine.replicas)]
-        self.engine = engines[0] if len(engines) == 1 else Router(
-            engines, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
+        # Trainer ranks, engine replicas and the way weights reach them (placement.mode).
+        self.roles = build_roles(cfg, self.model_dir, self.tokenizer.pad_token_id, kind, run_dir)
+        self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
@@ -124,6 +118,7 @@ class Controller:
     # -- the loop ---------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         cfg, step = self.cfg, self.step + 1
+        self.trainer.step = step  # named in the error of a role that fails
         t0 = time.perf_counter()
         episodes, train_eps, baselines, metrics = self._sample(step)  # sample + reward (+ DAPO refill)
         t_rollout = time.perf_counter() - t0
@@ -150,7 +145,7 @@ class Controller:
                 self.kl_ctl.update(metrics["kl"], len(batch))
         t_train = time.perf_counter() - t0 - t_rollout
 
-        self.engine.update_weights(self.trainer.version, self.trainer.named_weights())  # weight sync
+        metrics.update(self.pusher.push(step))  # weight sync
         self.step = step
         dt = time.perf_counter() - t0
         tokens = sum(len(e.tokens) for e in episodes)
@@ -242,10 +237,8 @@ class Controller:
         return last
 
     def close(self) -> None:
-        """Stop the engines (a vLLM server process ends with its engine)."""
-        for engine in getattr(self.engine, "replicas", [self.engine]):
-            if hasattr(engine, "close"):
-                engine.close()
+        """Stop the engines (a vLLM server process ends with its engine) and the actors."""
+        self.roles.close()
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:
@@ -254,7 +247,7 @@ class Controller:
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.trainer.save(tmp, tokenizer=self.tokenizer)
+        self.trainer.save(tmp)
         write_json(tmp / "controller.json", {"step": self.step, "data": self.source.state_dict(),
                                              "engine_version": self.engine.version, "kl": self.kl_ctl.state_dict()})
         shutil.rmtree(final, ignore_errors=True)
@@ -271,4 +264,4 @@ class Controller:
         self.source.load_state_dict(state["data"])
         if "kl" in state:
             self.kl_ctl.load_state_dict(state["kl"])
-        self.engine.update_weights(self.trainer.version, self.trainer.named_weights())
+        self.pusher.push(self.step)

@@ -1,0 +1,115 @@
+"""One small handle type for a role, in process or a Ray actor (DESIGN.md, roles).
+
+The controller submits calls and gathers their results the same way in both placement
+modes, so no code path exists only for one of them. `submit` starts a call (a local
+call runs at once; a Ray call is sent), `gather` collects several calls with one bound
+on the time they may take together. Whatever goes wrong comes back as a `RoleError` that
+names the role, the call and the step: a timeout (the role is hung, or a collective
+waits for a rank that died), an actor that died, or an exception the role raised, whose
+own message is kept.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class RoleError(RuntimeError):
+    """A role failed, hung or died; `kind` is "raised", "timeout" or "died"."""
+
+    def __init__(self, role: str, call: str, step: int | None, kind: str, detail: str):
+        where = f" at step {step}" if step is not None else ""
+        verb = {"raised": "raised", "timeout": "did not answer", "died": "died during"}[kind]
+        if kind == "raised":
+            msg = f"{role}: `{call}`{where} raised {detail}"
+        elif kind == "timeout":
+            msg = f"{role}: `{call}`{where} {verb} within {detail}"
+        else:
+            msg = f"{role} {verb} `{call}`{where}: {detail}"
+        super().__init__(msg)
+        self.role, self.call, self.step, self.kind = role, call, step, kind
+
+
+@dataclass
+class Pending:
+    """A submitted call: a Ray object ref, or the outcome of a local call."""
+
+    handle: Handle
+    call: str
+    ref: Any = None
+    value: Any = None
+    error: BaseException | None = None
+
+
+class Handle:
+    """`target` is the role object itself (local) or a Ray actor handle (`remote=True`)."""
+
+    def __init__(self, role: str, target: Any, remote: bool = False):
+        self.role, self.target, self.remote = role, target, remote
+
+    def submit(self, call: str, *args, **kwargs) -> Pending:
+        if self.remote:
+            return Pending(self, call, ref=getattr(self.target, call).remote(*args, **kwargs))
+        try:
+            return Pending(self, call, value=getattr(self.target, call)(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001 - reported by gather, as for a remote role
+            return Pending(self, call, error=e)
+
+    def call(self, call: str, *args, step: int | None = None, timeout_s: float = 600.0, **kwargs):
+        return gather([self.submit(call, *args, **kwargs)], step=step, timeout_s=timeout_s)[0]
+
+    def kill(self) -> None:
+        if self.remote:
+            import ray
+
+            ray.kill(self.target, no_restart=True)
+
+    def __repr__(self) -> str:
+        return f"Handle({self.role}{', ray' if self.remote else ''})"
+
+
+def gather(pendings: Sequence[Pending], *, step: int | None = None, timeout_s: float = 600.0) -> list:
+    """Results in order. Fails on the first call that fails: a rank that died while the
+    others wait in a collective is reported at once, not after their timeout."""
+    for p in pendings:
+        if p.error is not None:
+            raise _role_error(p, step, p.error) from p.error
+    remote = [p for p in pendings if p.ref is not None]
+    if remote:
+        import ray
+
+        by_ref = {p.ref: p for p in remote}
+        waiting = list(by_ref)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                slow = by_ref[waiting[0]]
+                raise RoleError(slow.handle.role, slow.call, step, "timeout", f"{timeout_s:g} s "
+                                f"({len(waiting)} of {len(remote)} calls still running)")
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+            for ref in done:
+                p = by_ref[ref]
+                try:
+                    p.value = ray.get(ref)
+                except Exception as e:  # noqa: BLE001
+                    raise _role_error(p, step, e) from e
+    return [p.value for p in pendings]
+
+
+def _role_error(p: Pending, step: int | None, e: BaseException) -> RoleError:
+    try:
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+    except ImportError:  # local mode without Ray installed
+        return RoleError(p.handle.role, p.call, step, "raised", f"{type(e).__name__}: {e}")
+    if isinstance(e, RayTaskError):  # the role raised: report its own exception, not Ray's wrapper
+        cause = e.as_instanceof_cause()
+        inner = getattr(e, "cause", None) or cause
+        return RoleError(p.handle.role, p.call, step, "raised", f"{type(inner).__name__}: {inner}")
+    if isinstance(e, ActorDiedError | ActorUnavailableError | RayActorError):
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return RoleError(p.handle.role, p.call, step, "died", f"{type(e).__name__}: {first}")
+    return RoleError(p.handle.role, p.call, step, "raised", f"{type(e).__name__}: {e}")

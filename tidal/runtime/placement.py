@@ -1,0 +1,180 @@
+"""Placement: build the roles of a run in the driver (local) or as Ray actors (ray).
+
+local: one `TrainerWorker` in this process and the engine replicas beside it; weights
+move in process. ray: Ray is started on loopback (or joins `placement.address`), one
+placement group holds a bundle per trainer rank and per engine replica, trainer ranks
+form a torch.distributed group (FSDP2 when more than one) and engines are actors of
+their own (disaggregated) or live inside the trainer ranks (`placement.colocate`).
+Either way the controller gets the same three things: a TrainerGroup, one Engine (a
+router over the replicas when there are several) and a WeightPusher.
+
+This module is the only place that knows about Ray (with workers.py and handles.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tidal.config import TidalConfig
+from tidal.engines.router import Router
+from tidal.runtime.handles import Handle, RoleError, gather
+from tidal.runtime.sync import WeightPusher
+from tidal.runtime.trainer_group import TrainerGroup
+from tidal.runtime.workers import EngineWorker, RemoteEngine, TrainerWorker, make_engine
+
+log = logging.getLogger("tidal")
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
+    """Join `placement.address`, or start a local Ray instance bound to `placement.host`.
+    Returns whether this call started Ray (and so must shut it down)."""
+    import ray
+
+    pl = cfg.placement
+    if ray.is_initialized():
+        return False
+    if pl.address:
+        ray.init(address=pl.address, logging_level=logging.WARNING, log_to_driver=True)
+        return True
+    if is_loopback(pl.host):
+        # Ray resolves "its" address to the machine's external interface unless it believes
+        # it runs a single-machine cluster; then every service binds to loopback (PLATFORM.md).
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray._private.ray_constants as ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cpus = max(float(os.cpu_count() or 1), needed_cpus)
+    if needed_cpus > (os.cpu_count() or 1):
+        log.warning("placement: the roles reserve %.1f CPUs and this machine has %d: the local Ray instance offers %.1f "
+                    "(they will share cores)", needed_cpus, os.cpu_count() or 1, cpus)
+    ray.init(_node_ip_address=pl.host, include_dashboard=False, num_cpus=int(-(-cpus // 1)),
+             _temp_dir=pl.ray_temp_dir, logging_level=logging.WARNING, log_to_driver=True)
+    return True
+
+
+@dataclass
+class Roles:
+    trainer: TrainerGroup
+    engine: object  # an Engine: one replica, or a Router over several
+    pusher: WeightPusher
+    started_ray: bool = False
+    placement_group: object = None
+    engine_handles: list[Handle] = field(default_factory=list)
+
+    def close(self) -> None:
+        for engine in getattr(self.engine, "replicas", [self.engine]):
+            if hasattr(engine, "close"):
+                engine.close()
+        if self.placement_group is None:
+            return
+        import ray
+
+        for h in self.trainer.ranks + self.engine_handles:
+            try:
+                ray.kill(h.target, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        ray.util.remove_placement_group(self.placement_group)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def build_roles(cfg: TidalConfig, model_dir: Path, pad_token_id: int, engine_kind: str, run_dir: Path) -> Roles:
+    if cfg.placement.mode == "local":
+        return _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
+    return _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
+
+
+def _router(cfg: TidalConfig, engines: list, names: list[str]):
+    if len(engines) == 1:
+        return engines[0]
+    return Router(engines, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
+
+
+def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
+    worker = TrainerWorker(cfg, str(model_dir), pad_token_id)
+    worker.setup()
+    trainer = TrainerGroup([Handle("trainer", worker)], timeout_s=cfg.placement.call_timeout_s)
+    engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine") for _ in range(cfg.engine.replicas)]
+    engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
+    return Roles(trainer, engine, WeightPusher.in_driver(trainer, engine))
+
+
+def _bundle(res, gpus_extra: float = 0.0) -> dict[str, float]:
+    b = {"CPU": res.num_cpus, **res.resources}
+    if res.num_gpus + gpus_extra:
+        b["GPU"] = res.num_gpus + gpus_extra
+    return {k: v for k, v in b.items() if v}
+
+
+def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pl = cfg.placement
+    n_train, n_eng = pl.trainer_ranks, cfg.engine.replicas
+    colocated = pl.colocate
+    bundles = [_bundle(pl.trainer, pl.engine.num_gpus if colocated else 0.0) for _ in range(n_train)]
+    if not colocated:
+        bundles += [_bundle(pl.engine) for _ in range(n_eng)]
+    started = start_ray(cfg, sum(b.get("CPU", 0.0) for b in bundles))
+    pg = placement_group(bundles, strategy=pl.strategy, name="")
+    ready, _ = ray.wait([pg.ready()], timeout=pl.start_timeout_s)
+    if not ready:
+        ray.util.remove_placement_group(pg)
+        raise RoleError("placement", "placement_group", None, "timeout",
+                        f"{pl.start_timeout_s:g} s: the cluster cannot hold the bundles {bundles} "
+                        f"(it offers {ray.cluster_resources()})")
+
+    def actor(cls, index: int, res, **opts):
+        return ray.remote(cls).options(
+            num_cpus=res.num_cpus, num_gpus=res.num_gpus + opts.pop("gpus_extra", 0.0), max_concurrency=64,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index), **opts)
+
+    engine_log = str(run_dir / "engine")
+    ranks = []
+    for r in range(n_train):
+        cls = actor(TrainerWorker, r, pl.trainer, gpus_extra=pl.engine.num_gpus if colocated else 0.0)
+        ranks.append(Handle(f"trainer rank {r}", cls.remote(
+            cfg, str(model_dir), pad_token_id, rank=r, world_size=n_train,
+            engine_kind=engine_kind if colocated else None, log_dir=engine_log, num_cpus=pl.trainer.num_cpus), remote=True))
+    addr, port = ranks[0].call("where", timeout_s=pl.start_timeout_s)
+    gather([h.submit("setup", addr, port) for h in ranks], timeout_s=pl.start_timeout_s)
+    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s)
+
+    def spawn_engine(i: int) -> Handle:
+        if colocated:
+            return ranks[i]
+        cls = actor(EngineWorker, n_train + i, pl.engine)
+        h = Handle(f"engine replica{i}", cls.remote(cfg, engine_kind, str(model_dir), pad_token_id,
+                                                     log_dir=engine_log, num_cpus=pl.engine.num_cpus), remote=True)
+        h.call("pid", timeout_s=pl.start_timeout_s)  # constructed: the model is loaded
+        return h
+
+    handles = [spawn_engine(i) for i in range(n_eng)]
+    names = [f"engine replica{i}" + (f" (in trainer rank {i})" if colocated else "") for i in range(n_eng)]
+    remotes = [RemoteEngine(h, n, timeout_s=cfg.engine.request_timeout_s) for h, n in zip(handles, names)]
+    engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
+    transport = pl.weight_sync
+    if transport == "auto":
+        transport = "inprocess" if colocated else "broadcast"
+    sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
+    pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
+                                 respawn=None if colocated or not pl.restart_engines else spawn_engine)
+    log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
+             n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
+    return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
+                 engine_handles=[] if colocated else handles)

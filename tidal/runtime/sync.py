@@ -1,0 +1,143 @@
+"""Weight sync as the controller sees it: `push()` brings every live engine replica to the
+trainer's current version, whichever transport moves the bytes (tidal.weightsync).
+
+in_driver (placement.mode=local): the Trainer's tensors go straight into the engines.
+remote (placement.mode=ray): every trainer rank gathers the full weights (a collective
+under FSDP2); then, by `placement.weight_sync`,
+  inprocess  each colocated rank loads them into its own engine;
+  broadcast  rank 0 broadcasts them in buckets over a group of rank 0 and the engine
+             actors, created for the purpose and re-formed when a replica is replaced;
+  disk       rank 0 writes safetensors to a shared directory and every engine loads it.
+Each engine answers with the version it now holds; the router's view is set from that.
+
+A dead engine replica (the router marked it down) is replaced before the push when
+`placement.restart_engines` is on: a new actor is started in the same bundle, receives
+the current weights with the others, and only then takes requests again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from tidal.runtime.handles import Handle, gather
+
+log = logging.getLogger("tidal")
+
+
+class WeightPusher:
+    def __init__(self, push_fn, describe: str):
+        self._push = push_fn
+        self.describe = describe
+        self.restarts = 0  # engine replicas replaced so far
+        self.events: list[str] = []  # what happened to replicas, newest last
+
+    @classmethod
+    def in_driver(cls, trainer, engine) -> WeightPusher:
+        def push(step: int | None) -> dict[str, float]:
+            t0 = time.perf_counter()
+            engine.update_weights(trainer.version, trainer.named_weights())
+            return {"time/weight_sync_s": time.perf_counter() - t0}
+
+        return cls(push, "in process")
+
+    @classmethod
+    def remote(cls, cfg, trainer, router, handles: list[Handle], transport: str, sync_dir: Path,
+               respawn=None) -> WeightPusher:
+        pusher = cls(None, transport)
+        pusher._state = _RemoteSync(cfg, trainer, router, handles, transport, sync_dir, respawn, pusher)
+        pusher._push = pusher._state.push
+        return pusher
+
+    @property
+    def engine_handles(self) -> list[Handle]:
+        return self._state.handles if hasattr(self, "_state") else []
+
+    def push(self, step: int | None = None) -> dict[str, float]:
+        return self._push(step)
+
+
+class _RemoteSync:
+    def __init__(self, cfg, trainer, router, handles, transport, sync_dir, respawn, owner: WeightPusher):
+        self.cfg, self.trainer, self.router = cfg, trainer, router
+        self.handles, self.transport, self.sync_dir = handles, transport, Path(sync_dir)
+        self.respawn, self.owner = respawn, owner
+        self.group_epoch = 0
+        self.group_members: list[Handle] | None = None
+        pl = cfg.placement
+        self.options = {"bucket_mb": pl.weight_sync_bucket_mb, "checksum": pl.weight_sync_checksum,
+                        "dir": str(self.sync_dir)}
+        self.timeout_s = pl.call_timeout_s
+
+    def _replace_dead(self, step: int | None) -> list[int]:
+        """Start a new actor for every replica the router marked down; return their indices."""
+        replaced = []
+        if self.respawn is None:
+            return replaced
+        for i, up in enumerate(self.router.up):
+            if up:
+                continue
+            why = self.router.down_reason[i]
+            old = self.handles[i]
+            old.kill()
+            self.handles[i] = self.respawn(i)
+            self.router.replicas[i].handle = self.handles[i]
+            self.owner.restarts += 1
+            msg = (f"step {step}: {self.router.names[i]} was down ({why}); replaced by a new actor "
+                   f"that receives weights v{self.trainer.version} before it takes requests")
+            log.warning(msg)
+            self.owner.events.append(msg)
+            replaced.append(i)
+        return replaced
+
+    def _ensure_group(self) -> None:
+        live = [h for i, h in enumerate(self.handles) if self.router.up[i] or self._pending_up.get(i)]
+        if self.group_members is not None and [id(h) for h in live] == [id(h) for h in self.group_members]:
+            return
+        self.group_epoch += 1
+        addr, port = self.trainer.ranks[0].call("where", timeout_s=self.timeout_s)
+        world = 1 + len(live)
+        name = f"tidal-weights-{self.group_epoch}"
+        args = dict(backend=self._backend(), timeout_s=self.cfg.placement.collective_timeout_s)
+        gather([self.trainer.ranks[0].submit("sync_join", addr, port, 0, world, name, **args)]
+               + [h.submit("sync_join", addr, port, r, world, name, **args) for r, h in enumerate(live, start=1)],
+               timeout_s=self.timeout_s)
+        self.group_members = live
+
+    def _backend(self) -> str:
+        b = self.cfg.placement.backend
+        if b != "auto":
+            return b
+        return "nccl" if self.cfg.model.resolved_device().startswith("cuda") else "gloo"
+
+    def push(self, step: int | None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self._pending_up = {i: True for i in self._replace_dead(step)}
+        targets = [i for i, up in enumerate(self.router.up) if up or self._pending_up.get(i)]
+        ranks = self.trainer.ranks
+        if self.transport == "inprocess":  # colocated: the engines are the ranks
+            out = gather([h.submit("push_weights", "inprocess") for h in ranks], step=step, timeout_s=self.timeout_s)
+            versions = {i: out[i]["version"] for i in targets}
+        elif self.transport == "broadcast":
+            self._ensure_group()
+            subs = [h.submit("push_weights", "broadcast", self.options) for h in ranks]
+            subs += [self.handles[i].submit("sync_recv") for i in targets]
+            out = gather(subs, step=step, timeout_s=self.timeout_s)
+            versions = {i: o["version"] for i, o in zip(targets, out[len(ranks):])}
+        else:  # disk
+            out = gather([h.submit("push_weights", "disk", self.options) for h in ranks], step=step, timeout_s=self.timeout_s)
+            path = out[0]["path"]
+            got = gather([self.handles[i].submit("load_weights_file", path) for i in targets], step=step,
+                         timeout_s=self.timeout_s)
+            versions = dict(zip(targets, got))
+        want = self.trainer.version
+        for i, v in versions.items():
+            if v != want:
+                raise RuntimeError(f"weight sync at step {step}: {self.router.names[i]} reports version {v} after "
+                                   f"receiving v{want}")
+            self.router.replicas[i].set_version(v)
+            if not self.router.up[i]:
+                self.router.mark_up(i)
+                log.warning("step %s: %s is back with weights v%d", step, self.router.names[i], v)
+        return {"time/weight_sync_s": time.perf_counter() - t0, "engines/restarted": float(len(self._pending_up))}

@@ -1,0 +1,263 @@
+"""The role classes that run as Ray actors (placement.mode=ray), and the driver's proxy to
+an engine actor.
+
+`TrainerWorker` is one trainer rank: a `Trainer` (FSDP2-sharded when there are several
+ranks) plus, when colocated, one engine replica in the same process. `EngineWorker` is one
+disaggregated engine replica. Both are plain classes: `placement.py` wraps them with
+`ray.remote`, and the trainer class is also what local mode builds in the driver, so the
+two modes run the same code. `RemoteEngine` makes an engine actor look like an Engine to
+the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from tidal.config import TidalConfig
+from tidal.types import GenerationRequest, GenerationResult
+
+log = logging.getLogger("tidal")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return "127.0.0.1"
+
+
+def set_threads(num_cpus: float) -> None:
+    """An actor uses the cores it reserved, not every core of the node: on a shared node
+    torch's default (one thread per core in each process) oversubscribes."""
+    torch.set_num_threads(max(1, int(round(num_cpus))))
+
+
+def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
+    from tidal.trainer.trainer import Trainer
+
+    return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
+                   temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
+                   device=cfg.model.resolved_device(), norm_len=cfg.loss_norm_len)
+
+
+def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id: int, log_dir: str | Path | None):
+    from tidal.engines.factory import build_engine
+
+    return build_engine(kind, cfg.engine, model_dir, dtype=cfg.model.dtype, device=cfg.model.resolved_device(),
+                        pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
+
+
+class _SyncReceiver:
+    """The receiving end of weight sync, for whatever holds an engine."""
+
+    engine = None
+    _group = None
+
+    def sync_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str,
+                  timeout_s: float) -> None:
+        from tidal.weightsync import BroadcastGroup
+
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
+
+    def sync_recv(self) -> dict:
+        from tidal.weightsync import receive_into
+
+        return receive_into(self.engine, self._group)
+
+    def load_weights_file(self, path: str) -> int:
+        from tidal.weightsync import DiskSync
+
+        DiskSync.load_into(self.engine, path)
+        return self.engine.version
+
+    def update_weights(self, version: int, tensors) -> int:
+        self.engine.update_weights(version, tensors)
+        return self.engine.version
+
+    def engine_version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        return await self.engine.generate(requests)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def close_engine(self) -> None:
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
+
+
+class TrainerWorker(_SyncReceiver):
+    """One trainer rank. `setup` joins the ranks' torch.distributed group (when there are
+    several) and loads the model; the other calls mirror the Trainer's. Calls marked
+    collective must be made on every rank at once (the TrainerGroup does)."""
+
+    def __init__(self, cfg: TidalConfig, model_dir: str, pad_token_id: int, rank: int = 0, world_size: int = 1,
+                 engine_kind: str | None = None, log_dir: str | None = None, num_cpus: float = 0.0):
+        if num_cpus:
+            set_threads(num_cpus)
+        self.cfg, self.model_dir, self.pad_token_id = cfg, model_dir, pad_token_id
+        self.rank, self.world_size = rank, world_size
+        self.engine_kind, self.log_dir = engine_kind, log_dir
+        self.trainer = None
+
+    def where(self) -> tuple[str, int]:
+        """(node address, a free port there): where the ranks' rendezvous listens."""
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
+        torch.manual_seed(self.cfg.run.seed)
+        if self.world_size > 1:
+            from tidal.trainer.distributed import init_distributed
+
+            init_distributed(self.rank, self.world_size, master_addr, master_port, backend=self.cfg.placement.backend
+                             if self.cfg.placement.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"),
+                             timeout_s=self.cfg.placement.collective_timeout_s)
+        self.trainer = make_trainer(self.cfg, self.model_dir, self.pad_token_id)
+        if self.engine_kind is not None:  # colocated: this rank's engine replica
+            self.engine = make_engine(self.cfg, self.engine_kind, self.model_dir, self.pad_token_id, self.log_dir)
+        return os.getpid()
+
+    # -- the Trainer's calls (each a collective when world_size > 1) --------------------------
+    def forward_backward(self, batch, kl_coef: float | None = None, totals=None) -> dict[str, float]:
+        return self.trainer.forward_backward(batch, kl_coef=kl_coef, totals=totals)
+
+    def optim_step(self) -> dict[str, float]:
+        return self.trainer.optim_step()
+
+    def logprobs(self, batch) -> list[list[float]]:
+        return self.trainer.logprobs(batch)
+
+    def ref_logprobs(self, batch) -> list[list[float]]:
+        return self.trainer.ref_logprobs(batch)
+
+    def values(self, batch) -> list[list[float]]:
+        return self.trainer.values(batch)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def save(self, path: str, with_tokenizer: bool = True) -> None:
+        tokenizer = None
+        if with_tokenizer and self.rank == 0:
+            from tidal.models import load_tokenizer
+
+            tokenizer = load_tokenizer(self.model_dir)
+        self.trainer.save(path, tokenizer=tokenizer)
+
+    def load(self, path: str) -> int:
+        self.trainer.load(path)
+        return self.trainer.version
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self.trainer.named_weights()
+
+    def push_weights(self, transport: str, options: dict | None = None) -> dict:
+        """Collective: every rank gathers the full weights; then rank 0 sends them
+        ("broadcast" over the sync group, "disk" into a directory) or each rank loads them
+        into its own colocated engine ("inprocess")."""
+        options = options or {}
+        version = self.trainer.version
+        named = self.trainer.named_weights()
+        if transport == "inprocess":
+            if self.engine is None:
+                raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
+            self.engine.update_weights(version, named)
+            return {"version": version}
+        if self.rank != 0:
+            return {"version": version}
+        if transport == "broadcast":
+            from tidal.weightsync import send_weights
+
+            out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
+                               with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, **out}
+        if transport == "disk":
+            from tidal.weightsync import DiskSync
+
+            path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, "path": str(path)}
+        raise ValueError(f"unknown weight transport {transport!r}")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class EngineWorker(_SyncReceiver):
+    """One disaggregated engine replica."""
+
+    def __init__(self, cfg: TidalConfig, kind: str, model_dir: str, pad_token_id: int, log_dir: str | None = None,
+                 num_cpus: float = 0.0):
+        if num_cpus:
+            set_threads(num_cpus)
+        self.engine = make_engine(cfg, kind, model_dir, pad_token_id, log_dir)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def where(self) -> tuple[str, int]:
+        ip = node_ip()
+        return ip, free_port(ip)
+
+
+class EngineDied(RuntimeError):
+    """The engine actor behind a RemoteEngine died or stopped answering."""
+
+
+class RemoteEngine:
+    """An engine actor (or a colocated trainer rank's engine) as an Engine for the router.
+    `version` is what the last weight sync delivered; the driver never asks the actor."""
+
+    def __init__(self, handle, name: str, timeout_s: float = 600.0, version: int = 0):
+        self.handle, self.name, self.timeout_s = handle, name, timeout_s
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        from ray.exceptions import RayActorError
+
+        try:
+            return await asyncio.wait_for(self.handle.target.generate.remote(requests), self.timeout_s)
+        except RayActorError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise EngineDied(f"{self.name} died during generate: {type(e).__name__}: {first}") from None
+        except TimeoutError:
+            raise EngineDied(f"{self.name} did not answer generate within {self.timeout_s:g} s") from None
+
+    def update_weights(self, version: int, tensors) -> None:
+        self._version = self.handle.call("update_weights", version, dict(tensors), timeout_s=self.timeout_s)
+
+    def pause(self) -> None:
+        self.handle.call("pause", timeout_s=self.timeout_s)
+
+    def resume(self) -> None:
+        self.handle.call("resume", timeout_s=self.timeout_s)
