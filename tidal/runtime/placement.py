@@ -36,6 +36,16 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def keep_on_loopback() -> None:
+    """Ray resolves "its" address to the machine's external interface unless it believes it
+    runs a single-machine cluster; then every service it starts binds to loopback
+    (PLATFORM.md). Set before Ray starts; the processes it starts inherit it."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
     """Join `placement.address`, or start a local Ray instance bound to `placement.host`.
     Returns whether this call started Ray (and so must shut it down)."""
@@ -44,17 +54,13 @@ def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
     pl = cfg.placement
     if ray.is_initialized():
         return False
+    host = pl.address.rsplit(":", 1)[0] if pl.address and pl.address != "auto" else pl.host
+    if is_loopback(host):
+        keep_on_loopback()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if pl.address:
         ray.init(address=pl.address, logging_level=logging.WARNING, log_to_driver=True)
         return True
-    if is_loopback(pl.host):
-        # Ray resolves "its" address to the machine's external interface unless it believes
-        # it runs a single-machine cluster; then every service binds to loopback (PLATFORM.md).
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        import ray._private.ray_constants as ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     cpus = max(float(os.cpu_count() or 1), needed_cpus)
     if needed_cpus > (os.cpu_count() or 1):
         log.warning("placement: the roles reserve %.1f CPUs and this machine has %d: the local Ray instance offers %.1f "

@@ -85,12 +85,17 @@ class _SyncReceiver:
     def load_weights_file(self, path: str) -> int:
         from tidal.weightsync import DiskSync
 
-        DiskSync.load_into(self.engine, path)
-        return self.engine.version
+        return DiskSync(Path(path).parent).load_into(self.engine, path)["version"]
 
     def update_weights(self, version: int, tensors) -> int:
         self.engine.update_weights(version, tensors)
         return self.engine.version
+
+    def node(self) -> str:
+        """The Ray node this role runs on ("" outside Ray)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
     def engine_version(self) -> int:
         return self.engine.version
