@@ -53,3 +53,19 @@ def test_roles_on_different_nodes_train(tmp_path, two_nodes):
         ctl.close()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["episodes"] == 16 for r in rows)
+
+
+@pytest.mark.slow
+def test_ray_fsdp_job_reaches_the_local_accuracy(tmp_path):
+    """The README's Ray example (2 FSDP ranks over gloo, 2 engine replicas, broadcast sync)
+    trains the default task to ≥ 0.9 held-out greedy accuracy, as local mode does."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "tidal.cli", "train", "examples/ray/local_fsdp.yaml", f"run.dir={run}",
+                    "run.progress=false"], check=True)
+    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
+                         capture_output=True, text=True).stdout
+    assert json.loads(out.splitlines()[-1])["accuracy"] >= 0.9
