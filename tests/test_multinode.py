@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import ray
@@ -63,7 +64,7 @@ def test_ray_fsdp_job_reaches_the_local_accuracy(tmp_path):
     import sys
 
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "tidal.cli", "train", "examples/ray/local_fsdp.yaml", f"run.dir={run}",
+    subprocess.run([sys.executable, "-m", "tidal.cli", "train", str(Path(__file__).parents[1] / "examples/ray/local_fsdp.yaml"), f"run.dir={run}",
                     "run.progress=false"], check=True)
     ckpt = sorted((run / "checkpoints").iterdir())[-1]
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
