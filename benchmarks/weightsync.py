@@ -58,7 +58,9 @@ def build_model(kind: str, random_init: bool = True):
         return Qwen2ForCausalLM(cfg)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg)
-    return model.to_empty(device="cpu")
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives lm_head its own storage: tie it again
+    return model
 
 
 def _rank_loop(group: BroadcastGroup, engine, nbytes: int, reps: int, tensors=None, progress=None) -> dict:

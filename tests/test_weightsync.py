@@ -133,13 +133,16 @@ def _receiver(port: int, rank: int, out) -> None:
         want = mixed_tensors(7)
         report["plain"] = (version, header.checksum, list(got) == list(want),
                            [n for n in want if not bitwise_equal(got[n], want[n])])
+        first_ptr = got["a.weight"].data_ptr()
 
         def corrupt(tensors):  # rank 2 flips one byte of what arrived
             if rank == 2:
                 tensors["a.weight"].view(torch.uint8)[5] ^= 0x10
+        want = mixed_tensors(8)  # same plan, new values: arrives in the buffers of v7
         try:
             version, got, _ = recv_weights(group, after_receive=corrupt)
-            report["checksum"] = ("ok", version, all(bitwise_equal(got[n], want[n]) for n in want))
+            report["checksum"] = ("ok", version, all(bitwise_equal(got[n], want[n]) for n in want),
+                                  got["a.weight"].data_ptr() == first_ptr)
         except WeightSyncError as e:
             report["checksum"] = ("error", str(e))
 
@@ -165,7 +168,7 @@ def test_broadcast_to_two_receivers_is_bitwise_versioned_and_checksummed():
         m = send_weights(group, 7, mixed_tensors(7), bucket_bytes=4096)
         assert m["bytes"] == sum(t.numel() * t.element_size() for t in mixed_tensors(7).values())
         assert m["buckets"] == 5  # float32 split around g.big, then bfloat16, float16, int64
-        send_weights(group, 8, mixed_tensors(7), bucket_bytes=4096, with_checksum=True)
+        send_weights(group, 8, mixed_tensors(8), bucket_bytes=4096, with_checksum=True)
         weights = perturbed_weights(tiny_engine(), seed=11)
         send_weights(group, 9, weights, with_checksum=True)
         reports = dict(out.get(timeout=120) for _ in procs)
@@ -176,7 +179,7 @@ def test_broadcast_to_two_receivers_is_bitwise_versioned_and_checksummed():
     for rank in (1, 2):
         assert reports[rank]["plain"] == (7, None, True, []), reports[rank]
         assert reports[rank]["engine"] == (9, 9, True, []), reports[rank]
-    assert reports[1]["checksum"] == ("ok", 8, True)
+    assert reports[1]["checksum"] == ("ok", 8, True, True)  # and in the buffers of v7 (gloo reuses them)
     kind, msg = reports[2]["checksum"]
     assert kind == "error" and "v8" in msg and "rank 2" in msg and "differs from the sender's" in msg
 

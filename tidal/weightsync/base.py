@@ -164,14 +164,21 @@ def make_header(version: int, tensors: Mapping[str, torch.Tensor], bucket_bytes:
     return SyncHeader(version, metas, tuple(plan_buckets(metas, bucket_bytes)), digest)
 
 
-def pack(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The bucket's tensors, in order, as one flat buffer on `device` (for the sender, which only
-    reads it): a copy, except when the bucket is one contiguous tensor on `device` already."""
+def pack(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.device,
+         staging: torch.Tensor | None = None) -> torch.Tensor:
+    """The bucket's tensors, in order, as one flat buffer on `device`, for a sender, which only
+    reads it: the tensor itself when the bucket is one contiguous tensor on `device`, else a
+    copy into the front of `staging` (uint8, at least `bucket.nbytes`; a new buffer when None).
+    Reusing a staging buffer matters on CPU: a fresh large allocation is mmapped and its page
+    faults cost about as much as the copy into it (0.25 s per 400 MB here)."""
     if len(bucket.names) == 1:
         t = tensors[bucket.names[0]].detach()
         if t.is_contiguous() and t.device == device:
             return t.reshape(-1)
-    flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=device)
+    if staging is None or staging.numel() < bucket.nbytes:
+        flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=device)
+    else:
+        flat = staging[:bucket.nbytes].view(torch_dtype(bucket.dtype))
     for name, off in zip(bucket.names, bucket.offsets):
         t = tensors[name].detach()
         flat[off:off + t.numel()].copy_(t.reshape(-1))

@@ -45,22 +45,52 @@ class BroadcastGroup:
     """A process group of one sender (rank 0) and `world_size - 1` receivers."""
 
     def __init__(self, pg, store, rank: int, world_size: int, backend: str, timeout_s: float, name: str,
-                 device: torch.device):
+                 device: torch.device, reuse_buffers: bool):
         self.pg, self.store = pg, store
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.timeout_s, self.name, self.device = timeout_s, name, device
+        self.timeout_s = timeout_s  # bounds every collective; may be changed between syncs
+        self.name, self.device, self.reuse_buffers = name, device, reuse_buffers
         self.last_version: int | None = None  # last version sent or received
         self.broken: str | None = None  # why the group cannot be used any more
+        self._staging: torch.Tensor | None = None  # sender: one bucket's worth of bytes, reused
+        self._received: list[torch.Tensor] = []  # receiver with reuse_buffers: one buffer per bucket
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        """The sender's staging buffer (uint8), grown to at least `nbytes`."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = None
+            self._staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._staging
+
+    def receive_buffers(self, buckets) -> list[torch.Tensor]:
+        """One flat buffer per bucket of a sync. With `reuse_buffers`, those of the last sync
+        are reused where dtype and size match (the same model gives the same plan), so the
+        tensors `recv_weights` returned last time are overwritten."""
+        old = self._received if self.reuse_buffers else []
+        bufs = []
+        for i, b in enumerate(buckets):
+            dtype = torch_dtype(b.dtype)
+            same = i < len(old) and old[i].dtype == dtype and old[i].numel() == b.numel
+            bufs.append(old[i] if same else torch.empty(b.numel, dtype=dtype, device=self.device))
+        if self.reuse_buffers:
+            self._received = bufs
+        return bufs
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-             timeout_s: float = 300.0, name: str = "weightsync", local_host: str | None = None) -> BroadcastGroup:
+             timeout_s: float = 300.0, name: str = "weightsync", local_host: str | None = None,
+             reuse_buffers: bool | None = None) -> BroadcastGroup:
         """Join (rank 0: create) the group. Returns once all `world_size` ranks have joined;
         raises WeightSyncError when they have not within `timeout_s`.
 
         `host:port`: where rank 0 runs the group's TCPStore (rank 0 binds it there).
         `local_host`: the address this rank's gloo connections use; by default the local
-        address on the route to `host`. `timeout_s` bounds the join and every collective."""
+        address on the route to `host`. `timeout_s` bounds the join and every collective.
+        `reuse_buffers` (default: on for gloo, off for nccl): a receiver keeps its receive
+        buffers between syncs, so what `recv_weights` returned is valid until the next
+        `recv_weights` on the group (engines copy the tensors in `update_weights`). It saves
+        page-faulting fresh host memory on every sync (the CUDA caching allocator already
+        reuses device memory) at the cost of holding one copy of the weights between syncs."""
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         if not 0 <= rank < world_size or world_size < 2:
@@ -89,7 +119,8 @@ class BroadcastGroup:
         except Exception as e:  # noqa: BLE001 - store and gloo raise plain RuntimeErrors (or DistStoreError)
             raise WeightSyncError(f"{where}: could not join within {timeout_s:g} s "
                                   f"({type(e).__name__}: {e})") from e
-        return cls(pg, store, rank, world_size, backend, timeout_s, name, device)
+        reuse = backend == "gloo" if reuse_buffers is None else reuse_buffers
+        return cls(pg, store, rank, world_size, backend, timeout_s, name, device, reuse)
 
     def broadcast(self, t: torch.Tensor, what: str) -> None:
         """Broadcast `t` in place from rank 0, within the group's timeout. `what` names the
@@ -121,7 +152,8 @@ class BroadcastGroup:
                 self.pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort: a peer may be gone already
                 pass
-        self.pg = self.store = None
+        self.pg = self.store = self._staging = None
+        self._received = []
         self.broken = self.broken or "closed"
 
 
@@ -139,8 +171,9 @@ def send_weights(group: BroadcastGroup, version: int, tensors: Mapping[str, torc
     raw = header.to_bytes()
     group.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=group.device), f"the header length of v{version}")
     group.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device), f"the header of v{version}")
+    staging = group.staging(max((b.nbytes for b in header.buckets if len(b.names) > 1), default=0))
     for i, bucket in enumerate(header.buckets):
-        flat = pack(bucket, tensors, group.device)
+        flat = pack(bucket, tensors, group.device, staging)
         group.broadcast(flat.view(torch.uint8), f"bucket {i + 1}/{len(header.buckets)} of v{version}")
     if group.device.type == "cuda":
         torch.cuda.synchronize(group.device)
@@ -153,7 +186,8 @@ def recv_weights(group: BroadcastGroup, after_receive: Callable[[dict[str, torch
                  ) -> tuple[int, dict[str, torch.Tensor], SyncHeader]:
     """Receive one sync (call on ranks 1..N while rank 0 calls `send_weights`). Returns the
     version, the tensors (views into the received buckets, on the group's device, in the
-    sender's order) and the header. When the header carries a checksum, the checksum of what
+    sender's order; with the group's `reuse_buffers`, valid until the next `recv_weights`)
+    and the header. When the header carries a checksum, the checksum of what
     arrived must equal it, else WeightSyncError. `after_receive` sees the tensors before the
     check (tests use it to corrupt a byte)."""
     if group.rank == 0:
@@ -167,8 +201,7 @@ def recv_weights(group: BroadcastGroup, after_receive: Callable[[dict[str, torch
     version = header.version
     metas = {m.name: m for m in header.metas}
     tensors: dict[str, torch.Tensor] = {}
-    for i, bucket in enumerate(header.buckets):
-        flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=group.device)
+    for i, (bucket, flat) in enumerate(zip(header.buckets, group.receive_buffers(header.buckets))):
         group.broadcast(flat.view(torch.uint8), f"bucket {i + 1}/{len(header.buckets)} of v{version}")
         tensors.update(unpack(bucket, flat, metas))
     tensors = {m.name: tensors[m.name] for m in header.metas}
@@ -190,7 +223,11 @@ def receive_into(engine, group: BroadcastGroup,
     `bytes`, `checksum_ok` (True when a checksum was checked, None when none was sent)."""
     t0 = time.perf_counter()
     version, tensors, header = recv_weights(group, after_receive)
-    engine.update_weights(version, tensors)
+    try:
+        engine.update_weights(version, tensors)
+    except Exception as e:
+        raise WeightSyncError(f"weight sync v{version} on group {group.name!r} rank {group.rank}: the engine's "
+                              f"update_weights raised {type(e).__name__}: {e}") from e
     if engine.version != version:
         raise WeightSyncError(f"weight sync v{version} on group {group.name!r} rank {group.rank}: the engine "
                               f"reports version {engine.version} after the update")

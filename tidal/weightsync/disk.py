@@ -108,7 +108,10 @@ class DiskSync:
         `checksum_ok` (True when checked, None when written without a checksum)."""
         t0 = time.perf_counter()
         version, tensors, meta = self._read(path)
-        engine.update_weights(version, tensors)
+        try:
+            engine.update_weights(version, tensors)
+        except Exception as e:
+            raise WeightSyncError(f"disk sync v{version}: the engine's update_weights raised {type(e).__name__}: {e}") from e
         if engine.version != version:
             raise WeightSyncError(f"disk sync v{version}: the engine reports version {engine.version} after the update")
         return {"version": version, "seconds": time.perf_counter() - t0, "bytes": meta["bytes"],
