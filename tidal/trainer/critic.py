@@ -6,6 +6,8 @@ another model, and saved as a normal HF directory next to the policy in checkpoi
 Dropout is off: the critic's values feed GAE and must not be noisy.
 
 Alignment is the trainer's: values[t] is the value of the state that generates token t+1.
+Data parallel, it is FSDP2-sharded like the policy (tidal.trainer.distributed), and
+`step`, `state_dict`, `save` and `load` are collectives.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from tidal.algorithms import aggregate, value_loss
 from tidal.config import CriticConfig
 from tidal.models import DTYPES, resolve_model_dir
+from tidal.trainer import distributed as dp
 
 
 def load_value_model(path: str | Path, dtype: str, device: str):
@@ -43,7 +46,7 @@ def _has_no_head(p: Path) -> bool:
     from safetensors import safe_open
 
     with safe_open(str(p / "model.safetensors"), "pt") as f:
-        return not any(k.startswith("score.") for k in f.keys())
+        return not any(k.startswith("score.") for k in f.keys())  # noqa: SIM118 (a safetensors file handle, not a dict)
 
 
 class Critic:
@@ -53,6 +56,8 @@ class Critic:
         self.device = device
         self.model = load_value_model(model_path, dtype, str(device))
         self.model.train()
+        if dp.world_size() > 1:
+            dp.shard_model(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=betas, weight_decay=0.0)
         warm = max(warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -70,7 +75,7 @@ class Critic:
                       "value_clip_frac": float((clipped_BT.float() * m).sum())}
 
     def step(self, grad_clip: float) -> dict[str, float]:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip)
+        norm = dp.clip_grad_norm(list(self.model.parameters()), grad_clip)
         if torch.isfinite(norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -78,14 +83,16 @@ class Critic:
         return {"critic_grad_norm": float(norm)}
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer (full, by parameter name) and scheduler state."""
+        return {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
 
     def save(self, path: Path) -> None:
-        self.model.save_pretrained(path, safe_serialization=True)
+        dp.save_hf(self.model, path)
 
     def load(self, path: Path, state: dict) -> None:
-        from safetensors.torch import load_file
-
-        self.model.load_state_dict(load_file(str(path / "model.safetensors")))
-        self.optimizer.load_state_dict(state["optimizer"])
+        missing, unexpected = dp.load_hf_weights(self.model, path)
+        if missing or unexpected:
+            raise ValueError(f"critic checkpoint {path} does not match the model: missing {missing}, "
+                             f"unexpected {unexpected}")
+        dp.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -3,6 +3,15 @@
 `forward_backward` accumulates gradients over micro-batches whose losses are each a
 share of the batch loss under one normalization (tidal.algorithms.aggregate), so the
 gradient is the same however the batch is split. `optim_step` clips and steps.
+
+Data parallel: when a torch.distributed group of more than one rank is initialized
+(tidal.trainer.distributed.init_distributed) before the Trainer is built, every model is
+FSDP2-sharded over it and each rank trains on its own shard of the global batch. Then
+every public method is a collective that ALL ranks must call, in the same order: FSDP
+gathers parameters in each forward and reduce-scatters gradients in each backward, so
+ranks pad their micro-batch loops with dummy passes to the same count. Gradients are
+summed across ranks under the global denominators, so they equal the single-process
+gradient of the whole batch. Without a group (or with one rank) nothing changes.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from tidal.algorithms import (
 )
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.models import load_model
+from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
 
 
@@ -98,12 +108,17 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
         self.device = torch.device(device)
+        self.world_size = dp.world_size()  # > 1: data-parallel ranks, every model FSDP2-sharded
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.model.config.use_cache = False
         self.model.train()
+        if self.world_size > 1:
+            dp.shard_model(self.model)  # before the optimizer: it must hold the sharded parameters
         self.ref_model = None
         if algo.kl_coef > 0:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
+            if self.world_size > 1:
+                dp.shard_model(self.ref_model, reshard_root=True)
         self.critic = None
         if algo.advantage == "gae":
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
@@ -125,46 +140,100 @@ class Trainer:
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         return logits, ids[:, 1:]
 
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
+        """This batch's micro-batches. Data parallel: padded with `None` (a dummy pass) to the
+        largest count over ranks, since every rank must run as many FSDP forwards and
+        backwards; a sequence over the budget on any rank raises on every rank."""
+        lengths = [len(t) for t in batch.tokens]
+        if self.world_size == 1:
+            return micro_batches(lengths, self.train_cfg.micro_batch_tokens)
+        parts: list[list[int]] = []
+        error = None
+        try:
+            parts = micro_batches(lengths, self.train_cfg.micro_batch_tokens)
+        except ValueError as e:
+            error = e
+        count, failed = dp.all_reduce([len(parts), float(error is not None)], "max", self.device)
+        if error is not None:
+            raise error
+        if failed:
+            raise ValueError("another trainer rank's batch has a sequence longer than train.micro_batch_tokens="
+                             f"{self.train_cfg.micro_batch_tokens}")
+        return parts + [None] * (int(count) - len(parts))
+
+    def _dummy_tokens(self) -> list[list[int]]:
+        return [[self.pad_token_id, self.pad_token_id]]  # two tokens: one target position
+
     @torch.no_grad()
-    def _per_position(self, batch: TrainBatch, fn) -> list[list[float]]:
+    def _per_position(self, batch: TrainBatch, model, fn) -> list[list[float]]:
         out: list[list[float]] = [[] for _ in range(len(batch))]
-        for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
+        for idx in self._micro_batches(batch):
+            if idx is None:  # data parallel: another rank still has micro-batches; join its all-gathers
+                fn(self._dummy_tokens())
+                continue
             values = fn([batch.tokens[i] for i in idx])
             for row, i in enumerate(idx):
                 out[i] = values[row, : len(batch.tokens[i]) - 1].tolist()
+        dp.reshard(model)
         return out
 
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
-        """Current-policy log-probs of every token after the first (position 0 scores token 1)."""
-        return self._per_position(batch, lambda toks: token_logprobs(*self._forward(self.model, toks), self.temperature))
+        """Current-policy log-probs of every token after the first (position 0 scores token 1).
+        Data parallel: a collective; each rank scores its own batch."""
+        return self._per_position(batch, self.model,
+                                  lambda toks: token_logprobs(*self._forward(self.model, toks), self.temperature))
 
     def ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The frozen reference's log-probs, aligned as `logprobs`."""
         if self.ref_model is None:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
-        return self._per_position(batch, lambda toks: token_logprobs(*self._forward(self.ref_model, toks), self.temperature))
+        return self._per_position(batch, self.ref_model,
+                                  lambda toks: token_logprobs(*self._forward(self.ref_model, toks), self.temperature))
 
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
         if self.critic is None:
             raise RuntimeError("no critic: algorithm.advantage is not gae")
-        return self._per_position(batch, lambda toks: self.critic.forward(*self._inputs(toks)))
+        return self._per_position(batch, self.critic.model, lambda toks: self.critic.forward(*self._inputs(toks)))
+
+    def _dummy_backward(self, kl_in_loss: bool, with_critic: bool) -> None:
+        """A pass that adds exactly zero to every gradient but runs the same FSDP collectives
+        as a real micro-batch: policy forward and backward, the reference's forward, the
+        critic's forward and backward."""
+        toks = self._dummy_tokens()
+        logits, _ = self._forward(self.model, toks)
+        if kl_in_loss:
+            with torch.no_grad():
+                self._forward(self.ref_model, toks)
+        if with_critic:
+            (self.critic.forward(*self._inputs(toks)).sum() * 0.0).backward()
+        (logits.float().sum() * 0.0).backward()
 
     def forward_backward(self, batch: TrainBatch, kl_coef: float | None = None,
                          totals: tuple[float, float] | None = None) -> dict[str, float]:
         """Accumulate the gradient of the batch loss (policy, and critic when there is one);
         return token-weighted metrics. `totals` = (tokens, sequences) of the whole batch
-        across data-parallel ranks; default: this batch's own. `kl_coef` overrides the
-        configured coefficient (adaptive KL)."""
+        across data-parallel ranks; default: this batch's own (data parallel: the sum of
+        every rank's, all-reduced). `kl_coef` overrides the configured coefficient
+        (adaptive KL).
+
+        Data parallel: a collective; `batch` is this rank's shard (possibly empty), and the
+        metrics returned are those of the global batch, the same on every rank."""
         algo = self.algo
         kl_coef = algo.kl_coef if kl_coef is None else kl_coef
         kl_in_loss = self.ref_model is not None and algo.kl_in == "loss"
+        with_critic = self.critic is not None and batch.returns is not None
         masks = [m[1:] for m in batch.loss_mask]  # aligned with targets
+        if totals is None and self.world_size > 1:
+            totals = tuple(dp.all_reduce(list(batch.totals()), "sum", self.device))
         total_tokens, total_seqs = totals if totals is not None else batch.totals()
         sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "logprob_abs_diff", "mismatch_kl",
                                  "is_weight", "is_truncated_frac", "rejected_frac", "value_loss", "value_clip_frac")}
         max_diff = 0.0
-        for idx in micro_batches([len(t) for t in batch.tokens], self.train_cfg.micro_batch_tokens):
+        for idx in self._micro_batches(batch):
+            if idx is None:
+                self._dummy_backward(kl_in_loss, with_critic)
+                continue
             toks = [batch.tokens[i] for i in idx]
             pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
             logits, targets = self._forward(self.model, toks)
@@ -191,7 +260,7 @@ class Trainer:
             # Rejected tokens add nothing, but the denominators stay those of the batch as
             # sampled: rejection never depends on how the batch is split.
             loss = aggregate(loss_BT, keep, algo.loss_agg, total_tokens, total_seqs, self.norm_len)
-            if self.critic is not None and batch.returns is not None:
+            if with_critic:
                 ids, attn = self._inputs(toks)
                 v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
                                                   pad([batch.returns[i] for i in idx]), mask, total_tokens)
@@ -213,6 +282,12 @@ class Trainer:
                 sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
                 max_diff = max(max_diff, float(diff.max()) if diff.numel() else 0.0)
         denom = max(float(sum(sum(m) for m in masks)), 1.0)  # this batch's tokens: metrics are local
+        if self.world_size > 1:  # ... unless data parallel: then global, the same on every rank
+            keys = list(sums)
+            *values, tokens = dp.all_reduce([sums[k] for k in keys] + [float(sum(sum(m) for m in masks))], "sum",
+                                            self.device)
+            sums, denom = dict(zip(keys, values)), max(tokens, 1.0)
+            max_diff = dp.all_reduce([max_diff], "max", self.device)[0]
         metrics = {k: v / denom for k, v in sums.items() if k != "loss"}
         metrics["loss"] = sums["loss"]
         metrics["logprob_max_abs_diff"] = max_diff
@@ -227,7 +302,9 @@ class Trainer:
         return metrics
 
     def optim_step(self) -> dict[str, float]:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        """Clip and step (policy, then critic). Data parallel: a collective; the grad norm is
+        that of the whole gradient, so every rank takes or skips the step alike."""
+        grad_norm = dp.clip_grad_norm(list(self.model.parameters()), self.train_cfg.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         if torch.isfinite(grad_norm):
             self.optimizer.step()
@@ -240,34 +317,41 @@ class Trainer:
         return out
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in self.model.named_parameters()}
+        """The policy's parameters by name, whole. Data parallel: a collective (each
+        parameter is all-gathered); every rank gets the full tensors."""
+        if self.world_size == 1:
+            return {n: p.detach() for n, p in self.model.named_parameters()}
+        dp.reshard(self.model)
+        return {n: dp.full_tensor(p.detach()) for n, p in self.model.named_parameters()}
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, path: str | Path, tokenizer=None) -> None:
-        """model/ is a normal HF directory (loadable by every engine and `tidal eval`)."""
+        """model/ is a normal HF directory (loadable by every engine and `tidal eval`);
+        trainer_state.pt holds the optimizer's full state by parameter name, so a checkpoint
+        resumes on any number of ranks. Data parallel: a collective; rank 0 writes."""
         path = Path(path)
-        self.model.save_pretrained(path / "model", safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path / "model")
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+        dp.save_hf(self.model, path / "model")
+        state = {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
                  "version": self.version, "rng": rng_state()}
         if self.critic is not None:
             self.critic.save(path / "critic")
             state["critic"] = self.critic.state_dict()
-        torch.save(state, path / "trainer_state.pt")
+        if dp.rank() == 0:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path / "model")
+            torch.save(state, path / "trainer_state.pt")
+        dp.barrier()  # nobody reads the checkpoint before it is whole
 
     def load(self, path: str | Path) -> None:
-        from safetensors.torch import load_file
-
+        """Restore a checkpoint saved by any number of ranks. Data parallel: a collective;
+        every rank reads the files (the checkpoint directory must be visible to all)."""
         path = Path(path)
-        state = load_file(str(path / "model" / "model.safetensors"))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing, unexpected = dp.load_hf_weights(self.model, path / "model")
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
         if set(missing) - tied or unexpected:
             raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-        self.model.tie_weights()
         st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
-        self.optimizer.load_state_dict(st["optimizer"])
+        dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
         self.version = st["version"]
         if self.critic is not None:
