@@ -79,6 +79,8 @@ def _worker(rank, port, tmp):
             out[case, "logprobs"] = tr.logprobs(shard)  # no-grad passes, padded to the same count
             out[case, "metrics"] = tr.forward_backward(shard, totals=batch.totals())
             out[case, "grads"] = _grads(tr.model)
+            if tr.ref_model is not None:
+                out[case, "ref_logprobs"] = tr.ref_logprobs(shard)
             if tr.critic is not None:
                 out[case, "values"] = tr.values(shard)
                 out[case, "critic_grads"] = _grads(tr.critic.model)
@@ -149,6 +151,8 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
         ref[case, "logprobs"] = tr.logprobs(batch)
         ref[case, "metrics"] = tr.forward_backward(batch)
         ref[case, "grads"] = _grads(tr.model)
+        if tr.ref_model is not None:
+            ref[case, "ref_logprobs"] = tr.ref_logprobs(batch)
         if tr.critic is not None:
             ref[case, "values"] = tr.values(batch)
             ref[case, "critic_grads"] = _grads(tr.critic.model)
@@ -179,7 +183,7 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
         _close(got[case, "weights"], ref[case, "weights"], f"{case} updated weight", rtol=0, atol=1e-6)
         rows = got["shard"].tokens
         idx = [batch.tokens.index(t) for t in rows]
-        for key in ("logprobs", "values"):
+        for key in ("logprobs", "ref_logprobs", "values"):
             if (case, key) in ref:
                 for row, i in zip(got[case, key], idx):
                     torch.testing.assert_close(torch.tensor(row), torch.tensor(ref[case, key][i]), **TOL)
