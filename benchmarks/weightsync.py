@@ -158,8 +158,8 @@ def fmt_s(s: float) -> str:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| model (params, MB) | receivers | raw broadcast | send/recv | + checksum | into TorchEngine | "
-            "disk write + read |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    head = "| model (params, MB) | receivers | raw broadcast | send/recv | + checksum | into TorchEngine | disk write + read |"
+    rows = [head, "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         cells = [f"{fmt_s(r['raw']['median_s'])}, {r['raw']['bytes_per_s'] / 1e9:.2f} GB/s"]
         for m in ("transport", "checksum", "engine"):

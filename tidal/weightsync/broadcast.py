@@ -19,6 +19,7 @@ aborts the process rather than raising here (docs/weightsync.md).
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -27,10 +28,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tidal.weightsync.base import (SyncHeader, WeightSyncError, checksum, make_header, pack, torch_dtype,
-                                   unpack)
+from tidal.weightsync.base import SyncHeader, WeightSyncError, checksum, make_header, pack, torch_dtype, unpack
 
 DEFAULT_BUCKET_BYTES = 128 << 20
+log = logging.getLogger("tidal")
 
 
 def local_address(host: str, port: int) -> str:
@@ -116,9 +117,9 @@ class BroadcastGroup:
                 pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         except WeightSyncError:
             raise
-        except Exception as e:  # noqa: BLE001 - store and gloo raise plain RuntimeErrors (or DistStoreError)
-            raise WeightSyncError(f"{where}: could not join within {timeout_s:g} s "
-                                  f"({type(e).__name__}: {e})") from e
+        except Exception as e:  # the store and gloo raise DistStoreError, DistNetworkError, RuntimeError
+            raise WeightSyncError(f"{where}: could not join (all {world_size} ranks, within {timeout_s:g} s): "
+                                  f"{type(e).__name__}: {e}") from e
         reuse = backend == "gloo" if reuse_buffers is None else reuse_buffers
         return cls(pg, store, rank, world_size, backend, timeout_s, name, device, reuse)
 
@@ -133,7 +134,7 @@ class BroadcastGroup:
         opts.timeout = timedelta(seconds=self.timeout_s)
         try:
             self.pg.broadcast([t], opts).wait(opts.timeout)
-        except Exception as e:  # noqa: BLE001 - gloo reports timeouts and lost peers as RuntimeError
+        except Exception as e:  # gloo reports timeouts and lost peers as RuntimeError
             timed_out = "timed out" in str(e).lower() or "timeout" in str(e).lower()
             self.broken = f"{'timed out' if timed_out else 'failed'} on {what}"
             raise WeightSyncError(
@@ -150,8 +151,8 @@ class BroadcastGroup:
         if self.pg is not None:
             try:
                 self.pg.shutdown()
-            except Exception:  # noqa: BLE001 - best effort: a peer may be gone already
-                pass
+            except Exception as e:  # noqa: BLE001 - best effort: a peer may be gone already
+                log.debug("weight-sync group %r rank %d: shutdown raised %r", self.name, self.rank, e)
         self.pg = self.store = self._staging = None
         self._received = []
         self.broken = self.broken or "closed"
