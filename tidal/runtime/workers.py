@@ -136,7 +136,11 @@ class TrainerWorker(_SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
+            from tidal.runtime.placement import is_loopback
             from tidal.trainer.distributed import init_distributed
+
+            if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
             init_distributed(self.rank, self.world_size, master_addr, master_port, backend=self.cfg.placement.backend
                              if self.cfg.placement.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"),
