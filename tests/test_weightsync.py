@@ -32,8 +32,8 @@ HOST = "127.0.0.1"
 
 
 def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
-    """The same tensors in every process: several dtypes, a scalar, an empty tensor and one
-    tensor larger than the 4 KiB buckets the tests use."""
+    """The same tensors in every process: several dtypes, a scalar, an empty tensor, a
+    non-contiguous one, and one larger than the 4 KiB buckets the tests use."""
     g = torch.Generator().manual_seed(seed)
     return {
         "a.weight": torch.randn(8, 16, generator=g),
@@ -44,6 +44,7 @@ def mixed_tensors(seed: int) -> dict[str, torch.Tensor]:
         "f.empty": torch.zeros(0, 4),
         "g.big": torch.randn(2048, generator=g),  # 8 KiB of float32: its own bucket
         "h.weight": torch.randn(4, 4, generator=g).bfloat16(),
+        "i.transposed": torch.randn(6, 5, generator=g).t(),  # last float32 one: alone, but copied
     }
 
 
@@ -178,7 +179,7 @@ def test_broadcast_to_two_receivers_is_bitwise_versioned_and_checksummed():
     try:
         m = send_weights(group, 7, mixed_tensors(7), bucket_bytes=4096)
         assert m["bytes"] == sum(t.numel() * t.element_size() for t in mixed_tensors(7).values())
-        assert m["buckets"] == 5  # float32 split around g.big, then bfloat16, float16, int64
+        assert m["buckets"] == 6  # float32: a-f, g.big, i; then bfloat16, float16, int64
         send_weights(group, 8, mixed_tensors(8), bucket_bytes=4096, with_checksum=True)
         weights = perturbed_weights(tiny_engine(), seed=11)
         send_weights(group, 9, weights, with_checksum=True)

@@ -28,7 +28,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tidal.weightsync.base import SyncHeader, WeightSyncError, checksum, make_header, pack, torch_dtype, unpack
+from tidal.weightsync.base import (
+    SyncHeader,
+    WeightSyncError,
+    checksum,
+    make_header,
+    needs_copy,
+    pack,
+    torch_dtype,
+    unpack,
+)
 
 DEFAULT_BUCKET_BYTES = 128 << 20
 log = logging.getLogger("tidal")
@@ -172,7 +181,7 @@ def send_weights(group: BroadcastGroup, version: int, tensors: Mapping[str, torc
     raw = header.to_bytes()
     group.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=group.device), f"the header length of v{version}")
     group.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(group.device), f"the header of v{version}")
-    staging = group.staging(max((b.nbytes for b in header.buckets if len(b.names) > 1), default=0))
+    staging = group.staging(max((b.nbytes for b in header.buckets if needs_copy(b, tensors, group.device)), default=0))
     for i, bucket in enumerate(header.buckets):
         flat = pack(bucket, tensors, group.device, staging)
         group.broadcast(flat.view(torch.uint8), f"bucket {i + 1}/{len(header.buckets)} of v{version}")
