@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,38 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
             m[f"reward/{k}"] = sum(e.reward_parts.get(k, 0.0) for e in ok) / len(ok)
     m["episodes"] = float(n if episodes else 0)
     return m
+
+
+@dataclass
+class Sampled:
+    """A step's rollout, handed from the rollout stage to the learning stage."""
+
+    step: int
+    episodes: list[Episode]  # every sampled episode
+    train_eps: list[Episode]  # those to train on
+    baselines: dict[str, float]  # greedy reward per group (remax)
+    metrics: dict[str, float]
+    t_start: float
+    t_end: float
+    admission_wait: float = 0.0  # time the rollout waited for fresh enough weights
+
+
+def staleness_metrics(episodes: list[Episode], version: int, per_step: int, k: int) -> dict[str, float]:
+    """Version lag, in training steps, of every trained policy token against the weights it is
+    trained with (`version`, the trainer's before this step's update): max, token mean and the
+    fraction of tokens at each lag 0..k (a lag beyond k would break the bound; it is counted
+    in `staleness/over_bound`)."""
+    lags = [(version - v) // per_step for e in episodes for v, m in zip(e.versions, e.loss_mask) if m]
+    if not lags:
+        return {}
+    out = {"staleness/max": float(max(lags)), "staleness/mean": sum(lags) / len(lags),
+           "staleness/over_bound": float(sum(lag > k for lag in lags)) / len(lags)}
+    for j in range(k + 1):
+        out[f"staleness/lag{j}_frac"] = sum(lag == j for lag in lags) / len(lags)
+    if out["staleness/over_bound"]:
+        log.error("staleness bound broken: %d trained tokens are more than %d steps old (max %d)",
+                  sum(lag > k for lag in lags), k, max(lags))
+    return out
 
 
 @dataclass
@@ -110,6 +144,12 @@ class Controller:
         )
         self.rollout = Rollout(self.tokenizer, self.params, timeout_s=cfg.rollout.episode_timeout_s)
         self.step = 0
+        self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
+        self._source_lock = threading.Lock()
+        self._source_before: dict[int, dict] = {}  # step → data position before its prompts were taken
+        self._generating: list[tuple[float, float]] = []  # when the producer was rolling out
+        self._generating_since = 0.0
+        self._last_learn_end = time.perf_counter()
         if resume_from is not None:
             self._load(resume_from)
         self.metrics = JsonlSink(run_dir / "metrics.jsonl", truncate_after=self.step if resume else None)
@@ -117,17 +157,30 @@ class Controller:
 
     # -- the loop ---------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        cfg, step = self.cfg, self.step + 1
+        """One synchronous step: sample, then learn from it."""
+        return self._learn(self._produce(self.step + 1))
+
+    def _produce(self, step: int) -> Sampled:
+        """The rollout stage of a step: sample + reward (+ DAPO refill)."""
+        with self._source_lock:  # the data position a checkpoint of step-1 must restore
+            self._source_before[step] = self.source.state_dict()
+        t0 = time.perf_counter()
+        episodes, train_eps, baselines, metrics = self._sample(step)
+        return Sampled(step, episodes, train_eps, baselines, metrics, t0, time.perf_counter())
+
+    def _learn(self, s: Sampled, trainer_wait: float = 0.0) -> dict[str, float]:
+        """The rest of a step: advantages → forward/backward → optimizer step → weight sync → log → save."""
+        cfg, step = self.cfg, s.step
+        episodes, train_eps, metrics = s.episodes, s.train_eps, s.metrics
         self.trainer.step = step  # named in the error of a role that fails
         t0 = time.perf_counter()
-        episodes, train_eps, baselines, metrics = self._sample(step)  # sample + reward (+ DAPO refill)
-        t_rollout = time.perf_counter() - t0
-
         self._report_failures(step, episodes)
         metrics.update(episode_metrics(episodes))
+        metrics.update(staleness_metrics(train_eps, self.trainer.version, self.updates_per_step,
+                                         cfg.rollout.max_staleness))
         if train_eps:
             batch, prep = build_batch(train_eps, cfg.algorithm, self.trainer, kl_coef=self.kl_ctl.coef,
-                                      baselines=baselines)  # advantages
+                                      baselines=s.baselines)  # advantages
             metrics.update(prep)
             minis = self._mini_batches(len(batch))
             if cfg.train.epochs * len(minis) > 1 and batch.old_logprobs is None:
@@ -143,15 +196,21 @@ class Controller:
             metrics["kl_coef"] = self.kl_ctl.coef
             if "kl" in metrics:
                 self.kl_ctl.update(metrics["kl"], len(batch))
-        t_train = time.perf_counter() - t0 - t_rollout
+        t_train = time.perf_counter() - t0
 
         metrics.update(self.pusher.push(step))  # weight sync
         self.step = step
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        t_rollout = s.t_end - s.t_start
+        dt = t1 - t0 + t_rollout if cfg.rollout.max_staleness == 0 else t1 - self._last_learn_end
+        self._last_learn_end = t1
         tokens = sum(len(e.tokens) for e in episodes)
         metrics.update({"version": float(self.trainer.version), "time/step_s": dt, "time/rollout_s": t_rollout,
-                        "time/train_s": t_train, "tokens_per_s": tokens / dt,
-                        "generated_tokens_per_s": sum(e.num_policy_tokens for e in episodes) / max(t_rollout, 1e-9)})
+                        "time/train_s": t_train, "tokens_per_s": tokens / max(dt, 1e-9),
+                        "time/samples_per_s": len(episodes) / max(dt, 1e-9),
+                        "generated_tokens_per_s": sum(e.num_policy_tokens for e in episodes) / max(t_rollout, 1e-9),
+                        "time/trainer_wait_s": trainer_wait, "time/engine_wait_s": s.admission_wait,
+                        "time/overlap": self._overlap(t0, t1)})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
             metrics["eval/accuracy"] = evaluate_engine(self.engine, self.tokenizer, self.task.eval_rows[: cfg.eval.n],
                                                        self.task.make_env, self.params, k=0)["accuracy"]
@@ -161,6 +220,14 @@ class Controller:
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             self.save()
         return metrics
+
+    def _overlap(self, t0: float, t1: float) -> float:
+        """Fraction of [t0, t1] (this step's learning) during which the engines were generating."""
+        with self._source_lock:
+            spans = list(self._generating) + ([(self._generating_since, t1)] if self._generating_since else [])
+            self._generating = [(a, b) for a, b in self._generating if b > t1]
+        busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
+        return busy / max(t1 - t0, 1e-9)
 
     def _sample(self, step: int) -> tuple[list[Episode], list[Episode], dict[str, float], dict[str, float]]:
         """Roll out this step's prompts. Returns (every sampled episode, the episodes to train
@@ -228,11 +295,67 @@ class Controller:
         return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
     def train(self) -> dict[str, float]:
+        """The loop for every `rollout.max_staleness` k: a producer thread rolls out step s as
+        soon as the engines hold the weights of step s-1-k (admission control: nothing is
+        generated that could not be trained within the bound), and hands it over through a
+        bounded queue; this thread learns from the steps in order. k=0 is synchronous: step s
+        starts after step s-1 is learned and published, exactly as `train_step`."""
+        cfg, k = self.cfg, self.cfg.rollout.max_staleness
+        handoff: queue.Queue = queue.Queue(maxsize=k + 1)
+        stop = threading.Event()
+        published = threading.Condition()
+        self._published = self.step
+
+        def produce() -> None:
+            try:
+                for step in range(self.step + 1, cfg.train.steps + 1):
+                    t0 = time.perf_counter()
+                    with published:  # admission: weights of step-1-k are on the engines
+                        while self._published < step - 1 - k and not stop.is_set():
+                            published.wait(0.1)
+                    if stop.is_set():
+                        return
+                    wait = time.perf_counter() - t0
+                    with self._source_lock:
+                        self._generating_since = time.perf_counter()
+                    sampled = self._produce(step)
+                    with self._source_lock:
+                        self._generating.append((self._generating_since, time.perf_counter()))
+                        self._generating_since = 0.0
+                    sampled.admission_wait = wait
+                    while not stop.is_set():
+                        try:
+                            handoff.put(sampled, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+            except BaseException as e:  # noqa: BLE001 - the learning thread raises it
+                while not stop.is_set():
+                    try:
+                        handoff.put(e, timeout=0.1)
+                        return
+                    except queue.Full:
+                        continue
+
+        producer = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
         last: dict[str, float] = {}
-        with Progress(total=self.cfg.train.steps, initial=self.step, enabled=self.cfg.run.progress) as bar:
-            while self.step < self.cfg.train.steps:
-                last = self.train_step()
-                bar.update(self.step, last)
+        self._last_learn_end = time.perf_counter()
+        producer.start()
+        try:
+            with Progress(total=cfg.train.steps, initial=self.step, enabled=cfg.run.progress) as bar:
+                while self.step < cfg.train.steps:
+                    t0 = time.perf_counter()
+                    item = handoff.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    last = self._learn(item, trainer_wait=time.perf_counter() - t0)
+                    with published:
+                        self._published = self.step
+                        published.notify_all()
+                    bar.update(self.step, last)
+        finally:
+            stop.set()
+            producer.join(timeout=5.0)  # mid-rollout it ends when the engines close
         self.metrics.close()
         return last
 
@@ -248,7 +371,10 @@ class Controller:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.trainer.save(tmp)
-        write_json(tmp / "controller.json", {"step": self.step, "data": self.source.state_dict(),
+        with self._source_lock:  # prompts already taken for later steps are not consumed yet
+            data = self._source_before.get(self.step + 1) or self.source.state_dict()
+            self._source_before = {s: d for s, d in self._source_before.items() if s > self.step}
+        write_json(tmp / "controller.json", {"step": self.step, "data": data,
                                              "engine_version": self.engine.version, "kl": self.kl_ctl.state_dict()})
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
