@@ -53,6 +53,7 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     episode_timeout_s: float = Field(600.0, gt=0.0, description="Wall-clock bound of one episode (all turns); past it the episode ends `timeout`.")
+    max_staleness: int = Field(0, ge=0, description="Bound k on how stale trained data may be, in training steps: a step's prompts start only once the engines hold weights at most k steps older than those it will be trained against. 0: synchronous on-policy; 1: one-step off-policy; k > 1: fully asynchronous (generation overlaps training).")
 
     @property
     def global_batch(self) -> int:
@@ -132,6 +133,7 @@ class EngineConfig(_Section):
     replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
     max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
+    partial_rollout: bool = Field(True, description="When new weights arrive during generation (the asynchronous loop): True, in-flight requests pause between decode steps, take the new weights and continue (each token records the version that produced it); False, the update waits until the requests in flight finish on the old weights (new requests wait for the update). Torch engine only: vLLM and SGLang always finish in-flight requests before an update.")
 
 
 class RoleResources(_Section):
