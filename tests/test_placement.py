@@ -203,6 +203,22 @@ def test_disaggregated_engines_get_every_version(tmp_path, ray_local, transport)
         same_training(a, b)
 
 
+def test_reward_workers_score_every_episode(tmp_path, ray_local):
+    cfg = config(tmp_path, "placement.mode=ray", "placement.colocate=true", "placement.reward_workers=2",
+                 "placement.reward.num_cpus=0.25")
+    ctl = Controller(cfg)
+    try:
+        ctl.train()
+        assert sum(ctl.task.reward_fn.served) == 2 * 16 and min(ctl.task.reward_fn.served) > 0  # both workers scored
+        pids = {h.call("pid") for h in ctl.roles.reward_handles}
+        assert os.getpid() not in pids and len(pids) == 2
+    finally:
+        ctl.close()
+    _train(config(tmp_path, name="local"))
+    for a, b in zip(metrics(tmp_path / "local"), metrics(tmp_path / "run")):
+        same_training(a, b)
+
+
 def _kill_when_busy(router, i: int, pid: int, killed: threading.Event, stop: threading.Event) -> None:
     while not stop.is_set():
         if router.inflight[i] > 0:

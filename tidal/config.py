@@ -152,6 +152,8 @@ class PlacementConfig(_Section):
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
     trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
     engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
+    reward_workers: int = Field(0, ge=0, description="ray: Ray actors that run the reward function (task.reward), least-loaded; 0: rewards run in the driver's rollout.")
+    reward: RoleResources = Field(default_factory=RoleResources, description="Resources of one reward worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
     weight_sync: Literal["auto", "inprocess", "broadcast", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
@@ -201,6 +203,8 @@ class TidalConfig(_Section):
         pl = self.placement
         if pl.mode == "local" and pl.trainer_ranks > 1:
             raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
+        if pl.mode == "local" and pl.reward_workers:
+            raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:
             raise ValueError("placement.colocate applies to placement.mode=ray (local mode is always colocated)")
         if pl.colocate and self.engine.replicas != pl.trainer_ranks:

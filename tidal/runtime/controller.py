@@ -138,6 +138,8 @@ class Controller:
         # Trainer ranks, engine replicas and the way weights reach them (placement.mode).
         self.roles = build_roles(cfg, self.model_dir, self.tokenizer.pad_token_id, kind, run_dir)
         self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
+        if self.roles.reward_fn is not None:  # rewards scored by the reward workers
+            self.task.reward_fn = self.roles.reward_fn
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),

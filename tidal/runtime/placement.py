@@ -24,7 +24,8 @@ from tidal.engines.router import Router
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher
 from tidal.runtime.trainer_group import TrainerGroup
-from tidal.runtime.workers import EngineWorker, RemoteEngine, TrainerWorker, make_engine
+from tidal.runtime.workers import (EngineWorker, RemoteEngine, RemoteReward, RewardWorker, TrainerWorker,
+                                   make_engine)
 
 log = logging.getLogger("tidal")
 
@@ -78,6 +79,8 @@ class Roles:
     started_ray: bool = False
     placement_group: object = None
     engine_handles: list[Handle] = field(default_factory=list)
+    reward_handles: list[Handle] = field(default_factory=list)
+    reward_fn: object = None  # scores on the reward workers; None: the task's own function in the driver
 
     def close(self) -> None:
         for engine in getattr(self.engine, "replicas", [self.engine]):
@@ -87,7 +90,7 @@ class Roles:
             return
         import ray
 
-        for h in self.trainer.ranks + self.engine_handles:
+        for h in self.trainer.ranks + self.pusher.engine_handles + self.reward_handles:
             try:
                 ray.kill(h.target, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
@@ -136,6 +139,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     bundles = [_bundle(pl.trainer, pl.engine.num_gpus if colocated else 0.0) for _ in range(n_train)]
     if not colocated:
         bundles += [_bundle(pl.engine) for _ in range(n_eng)]
+    first_reward = len(bundles)
+    bundles += [_bundle(pl.reward) for _ in range(pl.reward_workers)]
     started = start_ray(cfg, sum(b.get("CPU", 0.0) for b in bundles))
     pg = placement_group(bundles, strategy=pl.strategy, name="")
     ready, _ = ray.wait([pg.ready()], timeout=pl.start_timeout_s)
@@ -174,6 +179,9 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     names = [f"engine replica{i}" + (f" (in trainer rank {i})" if colocated else "") for i in range(n_eng)]
     remotes = [RemoteEngine(h, n, timeout_s=cfg.engine.request_timeout_s) for h, n in zip(handles, names)]
     engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
+    rewards = [Handle(f"reward worker {i}", actor(RewardWorker, first_reward + i, pl.reward).remote(
+        cfg.task.reward, num_cpus=pl.reward.num_cpus), remote=True) for i in range(pl.reward_workers)]
+    gather([h.submit("pid") for h in rewards], timeout_s=pl.start_timeout_s)
     transport = pl.weight_sync
     if transport == "auto":
         transport = "inprocess" if colocated else "broadcast"
@@ -183,4 +191,5 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
-                 engine_handles=[] if colocated else handles)
+                 engine_handles=[] if colocated else handles, reward_handles=rewards,
+                 reward_fn=RemoteReward(rewards, cfg.task.reward, timeout_s=pl.call_timeout_s) if rewards else None)

@@ -270,3 +270,52 @@ class RemoteEngine:
 
     def resume(self) -> None:
         self.handle.call("resume", timeout_s=self.timeout_s)
+
+
+class RewardWorker:
+    """Runs the task's reward function (a dotted path, imported in the worker)."""
+
+    def __init__(self, reward_path: str, num_cpus: float = 0.0):
+        from tidal.rewards import load_reward_fn
+
+        if num_cpus:
+            set_threads(num_cpus)
+        self.fn = load_reward_fn(reward_path)
+
+    async def score(self, completion: str, columns: dict) -> tuple[float, dict[str, float]]:
+        from tidal.rewards import call_reward_async
+
+        return await call_reward_async(self.fn, completion, columns)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RemoteReward:
+    """The reward function as the environment sees it, scored by reward worker actors:
+    least-loaded, bounded by `timeout_s`. The function's own exception comes back as
+    itself, so the episode's error names the function and what it raised."""
+
+    def __init__(self, handles: list, name: str, timeout_s: float = 600.0):
+        self.handles, self.timeout_s = handles, timeout_s
+        self.__tidal_name__ = name
+        self.inflight = [0] * len(handles)
+        self.served = [0] * len(handles)  # episodes scored, per worker
+
+    async def __call__(self, completion: str, **columns):
+        from ray.exceptions import RayActorError, RayTaskError
+
+        i = min(range(len(self.handles)), key=lambda j: (self.inflight[j], j))
+        self.inflight[i] += 1
+        try:
+            total, parts = await asyncio.wait_for(self.handles[i].target.score.remote(completion, columns), self.timeout_s)
+        except RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        except RayActorError as e:
+            raise RuntimeError(f"{self.handles[i].role} died: {type(e).__name__}") from None
+        except TimeoutError:
+            raise TimeoutError(f"{self.handles[i].role} did not score within {self.timeout_s:g} s") from None
+        finally:
+            self.inflight[i] -= 1
+        self.served[i] += 1
+        return parts or total
