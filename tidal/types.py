@@ -58,13 +58,26 @@ class GenerationResult:
     `logprobs[i]` is log softmax(logits / temperature)[token_ids[i]] (temperature 1 when
     greedy), before top-k/top-p truncation: the same quantity the trainer computes, so the
     two can be compared token by token.
+
+    Weight versions: `token_versions[i]` is the version of the weights whose forward pass
+    produced the logits token i was sampled from. An engine that can take new weights in
+    the middle of a request (partial rollout) fills it, the built-in torch engine always;
+    None means every token was produced by `version`. `version` is the newest version that produced any
+    token of this result. Read them through `versions_per_token()`.
     """
 
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (a stop token was produced) | "length"
-    version: int  # weight version that produced every token of this result
+    version: int  # newest weight version that produced a token of this result
+    token_versions: list[int] | None = None  # per token; None: all tokens are `version`'s
+
+    def versions_per_token(self) -> list[int]:
+        """The weight version of each token in `token_ids`."""
+        if self.token_versions is None:
+            return [self.version] * len(self.token_ids)
+        return list(self.token_versions)
 
 
 @dataclass

@@ -35,7 +35,8 @@ def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: 
         from tidal.models import load_model
 
         return TorchEngine(load_model(model_dir, dtype=dtype, device=device), pad_token_id,
-                           max_batch_size=cfg.max_batch_size)
+                           max_batch_size=cfg.max_batch_size, partial_rollout=cfg.partial_rollout,
+                           update_timeout_s=cfg.request_timeout_s)
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("engine.kind=vllm: vLLM is not installed in this environment "

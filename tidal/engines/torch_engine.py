@@ -7,14 +7,26 @@ requests join the running batch (prefilled, then their cache is merged in) as so
 enough rows have left, so the batch stays full. Sampling noise is a function of
 (request seed, position, token), so a request's tokens do not depend on which requests
 it shares a batch with (up to float rounding of padded attention).
+
+New weights during generation (the asynchronous loop calls `update_weights` from another
+thread while `generate_sync` decodes). With `partial_rollout=True` (the default) the update
+lands between two decode steps: each step holds the weights lock shared, an update takes
+it exclusive and goes first once it waits, so decoding cannot starve it; the running batch
+then continues on the new weights with its KV cache as computed so far. Every token
+records the version of the weights whose forward pass gave the logits it was sampled from
+(`GenerationResult.token_versions`): the token sampled right after an update still comes
+from logits the old weights computed. With `partial_rollout=False` a generate call holds
+the lock for its whole length: an update waits for the calls in flight, and calls that
+start while it waits wait for it (what vLLM and SGLang do), so each result has one version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +40,20 @@ class EngineClosed(RuntimeError):
     """The engine was closed and serves no more calls."""
 
 
+class WeightUpdateTimeout(TimeoutError):
+    """A weight update waited longer than `update_timeout_s` for generation to make room."""
+
+
 class TorchEngine:
-    def __init__(self, model, pad_token_id: int, max_batch_size: int = 512):
+    def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
+                 update_timeout_s: float = 600.0):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
+        self.partial_rollout = partial_rollout
+        self.update_timeout_s = update_timeout_s
+        self.decode_steps = 0  # sampling steps run so far (all calls): lets a watcher see progress
+        self._weights = _WeightsLock()
         self._version = 0
         self._running = threading.Event()
         self._running.set()
@@ -69,10 +90,14 @@ class TorchEngine:
         missing = sorted(set(params) - set(tensors))
         if unknown or missing:
             raise ValueError(f"weight update v{version} does not match the engine's model: unknown {unknown[:5]}, missing {missing[:5]}")
-        with torch.no_grad():
+        waits_for = "a decode step" if self.partial_rollout else "generate calls in flight (engine.partial_rollout=false)"
+        too_slow = lambda n: WeightUpdateTimeout(
+            f"torch engine: update_weights v{version} waited {self.update_timeout_s:g} s for {waits_for} to finish "
+            f"({n} holding the weights; is update_weights called from the thread that runs generate?)")
+        with self._weights.exclusive(self.update_timeout_s, too_slow), torch.no_grad():
             for name, t in tensors.items():
                 params[name].copy_(t)
-        self._version = version
+            self._version = version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         await asyncio.to_thread(self._running.wait)
@@ -83,42 +108,62 @@ class TorchEngine:
         for r in requests:
             if not r.prompt_ids:
                 raise ValueError(f"request {r.request_id} has an empty prompt")
+        if self.partial_rollout:
+            return self._generate(requests, step_lock=self._weights.shared)
+        with self._weights.shared():  # the whole call on one version
+            return self._generate(requests, step_lock=contextlib.nullcontext)
+
+    def _generate(self, requests: list[GenerationRequest],
+                  step_lock: Callable[[], contextlib.AbstractContextManager]) -> list[GenerationResult]:
+        """The decode loop; each iteration (join, sample, decode) runs under `step_lock()`."""
         # Shortest prompts first: rows that join together pad little.
         waiting = deque(sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids)))
         tokens: list[list[int]] = [[] for _ in requests]
         logps: list[list[float]] = [[] for _ in requests]
+        versions: list[list[int]] = [[] for _ in requests]
         out: list[GenerationResult | None] = [None] * len(requests)
         rows: _Rows | None = None
         with torch.inference_mode():
             while waiting or rows is not None:
-                free = self.max_batch_size - (len(rows) if rows is not None else 0)
-                # New requests join when a worthwhile number of slots is free (one prefill
-                # per join), or when every waiting request fits.
-                if waiting and free > 0 and (rows is None or free >= min(len(waiting), self._join_at)):
-                    take = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-                    new = self._prefill(requests, take)
-                    rows = new if rows is None else rows.merge(new)
-                assert rows is not None
-                tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps)
-                keep = []
-                for row, (i, t, lpv) in enumerate(zip(rows.idx.tolist(), tok.tolist(), lp.tolist())):
-                    tokens[i].append(t)
-                    logps[i].append(lpv)
-                    params = requests[i].params
-                    if t in params.stop_token_ids or len(tokens[i]) >= params.max_new_tokens:
-                        reason = "stop" if t in params.stop_token_ids else "length"
-                        out[i] = GenerationResult(requests[i].request_id, tokens[i], logps[i], reason, self._version)
-                    else:
-                        keep.append(row)
-                if not keep:
-                    rows = None
-                    continue
-                if len(keep) < len(rows):  # finished rows leave the batch and the cache
-                    keep_t = torch.tensor(keep, device=rows.seeds.device)
-                    rows.select(keep_t)
-                    tok = tok[keep_t]
-                rows.decode(self.model, tok)
+                with step_lock():  # weight updates land between iterations, never inside one
+                    rows = self._step(requests, waiting, rows, tokens, logps, versions, out)
         return out  # type: ignore[return-value]
+
+    def _step(self, requests, waiting, rows, tokens, logps, versions, out) -> _Rows | None:
+        """One iteration: waiting requests join, every row samples a token, finished rows
+        leave, the others are decoded. Returns the running batch (None when empty)."""
+        free = self.max_batch_size - (len(rows) if rows is not None else 0)
+        # New requests join when a worthwhile number of slots is free (one prefill
+        # per join), or when every waiting request fits.
+        if waiting and free > 0 and (rows is None or free >= min(len(waiting), self._join_at)):
+            take = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+            new = self._prefill(requests, take)
+            rows = new if rows is None else rows.merge(new)
+        assert rows is not None
+        tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps)
+        self.decode_steps += 1
+        keep = []
+        # A token's version is that of the logits it was sampled from (prefill or last decode).
+        for row, (i, t, lpv, v) in enumerate(zip(rows.idx.tolist(), tok.tolist(), lp.tolist(),
+                                                 rows.versions.tolist())):
+            tokens[i].append(t)
+            logps[i].append(lpv)
+            versions[i].append(v)
+            params = requests[i].params
+            if t in params.stop_token_ids or len(tokens[i]) >= params.max_new_tokens:
+                reason = "stop" if t in params.stop_token_ids else "length"
+                out[i] = GenerationResult(requests[i].request_id, tokens[i], logps[i], reason, max(versions[i]),
+                                          token_versions=versions[i])
+            else:
+                keep.append(row)
+        if not keep:
+            return None
+        if len(keep) < len(rows):  # finished rows leave the batch and the cache
+            keep_t = torch.tensor(keep, device=rows.seeds.device)
+            rows.select(keep_t)
+            tok = tok[keep_t]
+        rows.decode(self.model, tok, self._version)
+        return rows
 
     @property
     def _join_at(self) -> int:
@@ -147,6 +192,7 @@ class TorchEngine:
             top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
             seeds=torch.tensor([r.params.seed for r in reqs], dtype=torch.long, device=dev),
             steps=torch.zeros(B, dtype=torch.long, device=dev),
+            versions=torch.full((B,), self._version, dtype=torch.long, device=dev),
         )
 
 
@@ -166,8 +212,9 @@ class _Rows:
     top_p: torch.Tensor
     seeds: torch.Tensor
     steps: torch.Tensor  # tokens generated so far per row: the position of the sampling noise
+    versions: torch.Tensor  # weight version that computed each row's `logits`
 
-    _PER_ROW = ("idx", "attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps")
+    _PER_ROW = ("idx", "attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
 
     def __len__(self) -> int:
         return len(self.idx)
@@ -177,8 +224,9 @@ class _Rows:
         for name in self._PER_ROW:
             setattr(self, name, getattr(self, name)[keep])
 
-    def decode(self, model, tok: torch.Tensor) -> None:
-        """Feed each row's sampled token; the logits become those of the next position."""
+    def decode(self, model, tok: torch.Tensor, version: int) -> None:
+        """Feed each row's sampled token; the logits become those of the next position,
+        computed by the weights of `version` (earlier positions keep their cache)."""
         self.attn = torch.cat([self.attn, self.attn.new_ones((len(self), 1))], dim=1)
         self.logits = model(
             input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
@@ -186,6 +234,7 @@ class _Rows:
         ).logits[:, -1]
         self.next_pos = self.next_pos + 1
         self.steps = self.steps + 1
+        self.versions = torch.full_like(self.versions, version)
 
     def merge(self, new: _Rows) -> _Rows:
         """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
@@ -207,3 +256,47 @@ def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = missing
     return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+class _WeightsLock:
+    """Generation (shared) against weight updates (exclusive), updates first: once an update
+    waits, no new holder gets the lock until it is done, so back-to-back decode steps or
+    generate calls cannot starve it. Holders in the same thread must not nest."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.holders = 0  # shared holders now
+        self.updates_waiting = 0
+        self._updating = False
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._updating and not self.updates_waiting)
+            self.holders += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.holders -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, timeout_s: float, on_timeout: Callable[[int], Exception]) -> Iterator[None]:
+        """Wait up to timeout_s for the shared holders to leave, then run the body alone.
+        `on_timeout(holders)` builds the error raised when they do not."""
+        with self._cond:
+            self.updates_waiting += 1
+            try:
+                if not self._cond.wait_for(lambda: not self._updating and not self.holders, timeout_s):
+                    raise on_timeout(self.holders)
+                self._updating = True
+            finally:
+                self.updates_waiting -= 1
+                self._cond.notify_all()  # after a timeout, shared holders waiting behind it may go
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._updating = False
+                self._cond.notify_all()

@@ -128,7 +128,7 @@ class Rollout:
             ep.tokens += res.token_ids
             ep.loss_mask += [True] * len(res.token_ids)
             ep.logprobs += res.logprobs
-            ep.versions += [res.version] * len(res.token_ids)
+            ep.versions += res.versions_per_token()
             text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
             try:
                 out = await spec.env.step(text)
