@@ -175,7 +175,12 @@ def _train(cfg) -> Controller:
 
 def test_colocated_ray_run_equals_local_run(tmp_path, ray_local):
     _train(config(tmp_path, name="local"))
-    _train(config(tmp_path, "placement.mode=ray", "placement.colocate=true", name="ray"))
+    ctl = Controller(config(tmp_path, "placement.mode=ray", "placement.colocate=true", name="ray"))
+    try:
+        ctl.train()
+        assert ctl.trainer.ranks[0].call("sleeps") == 2  # the engine slept while its rank trained, each step
+    finally:
+        ctl.close()
     local, remote = metrics(tmp_path / "local"), metrics(tmp_path / "ray")
     assert len(local) == len(remote) == 2
     for a, b in zip(local, remote):

@@ -58,6 +58,7 @@ class TorchEngine:
         self._running = threading.Event()
         self._running.set()
         self._closed = False
+        self._home: torch.device | None = None  # where the weights live while asleep on the host
 
     @property
     def version(self) -> int:
@@ -73,6 +74,24 @@ class TorchEngine:
 
     def resume(self) -> None:
         self._running.set()
+
+    def sleep(self) -> None:
+        """Give the accelerator memory back while a colocated trainer trains: new generate
+        calls wait until `wake_up()`, and on a GPU the weights move to host memory (the KV
+        cache lives only inside a generate call). On CPU only the pause remains."""
+        self.pause()
+        if self.device.type == "cuda" and self._home is None:
+            with self._weights.exclusive(self.update_timeout_s, lambda n: WeightUpdateTimeout(
+                    f"torch engine: sleep waited {self.update_timeout_s:g} s for {n} generate steps")):
+                self._home = self.device
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self._home is not None:
+            self.model.to(self._home)
+            self._home = None
+        self.resume()
 
     def close(self) -> None:
         """Stop serving: later calls raise EngineClosed (a replica that was shut down)."""

@@ -127,6 +127,21 @@ class TrainerWorker(_SyncReceiver):
         self.rank, self.world_size = rank, world_size
         self.engine_kind, self.log_dir = engine_kind, log_dir
         self.trainer = None
+        # Colocated and synchronous: the engine sleeps while this rank trains (memory back
+        # to the trainer) and wakes with the new weights. With k > 0 it keeps generating.
+        self._release_engine = engine_kind is not None and cfg.rollout.max_staleness == 0
+        self.engine_sleeps = 0
+
+    def _training(self) -> None:
+        if self._release_engine and hasattr(self.engine, "sleep") and not getattr(self, "_asleep", False):
+            self.engine.sleep()
+            self._asleep = True
+            self.engine_sleeps += 1
+
+    def _wake(self) -> None:
+        if getattr(self, "_asleep", False):
+            self.engine.wake_up()
+            self._asleep = False
 
     def where(self) -> tuple[str, int]:
         """(node address, a free port there): where the ranks' rendezvous listens."""
@@ -152,18 +167,22 @@ class TrainerWorker(_SyncReceiver):
 
     # -- the Trainer's calls (each a collective when world_size > 1) --------------------------
     def forward_backward(self, batch, kl_coef: float | None = None, totals=None) -> dict[str, float]:
+        self._training()
         return self.trainer.forward_backward(batch, kl_coef=kl_coef, totals=totals)
 
     def optim_step(self) -> dict[str, float]:
         return self.trainer.optim_step()
 
     def logprobs(self, batch) -> list[list[float]]:
+        self._training()
         return self.trainer.logprobs(batch)
 
     def ref_logprobs(self, batch) -> list[list[float]]:
+        self._training()
         return self.trainer.ref_logprobs(batch)
 
     def values(self, batch) -> list[list[float]]:
+        self._training()
         return self.trainer.values(batch)
 
     def version(self) -> int:
@@ -195,6 +214,7 @@ class TrainerWorker(_SyncReceiver):
             if self.engine is None:
                 raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
             self.engine.update_weights(version, named)
+            self._wake()
             return {"version": version}
         if self.rank != 0:
             return {"version": version}
@@ -213,6 +233,9 @@ class TrainerWorker(_SyncReceiver):
 
     def pid(self) -> int:
         return os.getpid()
+
+    def sleeps(self) -> int:
+        return self.engine_sleeps
 
 
 class EngineWorker(_SyncReceiver):
