@@ -46,7 +46,7 @@ def test_k0_loop_gives_the_sync_loop_batches(tmp_path):
         assert [e["episode_id"] for e in ea] == [e["episode_id"] for e in eb]
         for x, y in zip(ea, eb):
             assert (x["tokens"], x["versions"], x["logprobs"], x["reward"]) == (y["tokens"], y["versions"], y["logprobs"], y["reward"])
-            assert set(v for v, m in zip(x["versions"], x["loss_mask"]) if m) == {step - 1}  # on-policy
+            assert {v for v, m in zip(x["versions"], x["loss_mask"]) if m} == {step - 1}  # on-policy
 
 
 def lags(run: Path, step: int, per_step: int) -> list[int]:

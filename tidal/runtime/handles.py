@@ -95,7 +95,7 @@ def gather(pendings: Sequence[Pending], *, step: int | None = None, timeout_s: f
                 p = by_ref[ref]
                 try:
                     p.value = ray.get(ref)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     raise _role_error(p, step, e) from e
     return [p.value for p in pendings]
 

@@ -24,8 +24,7 @@ from tidal.engines.router import Router
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher
 from tidal.runtime.trainer_group import TrainerGroup
-from tidal.runtime.workers import (EngineWorker, RemoteEngine, RemoteReward, RewardWorker, TrainerWorker,
-                                   make_engine)
+from tidal.runtime.workers import EngineWorker, RemoteEngine, RemoteReward, RewardWorker, TrainerWorker, make_engine
 
 log = logging.getLogger("tidal")
 
@@ -42,7 +41,7 @@ def keep_on_loopback() -> None:
     runs a single-machine cluster; then every service it starts binds to loopback
     (PLATFORM.md). Set before Ray starts; the processes it starts inherit it."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    import ray._private.ray_constants as ray_constants
+    from ray._private import ray_constants
 
     ray_constants.ENABLE_RAY_CLUSTER = False
 

@@ -45,7 +45,7 @@ def node_ip() -> str:
 def set_threads(num_cpus: float) -> None:
     """An actor uses the cores it reserved, not every core of the node: on a shared node
     torch's default (one thread per core in each process) oversubscribes."""
-    torch.set_num_threads(max(1, int(round(num_cpus))))
+    torch.set_num_threads(max(1, round(num_cpus)))
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
