@@ -91,3 +91,20 @@ def test_staleness_bound_holds_and_survives_a_resume(tmp_path):
     # ahead for steps 4-5 before the stop were not skipped.
     for step in range(1, 7):
         assert sorted(e["task_id"] for e in episodes(full, step)) == sorted(e["task_id"] for e in episodes(cut, step))
+
+
+@pytest.mark.slow
+def test_k2_with_a_correction_reaches_the_sync_accuracy(tmp_path):
+    """The default job with max_staleness=2 and decoupled PPO (token IS) reaches the ≥ 0.9
+    held-out greedy accuracy of the synchronous default job (BENCHMARKS.md)."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "tidal.cli", "train", f"run.dir={run}", "run.progress=false",
+                    "rollout.max_staleness=2", "algorithm.is_level=token"], check=True)
+    for m in [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]:
+        assert m["staleness/max"] <= 2
+    out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(run / "checkpoints" / "step_000060"), "--json"],
+                         check=True, capture_output=True, text=True).stdout
+    assert json.loads(out.splitlines()[-1])["accuracy"] >= 0.9
