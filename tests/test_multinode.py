@@ -21,6 +21,7 @@ from tidal.runtime.placement import keep_on_loopback
 def two_nodes():
     keep_on_loopback()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.makedirs("/tmp/ray", exist_ok=True)  # Cluster writes the head's address there before Ray creates it
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"trainer_node": 1}, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
     cluster.add_node(num_cpus=2, resources={"engine_node": 1}, node_ip_address="127.0.0.1")
