@@ -94,7 +94,7 @@ def test_remote_handle_timeout_death_and_error(ray_local):
         def bad(self):
             raise ValueError("no column `answer`")
 
-    h = Handle("reward worker 3", Slow.remote(), remote=True)
+    h = Handle("reward worker 3", Slow.options(max_concurrency=4).remote(), remote=True)  # the nap goes on
     assert h.call("nap", 0) == 0
     t0 = time.monotonic()
     with pytest.raises(RoleError, match=r"reward worker 3: `nap` at step 2 did not answer within 1 s"):
