@@ -67,7 +67,7 @@ def test_ray_fsdp_job_reaches_the_local_accuracy(tmp_path):
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "tidal.cli", "train", str(Path(__file__).parents[1] / "examples/ray/local_fsdp.yaml"), f"run.dir={run}",
                     "run.progress=false"], check=True)
-    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    ckpt = max((run / "checkpoints").iterdir())
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
                          capture_output=True, text=True).stdout
     assert json.loads(out.splitlines()[-1])["accuracy"] >= 0.9

@@ -151,7 +151,7 @@ class Controller:
         self._source_before: dict[int, dict] = {}  # step → data position before its prompts were taken
         self._generating: list[tuple[float, float]] = []  # when the producer was rolling out
         self._generating_since = 0.0
-        self._last_learn_end = time.perf_counter()
+        self._last_learn_end = self._t_start = time.perf_counter()
         if resume_from is not None:
             self._load(resume_from)
         self.metrics = JsonlSink(run_dir / "metrics.jsonl", truncate_after=self.step if resume else None)
@@ -212,6 +212,7 @@ class Controller:
                         "time/samples_per_s": len(episodes) / max(dt, 1e-9),
                         "generated_tokens_per_s": sum(e.num_policy_tokens for e in episodes) / max(t_rollout, 1e-9),
                         "time/trainer_wait_s": trainer_wait, "time/engine_wait_s": s.admission_wait,
+                        "time/elapsed_s": t1 - self._t_start,  # wall clock since the controller started
                         "time/overlap": self._overlap(t0, t1)})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
             metrics["eval/accuracy"] = evaluate_engine(self.engine, self.tokenizer, self.task.eval_rows[: cfg.eval.n],

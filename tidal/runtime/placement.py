@@ -13,6 +13,7 @@ This module is the only place that knows about Ray (with workers.py and handles.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
@@ -90,10 +91,8 @@ class Roles:
         import ray
 
         for h in self.trainer.ranks + self.pusher.engine_handles + self.reward_handles:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(h.target, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
         ray.util.remove_placement_group(self.placement_group)
         if self.started_ray:
             ray.shutdown()

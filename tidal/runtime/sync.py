@@ -101,7 +101,7 @@ class _RemoteSync:
         addr, port = self.trainer.ranks[0].call("where", timeout_s=self.timeout_s)
         world = 1 + len(live)
         name = f"tidal-weights-{self.group_epoch}"
-        args = dict(backend=self._backend(), timeout_s=self.cfg.placement.collective_timeout_s)
+        args = {"backend": self._backend(), "timeout_s": self.cfg.placement.collective_timeout_s}
         gather([self.trainer.ranks[0].submit("sync_join", addr, port, 0, world, name, **args)]
                + [h.submit("sync_join", addr, port, r, world, name, **args) for r, h in enumerate(live, start=1)],
                timeout_s=self.timeout_s)
