@@ -208,6 +208,18 @@ def test_disaggregated_engines_get_every_version(tmp_path, ray_local, transport)
         same_training(a, b)
 
 
+def test_two_fsdp_ranks_train_as_one_process(tmp_path, ray_local):
+    """The TrainerGroup splits each batch across 2 FSDP ranks (balanced by tokens, global
+    denominators) and puts per-position answers back in order: two mini-batches a step make
+    the PPO anchor a `logprobs` call across ranks."""
+    common = ("train.mini_batches=2", "train.steps=2")
+    _train(config(tmp_path, *common, name="local"))
+    ctl = _train(config(tmp_path, "placement.mode=ray", "placement.trainer_ranks=2", *common))
+    assert ctl.trainer.world_size == 2 and ctl.trainer.version == 4
+    for a, b in zip(metrics(tmp_path / "local"), metrics(tmp_path / "run")):
+        same_training(a, b, tol=1e-4)
+
+
 def test_reward_workers_score_every_episode(tmp_path, ray_local):
     cfg = config(tmp_path, "placement.mode=ray", "placement.colocate=true", "placement.reward_workers=2",
                  "placement.reward.num_cpus=0.25")

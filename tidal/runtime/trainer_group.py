@@ -44,21 +44,19 @@ class TrainerGroup:
     def _all(self, call: str, *args, **kwargs) -> list:
         return gather([h.submit(call, *args, **kwargs) for h in self.ranks], step=self.step, timeout_s=self.timeout_s)
 
-    def _sharded(self, call: str, batch: TrainBatch, **kwargs) -> list:
+    def _sharded(self, call: str, batch: TrainBatch, **kwargs) -> tuple[list[list[int]], list]:
+        """(the sequence indices each rank got, each rank's answer)."""
         if self.world_size == 1:
-            return [self.ranks[0].call(call, batch, step=self.step, timeout_s=self.timeout_s, **kwargs)]
+            return [list(range(len(batch)))], [self.ranks[0].call(call, batch, step=self.step, timeout_s=self.timeout_s,
+                                                                  **kwargs)]
         shards = balanced_shards([len(t) for t in batch.tokens], self.world_size)
         subs = [h.submit(call, batch.select(idx), **kwargs) for h, idx in zip(self.ranks, shards)]
-        out = gather(subs, step=self.step, timeout_s=self.timeout_s)
-        self._last_shards = shards
-        return out
+        return shards, gather(subs, step=self.step, timeout_s=self.timeout_s)
 
     def _per_position(self, call: str, batch: TrainBatch) -> list[list[float]]:
-        parts = self._sharded(call, batch)
-        if self.world_size == 1:
-            return parts[0]
+        shards, parts = self._sharded(call, batch)
         out: list[list[float]] = [[] for _ in range(len(batch))]
-        for idx, values in zip(self._last_shards, parts):
+        for idx, values in zip(shards, parts):
             for i, v in zip(idx, values):
                 out[i] = v
         return out
@@ -66,7 +64,7 @@ class TrainerGroup:
     # -- the Trainer's surface -----------------------------------------------------------------
     def forward_backward(self, batch: TrainBatch, kl_coef: float | None = None) -> dict[str, float]:
         totals = batch.totals() if self.world_size > 1 else None
-        return self._sharded("forward_backward", batch, kl_coef=kl_coef, totals=totals)[0]
+        return self._sharded("forward_backward", batch, kl_coef=kl_coef, totals=totals)[1][0]  # global metrics
 
     def optim_step(self) -> dict[str, float]:
         out = self._all("optim_step")[0]
