@@ -1,7 +1,9 @@
-"""The controller: builds the roles from a config and runs the synchronous RL loop.
+"""The controller: builds the roles from a config (placement.py) and runs the RL loop.
 
-`train_step` is the whole algorithm in one screen:
-sample → reward → advantage → forward/backward → optimizer step → weight sync → log → save.
+A step is two stages: `_produce` (sample → reward) and `_learn` (advantage →
+forward/backward → optimizer step → weight sync → log → save); `train_step` runs them one
+after the other. `train` joins the same two stages by a bounded queue, with a rollout
+thread admitted by weight version (`rollout.max_staleness`): k=0 is `train_step` in a loop.
 The controller owns no tensors beyond what it passes between roles.
 """
 
