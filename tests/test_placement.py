@@ -284,3 +284,22 @@ def test_dead_trainer_rank_stops_the_run_with_role_call_and_step(tmp_path, ray_l
     finally:
         ctl.close()
     assert (tmp_path / "run" / "checkpoints" / "step_000001" / "controller.json").is_file()  # the checkpoint is intact
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_engine_actor_gets_weights_by_broadcast(tmp_path, ray_local):
+    """vLLM in process inside an engine actor: weights arrive by checksummed broadcast and the
+    engine's log-probs agree with the trainer's (the mismatch metrics of every step)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIRE_VLLM"):
+        pytest.skip("vLLM is not installed (`make setup-vllm`)")
+    ctl = Controller(config(tmp_path, "placement.mode=ray", "engine.kind=vllm", "placement.weight_sync_checksum=true"))
+    try:
+        ctl.train()
+        assert ctl.pusher.engine_handles[0].call("engine_version") == 2
+    finally:
+        ctl.close()
+    for m in metrics(tmp_path / "run"):
+        assert m["logprob_max_abs_diff"] < 5e-4 and m["episodes/engine_error"] == 0
