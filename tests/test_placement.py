@@ -236,6 +236,23 @@ def test_reward_workers_score_every_episode(tmp_path, ray_local):
         same_training(a, b)
 
 
+def test_reward_worker_error_names_the_function_and_episode(tmp_path, ray_local):
+    """A reward function that raises on a worker ends the episode `reward_error` with the
+    function's name and its own exception, as in the driver; nothing is trained on it."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(8)))  # no `answer`
+    cfg = config(tmp_path, "placement.mode=ray", "placement.colocate=true", "placement.reward_workers=1",
+                 "placement.reward.num_cpus=0.25", f"task.dataset={data}", "train.steps=1")
+    ctl = Controller(cfg)
+    try:
+        episodes, *_ = ctl._sample(1)
+    finally:
+        ctl.close()
+    assert {e.status.value for e in episodes} == {"reward_error"}
+    assert "reward function `tidal.rewards.arithmetic:score` raised TypeError" in episodes[0].error
+    assert "answer" in episodes[0].error and episodes[0].episode_id in episodes[0].error
+
+
 def _kill_when_busy(router, i: int, pid: int, killed: threading.Event, stop: threading.Event) -> None:
     while not stop.is_set():
         if router.inflight[i] > 0:

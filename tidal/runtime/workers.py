@@ -332,8 +332,9 @@ class RemoteReward:
         self.inflight[i] += 1
         try:
             total, parts = await asyncio.wait_for(self.handles[i].target.score.remote(completion, columns), self.timeout_s)
-        except RayTaskError as e:
-            raise e.as_instanceof_cause() from None
+        except RayTaskError as e:  # the function's own exception, not Ray's wrapper with its traceback
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
         except RayActorError as e:
             raise RuntimeError(f"{self.handles[i].role} died: {type(e).__name__}") from None
         except TimeoutError:
