@@ -275,10 +275,13 @@ class RemoteEngine:
         self._version = version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             return await asyncio.wait_for(self.handle.target.generate.remote(requests), self.timeout_s)
+        except RayTaskError as e:  # the engine raised: its own exception, as a local engine's would be
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
         except RayActorError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise EngineDied(f"{self.name} died during generate: {type(e).__name__}: {first}") from None
