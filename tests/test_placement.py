@@ -290,6 +290,22 @@ def test_engine_killed_mid_step_is_replaced_and_no_episode_is_lost(tmp_path, ray
         ctl.close()
 
 
+def test_engine_dead_after_its_rollout_is_replaced_at_the_weight_sync(tmp_path, ray_local):
+    """An engine that dies after returning its requests is caught by the liveness check
+    before the sync (a dead member would stall the broadcast), replaced, and given the weights."""
+    ctl = Controller(config(tmp_path, "placement.mode=ray", "engine.replicas=2", "train.steps=3"))
+    try:
+        sampled = ctl._produce(1)
+        os.kill(ctl.pusher.engine_handles[0].call("pid"), signal.SIGKILL)
+        m = ctl._learn(sampled)
+        assert m["engines/restarted"] == 1 and m["episodes"] == 16
+        assert all(ctl.engine.up) and [h.call("engine_version") for h in ctl.pusher.engine_handles] == [1, 1]
+        assert "found dead before the weight sync of step 1" in ctl.pusher.events[-1]
+        assert ctl.train_step()["episodes"] == 16
+    finally:
+        ctl.close()
+
+
 def test_dead_trainer_rank_stops_the_run_with_role_call_and_step(tmp_path, ray_local):
     cfg = config(tmp_path, "placement.mode=ray", "placement.colocate=true", "train.steps=4", "run.save_every=1")
     ctl = Controller(cfg)

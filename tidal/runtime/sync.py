@@ -113,8 +113,28 @@ class _RemoteSync:
             return b
         return "nccl" if self.cfg.model.resolved_device().startswith("cuda") else "gloo"
 
+    def _check_alive(self, step: int | None) -> None:
+        """Mark down every engine actor that died since its last answer (e.g. after it returned
+        its requests): a dead member would stall the broadcast until the collective timeout."""
+        if self.respawn is None:  # colocated: the engines are the trainer ranks
+            return
+        live = [i for i, up in enumerate(self.router.up) if up]
+        refs = {i: self.handles[i].target.engine_version.remote() for i in live}
+        import ray
+        from ray.exceptions import RayActorError
+
+        deadline = time.monotonic() + min(self.timeout_s, 60.0)
+        for i, ref in refs.items():
+            try:
+                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+            except RayActorError as e:
+                self.router.mark_down(i, f"found dead before the weight sync of step {step}: {type(e).__name__}")
+            except ray.exceptions.GetTimeoutError:
+                self.router.mark_down(i, f"did not answer a liveness check before the weight sync of step {step}")
+
     def push(self, step: int | None) -> dict[str, float]:
         t0 = time.perf_counter()
+        self._check_alive(step)
         self._pending_up = {i: True for i in self._replace_dead(step)}
         targets = [i for i, up in enumerate(self.router.up) if up or self._pending_up.get(i)]
         ranks = self.trainer.ranks
