@@ -78,7 +78,6 @@ class Roles:
     pusher: WeightPusher
     started_ray: bool = False
     placement_group: object = None
-    engine_handles: list[Handle] = field(default_factory=list)
     reward_handles: list[Handle] = field(default_factory=list)
     reward_fn: object = None  # scores on the reward workers; None: the task's own function in the driver
 
@@ -189,5 +188,5 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
-                 engine_handles=[] if colocated else handles, reward_handles=rewards,
+                 reward_handles=rewards,
                  reward_fn=RemoteReward(rewards, cfg.task.reward, timeout_s=pl.call_timeout_s) if rewards else None)
