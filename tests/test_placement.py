@@ -59,6 +59,8 @@ def ray_local():
     (["placement.mode=ray", "placement.colocate=true", "engine.replicas=2"], "engine.replicas"),
     (["placement.weight_sync=broadcast"], "placement.weight_sync"),
     (["placement.mode=cluster"], "placement.mode"),
+    (["placement.env_workers=1"], "placement.env_workers"),
+    (["placement.mode=ray", "placement.env_workers=1", "placement.reward_workers=1"], "placement.reward_workers"),
 ])
 def test_bad_placement_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -229,6 +231,22 @@ def test_reward_workers_score_every_episode(tmp_path, ray_local):
         assert sum(ctl.task.reward_fn.served) == 2 * 16 and min(ctl.task.reward_fn.served) > 0  # both workers scored
         pids = {h.call("pid") for h in ctl.roles.reward_handles}
         assert os.getpid() not in pids and len(pids) == 2
+    finally:
+        ctl.close()
+    _train(config(tmp_path, name="local"))
+    for a, b in zip(metrics(tmp_path / "local"), metrics(tmp_path / "run")):
+        same_training(a, b)
+
+
+def test_env_workers_host_every_episode(tmp_path, ray_local):
+    """Environments (and the rewards they compute) run on env workers; training equals local."""
+    ctl = Controller(config(tmp_path, "placement.mode=ray", "placement.colocate=true", "placement.env_workers=2",
+                            "placement.env.num_cpus=0.25"))
+    try:
+        ctl.train()
+        assert sum(ctl.roles.envs.served) == 2 * 16 and min(ctl.roles.envs.served) > 0
+        assert ctl.roles.envs.live == [0, 0]  # every episode's environment was let go
+        assert [h.call("live") for h in ctl.roles.env_handles] == [0, 0]
     finally:
         ctl.close()
     _train(config(tmp_path, name="local"))

@@ -154,6 +154,8 @@ class PlacementConfig(_Section):
     engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
     reward_workers: int = Field(0, ge=0, description="ray: Ray actors that run the reward function (task.reward), least-loaded; 0: rewards run in the driver's rollout.")
     reward: RoleResources = Field(default_factory=RoleResources, description="Resources of one reward worker.")
+    env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step, and the reward the environment computes), least-loaded per episode; 0: environments run in the driver's rollout.")
+    env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
     weight_sync: Literal["auto", "inprocess", "broadcast", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
@@ -203,6 +205,10 @@ class TidalConfig(_Section):
         pl = self.placement
         if pl.mode == "local" and pl.trainer_ranks > 1:
             raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
+        if pl.mode == "local" and pl.env_workers:
+            raise ValueError(f"placement.env_workers={pl.env_workers} needs placement.mode=ray (local mode runs environments in the driver)")
+        if pl.env_workers and pl.reward_workers:
+            raise ValueError("placement.reward_workers with placement.env_workers: env workers score rewards themselves; set one of them")
         if pl.mode == "local" and pl.reward_workers:
             raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:

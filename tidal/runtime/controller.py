@@ -142,6 +142,8 @@ class Controller:
         self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
         if self.roles.reward_fn is not None:  # rewards scored by the reward workers
             self.task.reward_fn = self.roles.reward_fn
+        if self.roles.envs is not None:  # environments hosted by the env workers
+            self.task.make_env = self.roles.envs.make_env
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),

@@ -25,7 +25,16 @@ from tidal.engines.router import Router
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher
 from tidal.runtime.trainer_group import TrainerGroup
-from tidal.runtime.workers import EngineWorker, RemoteEngine, RemoteReward, RewardWorker, TrainerWorker, make_engine
+from tidal.runtime.workers import (
+    EngineWorker,
+    EnvWorker,
+    RemoteEngine,
+    RemoteEnvs,
+    RemoteReward,
+    RewardWorker,
+    TrainerWorker,
+    make_engine,
+)
 
 log = logging.getLogger("tidal")
 
@@ -79,7 +88,9 @@ class Roles:
     started_ray: bool = False
     placement_group: object = None
     reward_handles: list[Handle] = field(default_factory=list)
+    env_handles: list[Handle] = field(default_factory=list)
     reward_fn: object = None  # scores on the reward workers; None: the task's own function in the driver
+    envs: object = None  # RemoteEnvs: environments on the env workers; None: in the driver
 
     def close(self) -> None:
         for engine in getattr(self.engine, "replicas", [self.engine]):
@@ -89,7 +100,7 @@ class Roles:
             return
         import ray
 
-        for h in self.trainer.ranks + self.pusher.engine_handles + self.reward_handles:
+        for h in self.trainer.ranks + self.pusher.engine_handles + self.reward_handles + self.env_handles:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(h.target, no_restart=True)
         ray.util.remove_placement_group(self.placement_group)
@@ -138,6 +149,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
         bundles += [_bundle(pl.engine) for _ in range(n_eng)]
     first_reward = len(bundles)
     bundles += [_bundle(pl.reward) for _ in range(pl.reward_workers)]
+    first_env = len(bundles)
+    bundles += [_bundle(pl.env) for _ in range(pl.env_workers)]
     started = start_ray(cfg, sum(b.get("CPU", 0.0) for b in bundles))
     pg = placement_group(bundles, strategy=pl.strategy, name="")
     ready, _ = ray.wait([pg.ready()], timeout=pl.start_timeout_s)
@@ -178,7 +191,9 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
     rewards = [Handle(f"reward worker {i}", actor(RewardWorker, first_reward + i, pl.reward).remote(
         cfg.task.reward, num_cpus=pl.reward.num_cpus), remote=True) for i in range(pl.reward_workers)]
-    gather([h.submit("pid") for h in rewards], timeout_s=pl.start_timeout_s)
+    envs = [Handle(f"env worker {i}", actor(EnvWorker, first_env + i, pl.env).remote(cfg, num_cpus=pl.env.num_cpus),
+                   remote=True) for i in range(pl.env_workers)]
+    gather([h.submit("pid") for h in rewards + envs], timeout_s=pl.start_timeout_s)
     transport = pl.weight_sync
     if transport == "auto":
         transport = "inprocess" if colocated else "broadcast"
@@ -188,5 +203,6 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
-                 reward_handles=rewards,
-                 reward_fn=RemoteReward(rewards, cfg.task.reward, timeout_s=pl.call_timeout_s) if rewards else None)
+                 reward_handles=rewards, env_handles=envs,
+                 reward_fn=RemoteReward(rewards, cfg.task.reward, timeout_s=pl.call_timeout_s) if rewards else None,
+                 envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s) if envs else None)

@@ -346,3 +346,106 @@ class RemoteReward:
             self.inflight[i] -= 1
         self.served[i] += 1
         return parts or total
+
+
+class EnvWorker:
+    """Hosts environments (`placement.env_workers`): an episode's environment is built here
+    at `reset` and lives here until its last `step`, so environment and reward work leave the
+    driver. The task (and its reward function) is built from the config in the worker."""
+
+    def __init__(self, cfg: TidalConfig, num_cpus: float = 0.0):
+        from tidal.runtime.tasks import build_task
+
+        if num_cpus:
+            set_threads(num_cpus)
+        self.task = build_task(cfg.task)
+        self.envs: dict[str, object] = {}
+
+    async def reset(self, key: str, row: dict):
+        env = self.task.make_env(row)
+        self.envs[key] = env
+        return await env.reset()
+
+    async def step(self, key: str, action: str):
+        try:
+            result = await self.envs[key].step(action)
+        except BaseException:
+            self.envs.pop(key, None)  # the episode ends here
+            raise
+        if result.done:
+            self.envs.pop(key, None)
+        return result
+
+    def drop(self, key: str) -> None:
+        self.envs.pop(key, None)
+
+    def live(self) -> int:
+        return len(self.envs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RemoteEnvs:
+    """`make_env` for environments hosted by env workers: each episode's environment is
+    placed on the worker with the fewest live episodes and stays there (its state lives
+    there). Errors come back as the environment's own exceptions (a RewardError stays one)."""
+
+    def __init__(self, handles: list, name: str, timeout_s: float = 600.0):
+        self.handles, self.name, self.timeout_s = handles, name, timeout_s
+        self.live = [0] * len(handles)
+        self.served = [0] * len(handles)  # episodes started, per worker
+        self._ids = iter(range(1 << 62))
+
+    def make_env(self, row: dict) -> RemoteEnv:
+        return RemoteEnv(self, row)
+
+    async def call(self, i: int, method: str, *args):
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return await asyncio.wait_for(getattr(self.handles[i].target, method).remote(*args), self.timeout_s)
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
+        except RayActorError as e:
+            raise RuntimeError(f"{self.handles[i].role} died during {method}: {type(e).__name__}") from None
+        except TimeoutError:
+            raise TimeoutError(f"{self.handles[i].role} did not answer {method} within {self.timeout_s:g} s") from None
+
+
+class RemoteEnv:
+    """One episode's environment on an env worker, behind the Env protocol."""
+
+    def __init__(self, pool: RemoteEnvs, row: dict):
+        self.pool, self.row, self.name = pool, row, pool.name
+        self.key = f"env-{next(pool._ids)}"
+        self.worker: int | None = None
+
+    async def reset(self):
+        i = min(range(len(self.pool.handles)), key=lambda j: (self.pool.live[j], j))
+        self.worker = i
+        self.pool.live[i] += 1
+        self.pool.served[i] += 1
+        try:
+            return await self.pool.call(i, "reset", self.key, self.row)
+        except BaseException:
+            self._done(drop=True)
+            raise
+
+    async def step(self, action: str):
+        try:
+            result = await self.pool.call(self.worker, "step", self.key, action)
+        except BaseException:  # an error, or the episode's timeout cancelled it
+            self._done(drop=True)
+            raise
+        if result.done:
+            self._done()
+        return result
+
+    def _done(self, drop: bool = False) -> None:
+        if self.worker is not None:
+            if drop:  # the worker may still hold it (a cancelled call): let it go, without waiting
+                self.pool.handles[self.worker].target.drop.remote(self.key)
+            self.pool.live[self.worker] -= 1
+            self.worker = None
