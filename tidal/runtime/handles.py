@@ -11,6 +11,7 @@ own message is kept.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ class RoleError(RuntimeError):
             msg = f"{role} {verb} `{call}`{where}: {detail}"
         super().__init__(msg)
         self.role, self.call, self.step, self.kind = role, call, step, kind
+
+
+class RoleDied(RuntimeError):
+    """The actor behind an awaited call died (Handle.acall)."""
 
 
 @dataclass
@@ -60,6 +65,23 @@ class Handle:
 
     def call(self, call: str, *args, step: int | None = None, timeout_s: float = 600.0, **kwargs):
         return gather([self.submit(call, *args, **kwargs)], step=step, timeout_s=timeout_s)[0]
+
+    async def acall(self, call: str, *args, timeout_s: float = 600.0):
+        """Await one call of a Ray role from asyncio code (the rollout). The role's own
+        exception comes back as itself (not Ray's wrapper with its remote traceback); a dead
+        actor as `RoleDied`, no answer within `timeout_s` as TimeoutError, both naming the role."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return await asyncio.wait_for(getattr(self.target, call).remote(*args), timeout_s)
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
+        except RayActorError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RoleDied(f"{self.role} died during {call}: {type(e).__name__}: {first}") from None
+        except TimeoutError:
+            raise TimeoutError(f"{self.role} did not answer {call} within {timeout_s:g} s") from None
 
     def kill(self) -> None:
         if self.remote:

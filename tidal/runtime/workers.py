@@ -11,7 +11,6 @@ the router.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -255,10 +254,6 @@ class EngineWorker(_SyncReceiver):
         return ip, free_port(ip)
 
 
-class EngineDied(RuntimeError):
-    """The engine actor behind a RemoteEngine died or stopped answering."""
-
-
 class RemoteEngine:
     """An engine actor (or a colocated trainer rank's engine) as an Engine for the router.
     `version` is what the last weight sync delivered; the driver never asks the actor."""
@@ -275,18 +270,7 @@ class RemoteEngine:
         self._version = version
 
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        from ray.exceptions import RayActorError, RayTaskError
-
-        try:
-            return await asyncio.wait_for(self.handle.target.generate.remote(requests), self.timeout_s)
-        except RayTaskError as e:  # the engine raised: its own exception, as a local engine's would be
-            cause = getattr(e, "cause", None)
-            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
-        except RayActorError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise EngineDied(f"{self.name} died during generate: {type(e).__name__}: {first}") from None
-        except TimeoutError:
-            raise EngineDied(f"{self.name} did not answer generate within {self.timeout_s:g} s") from None
+        return await self.handle.acall("generate", requests, timeout_s=self.timeout_s)
 
     def update_weights(self, version: int, tensors) -> None:
         self._version = self.handle.call("update_weights", version, dict(tensors), timeout_s=self.timeout_s)
@@ -329,19 +313,10 @@ class RemoteReward:
         self.served = [0] * len(handles)  # episodes scored, per worker
 
     async def __call__(self, completion: str, **columns):
-        from ray.exceptions import RayActorError, RayTaskError
-
         i = min(range(len(self.handles)), key=lambda j: (self.inflight[j], j))
         self.inflight[i] += 1
         try:
-            total, parts = await asyncio.wait_for(self.handles[i].target.score.remote(completion, columns), self.timeout_s)
-        except RayTaskError as e:  # the function's own exception, not Ray's wrapper with its traceback
-            cause = getattr(e, "cause", None)
-            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
-        except RayActorError as e:
-            raise RuntimeError(f"{self.handles[i].role} died: {type(e).__name__}") from None
-        except TimeoutError:
-            raise TimeoutError(f"{self.handles[i].role} did not score within {self.timeout_s:g} s") from None
+            total, parts = await self.handles[i].acall("score", completion, columns, timeout_s=self.timeout_s)
         finally:
             self.inflight[i] -= 1
         self.served[i] += 1
@@ -401,17 +376,7 @@ class RemoteEnvs:
         return RemoteEnv(self, row)
 
     async def call(self, i: int, method: str, *args):
-        from ray.exceptions import RayActorError, RayTaskError
-
-        try:
-            return await asyncio.wait_for(getattr(self.handles[i].target, method).remote(*args), self.timeout_s)
-        except RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            raise (cause if isinstance(cause, BaseException) else e.as_instanceof_cause()) from None
-        except RayActorError as e:
-            raise RuntimeError(f"{self.handles[i].role} died during {method}: {type(e).__name__}") from None
-        except TimeoutError:
-            raise TimeoutError(f"{self.handles[i].role} did not answer {method} within {self.timeout_s:g} s") from None
+        return await self.handles[i].acall(method, *args, timeout_s=self.timeout_s)
 
 
 class RemoteEnv:
