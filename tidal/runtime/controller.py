@@ -313,6 +313,15 @@ class Controller:
         published = threading.Condition()
         self._published = self.step
 
+        def hand_over(item) -> None:
+            """Put into the bounded queue, giving up once the learning thread has stopped."""
+            while not stop.is_set():
+                try:
+                    handoff.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
         def produce() -> None:
             try:
                 for step in range(self.step + 1, cfg.train.steps + 1):
@@ -330,19 +339,9 @@ class Controller:
                         self._generating.append((self._generating_since, time.perf_counter()))
                         self._generating_since = 0.0
                     sampled.admission_wait = wait
-                    while not stop.is_set():
-                        try:
-                            handoff.put(sampled, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    hand_over(sampled)
             except BaseException as e:  # noqa: BLE001 - the learning thread raises it
-                while not stop.is_set():
-                    try:
-                        handoff.put(e, timeout=0.1)
-                        return
-                    except queue.Full:
-                        continue
+                hand_over(e)
 
         producer = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
         last: dict[str, float] = {}
