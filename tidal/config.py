@@ -34,15 +34,49 @@ class ModelConfig(_Section):
         return self.device
 
 
+class RewardSpec(_Section):
+    fn: str = Field(..., description="The reward: a dotted path `pkg.module:function` or a file path `path/to/rewards.py:function`. A class or factory is called with `args` first.")
+    form: Literal["tidal", "trl", "verl"] = Field("tidal", description="Calling convention (tidal/rewards/contract.py): tidal `fn(completion, **columns)`, trl `fn(prompts, completions, completion_ids, **columns) -> list`, verl `compute_score(data_source, solution_str, ground_truth, extra_info)`.")
+    weight: float = Field(1.0, description="Weight of this reward in the episode's reward.")
+    name: str | None = Field(None, description="Name of its part in reward_parts and the metrics; default: the function's name.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a class or factory named by `fn` (e.g. a reward model's path).")
+
+
 class TaskConfig(_Section):
     name: str = Field("arithmetic", description="Environment name recorded on every episode.")
-    dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: generate the arithmetic task.")
-    eval_dataset: str | None = Field(None, description="Held-out prompt dataset; None with `dataset` None: the arithmetic held-out split.")
-    reward: str = Field("tidal.rewards.arithmetic:score", description="Reward function as a dotted path `pkg.module:function`.")
+    env: str = Field("single_turn", description="Environment class: a built-in name (single_turn, tool_arith, code, shell) or a dotted path `my_pkg.envs:MyEnv` or a file path `path/to/envs.py:MyEnv`; built as `Env(row, seed=..., **env_args)`.")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
+    dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: the environment's own generated task (the arithmetic task for single_turn).")
+    eval_dataset: str | None = Field(None, description="Held-out prompt dataset; None with `dataset` None: the generated task's held-out split.")
+    reward: str | None = Field(None, description="Reward function as a dotted path `pkg.module:function` or a file path `path/to/rewards.py:function`; None: the environment's default (tidal.rewards.arithmetic:score for the arithmetic task).")
+    reward_form: Literal["tidal", "trl", "verl"] = Field("tidal", description="Calling convention of `reward` (see task.rewards[].form).")
+    rewards: list[RewardSpec] = Field(default_factory=list, description="Several rewards combined with weights, each logged as a part (instead of `reward`).")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="Problem distribution of the generated arithmetic task.")
     train_size: int = Field(10_000, ge=1, description="Generated train problems.")
     eval_size: int = Field(500, ge=1, description="Held-out problems used by evaluation.")
     seed: int = Field(0, description="Seed of the generated problems.")
+
+    @model_validator(mode="after")
+    def _one_reward_list(self) -> "TaskConfig":
+        if self.reward is not None and self.rewards:
+            raise ValueError("set task.reward or task.rewards, not both")
+        return self
+
+    def reward_specs(self, env_default: str | None) -> list[RewardSpec]:
+        """The rewards of this task: `rewards`, else `reward`, else the environment's default."""
+        if self.rewards:
+            return list(self.rewards)
+        path = self.reward or env_default
+        return [RewardSpec(fn=path, form=self.reward_form)] if path else []
+
+
+class RewardConfig(_Section):
+    isolation: Literal["process", "inline"] = Field("process", description="Where reward code runs: process, a pool of worker processes whose hung calls are killed and replaced (Ray actors when placement.reward_workers > 0 in ray mode); inline, in the rollout's own process (debugging with breakpoints: a hung synchronous reward cannot be killed there).")
+    workers: int = Field(2, ge=1, description="Worker processes of the local process pool (ray mode: placement.reward_workers actors instead).")
+    timeout_s: float = Field(30.0, gt=0.0, description="Most seconds one reward call may take; past it the call is killed and its episode ends `timeout`.")
+    max_concurrency: int = Field(64, ge=1, description="Most calls in flight in one worker (async rewards overlap; synchronous ones run one at a time).")
+    failure_budget: float = Field(0.5, ge=0.0, le=1.0, description="The run stops (checkpoint intact, exit code 3) when more than this fraction of a step's episodes fail (any non-trainable status) for `failure_steps` steps in a row; 1.0: never.")
+    failure_steps: int = Field(3, ge=1, description="Consecutive steps over the failure budget that stop the run.")
 
 
 class RolloutConfig(_Section):
@@ -53,6 +87,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0 = off).")
     episode_timeout_s: float = Field(600.0, gt=0.0, description="Wall-clock bound of one episode (all turns); past it the episode ends `timeout`.")
+    max_turns: int = Field(1, ge=1, description="Most policy turns of one episode (multi-turn and tool-using environments); an episode out of turns ends `truncated`.")
+    max_total_tokens: int | None = Field(None, ge=1, description="Token budget of one episode across turns (prompt, observations and generations); a turn's max_new_tokens is cut to what is left, and an episode with none left ends `truncated`. None: no budget beyond max_turns × max_new_tokens.")
+    prefix_policy: Literal["split", "continue"] = Field("split", description="When the chat template re-renders earlier turns differently from what the policy saw (not prefix-preserving): split, the episode continues in a new segment that starts from the template's rendering and every segment is trained separately; continue, the same, but the earlier segments are kept masked (not trained). Counted in rollout/prefix_breaks.")
     max_staleness: int = Field(0, ge=0, description="Bound k on how stale trained data may be, in training steps: a step's prompts start only once the engines hold weights at most k steps older than those it will be trained against. 0: synchronous on-policy; 1: one-step off-policy; k > 1: fully asynchronous (generation overlaps training).")
 
     @property
@@ -188,6 +225,7 @@ class EvalConfig(_Section):
 class TidalConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -219,6 +257,9 @@ class TidalConfig(_Section):
             raise ValueError("placement.weight_sync=broadcast needs placement.mode=ray (local mode moves weights in process)")
         if pl.mode == "ray" and self.engine.kind == "vllm" and self.engine.vllm_mode == "server":
             raise ValueError("engine.vllm_mode=server with placement.mode=ray: each engine actor runs vLLM in process; use engine.vllm_mode=in_process")
+        if self.rollout.prefix_policy == "split" and self.algorithm.advantage == "gae" and self.rollout.max_turns > 1:
+            raise ValueError("rollout.prefix_policy=split with algorithm.advantage=gae: a critic cannot value a segment "
+                             "apart from its episode; use rollout.prefix_policy=continue")
         if self.rollout.global_batch % self.train.mini_batches:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} does not divide the global batch "

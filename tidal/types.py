@@ -37,6 +37,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    # Stop strings (e.g. "</tool_call>"): generation ends with the token that completes one;
+    # that token is kept (finish_reason "stop"), so the tokens are exactly what was sampled.
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -69,7 +72,7 @@ class GenerationResult:
     request_id: str
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (a stop token was produced) | "length"
+    finish_reason: str  # "stop" (a stop token or stop string was produced) | "length"
     version: int  # newest weight version that produced a token of this result
     token_versions: list[int] | None = None  # per token; None: all tokens are `version`'s
 
@@ -78,6 +81,39 @@ class GenerationResult:
         if self.token_versions is None:
             return [self.version] * len(self.token_ids)
         return list(self.token_versions)
+
+
+@dataclass
+class ToolCallRecord:
+    """One tool call of a policy turn and its outcome. `status`: ok | parse (malformed call)
+    | unknown (no such tool) | args (bad arguments) | timeout | raised (the tool raised)."""
+
+    name: str
+    arguments: str  # as the policy wrote them (JSON text)
+    call_id: str = ""
+    status: str = "ok"
+    error: str = ""
+    output_chars: int = 0  # length of the tool's answer before truncation
+    duration_s: float = 0.0
+
+
+@dataclass
+class Turn:
+    """One policy turn of an episode. `start:end` is the span of the turn's generated tokens
+    in `Episode.tokens` (every token of the span is on the loss mask, unless a prefix break
+    masked it: see `Episode.segments`); `obs_end` ends the observation tokens that followed
+    it (tool results, a user reply; `obs_end == end` when nothing followed). `reward` is the
+    per-turn reward the environment gave for it; it sits on the turn's last token."""
+
+    index: int
+    start: int
+    end: int
+    obs_end: int
+    text: str = ""
+    finish_reason: str = ""
+    reward: float = 0.0
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    version: int = -1  # newest weight version that produced a token of this turn
 
 
 @dataclass
@@ -99,10 +135,22 @@ class Episode:
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_len: int = 0
     step: int = 0
+    seed: int = 0  # the environment's seed: same seed and same actions, same observations
+    turns: list[Turn] = field(default_factory=list)
+    # Start offsets in `tokens` of separately trained sequences (DESIGN.md, prefix policy):
+    # [0] for an episode whose context grew by appending only. A chat template that re-renders
+    # earlier turns differently starts a new segment holding the re-rendered context.
+    segments: list[int] = field(default_factory=lambda: [0])
+    outcome_reward: float = 0.0  # the reward functions' share of `reward` (the rest: turn rewards)
 
     @property
     def num_policy_tokens(self) -> int:
         return sum(self.loss_mask)
+
+    def segment_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each separately trained token sequence."""
+        bounds = [*self.segments, len(self.tokens)]
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)

@@ -1,37 +1,87 @@
 """The environment protocol: what a rollout talks to between generations.
 
 An environment speaks chat messages, never tokens: `reset` gives the opening messages,
-`step` takes the decoded text of one policy turn and answers with the messages to append
-(tool results, a user reply) or ends the episode. The rollout worker owns tokenization, so
-tokens of earlier turns are never re-tokenized (DESIGN.md, token in, token out). A
-single-turn task ends at its first `step`; a multi-turn or tool-using one returns
-`done=False` with more messages, through the same two calls.
+`step` takes one policy turn (its decoded text and finish reason) and answers with the
+messages to append (tool results, a user reply) or ends the episode. The rollout owns
+tokenization: tokens of earlier turns are never re-tokenized (DESIGN.md, token in, token
+out). A single-turn task ends at its first `step`; a multi-turn or tool-using one returns
+`done=False` with more messages, through the same calls. `close` is always called once the
+episode ends, however it ends (done, out of turns or tokens, an error, a timeout), so
+sandboxes and sessions are released.
+
+An environment is built from a dataset row and a seed: `MyEnv(row, seed=..., **task.env_args)`
+(`task.env: my_pkg.envs:MyEnv` or `path/to/envs.py:MyEnv`). The same seed and the same
+actions give the same observations. Optional class attributes and methods:
+
+- `tools`: OpenAI function schemas rendered by the chat template (`tools=`), read after reset;
+- `sampling`: a `SamplingOverride` for the first turn;
+- `rows(split, n, seed, **env_args)` (classmethod): the built-in task's rows, used when
+  `task.dataset` is not set ("train" or "test" split);
+- `default_reward`: the dotted path of the reward used when `task.reward` is not set
+  (None: the environment's own per-turn rewards are the whole reward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
-Message = dict[str, str]  # {"role": ..., "content": ...}
+from tidal.types import ToolCallRecord
+
+# A chat message in the OpenAI shape: {"role", "content"} plus, on assistant messages,
+# "tool_calls": [{"id", "type": "function", "function": {"name", "arguments"}}] and, on tool
+# messages, "tool_call_id" and "name".
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One policy turn as the environment sees it."""
+
+    text: str  # decoded, special tokens skipped
+    finish_reason: str = "stop"  # "stop" (stop token or stop string) | "length" (out of tokens)
+    token_ids: tuple[int, ...] = ()
+    turn: int = 0
+
+
+@dataclass(frozen=True)
+class SamplingOverride:
+    """Changes to sampling for the next turn (None: keep the run's setting)."""
+
+    stop: tuple[str, ...] | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclass
 class StepResult:
     messages: list[Message] = field(default_factory=list)  # appended before the next turn
-    reward: float = 0.0  # added to the episode's reward
+    reward: float = 0.0  # this turn's reward: added to the episode's, credited to the turn
     reward_parts: dict[str, float] = field(default_factory=dict)
     done: bool = True
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # summed over turns into Episode.metrics
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)  # the turn's calls and outcomes
+    sampling: SamplingOverride | None = None  # for the next turn
+    # How the turn is kept in the conversation history (e.g. with parsed `tool_calls`); None:
+    # {"role": "assistant", "content": the turn's text}. A message the chat template renders
+    # differently from the generated text is a prefix break (see the rollout's prefix policy).
+    assistant_message: Message | None = None
 
 
+@runtime_checkable
 class Env(Protocol):
     name: str
 
     async def reset(self) -> list[Message]: ...
 
-    async def step(self, action: str) -> StepResult: ...
+    async def step(self, action: Action) -> StepResult: ...
+
+    async def close(self) -> None: ...
 
 
 class RewardError(Exception):
-    """The reward function raised: the episode ends `reward_error`, never scored 0."""
+    """The reward failed (raised, returned a bad value): the episode ends `reward_error`,
+    never scored 0."""
+
+
+class RewardTimeout(Exception):
+    """The reward did not answer within its timeout: the episode ends `timeout`."""
