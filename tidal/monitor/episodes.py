@@ -300,11 +300,12 @@ class EpisodeWriter:
             self._start_part(f)
         if f.writer is not None:
             self._finish_part(f)
-        # A step written again (a resumed run re-runs it) leaves no stale parts of the old write.
-        for old in episode_files(self.dir):
-            m = _FILE.match(old.name)
-            if int(m.group(1)) == f.step and old not in f.done:
-                old.unlink()
+        # A step written again (a resumed run re-runs it) leaves no stale parts of the old write
+        # (parts are numbered without gaps, so the first missing one ends them).
+        part = len(f.done)
+        while (stale := step_file(self.dir, f.step, part)).exists():
+            stale.unlink()
+            part += 1
         return f.done
 
 
