@@ -17,7 +17,6 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "algorithms"
@@ -29,7 +28,7 @@ def _held_out_accuracy(ctl) -> float:
     from tidal.runtime.evaluate import evaluate_engine
 
     rows = ctl.task.eval_rows[:EVAL_N]
-    return evaluate_engine(ctl.engine, ctl.tokenizer, rows, ctl.task.make_env, replace(ctl.params), k=0)["accuracy"]
+    return evaluate_engine(ctl.engine, ctl.rollout, rows, ctl.make_env, k=0)["accuracy"]
 
 
 def _config(name: str, run_dir: Path, steps: int):

@@ -3,6 +3,8 @@
     tidal train [CONFIG.yaml] [section.key=value ...] [--resume]
     tidal eval MODEL_OR_CHECKPOINT [CONFIG.yaml] [section.key=value ...] [--json]
     tidal build-default-model [--out DIR] [--seed N]
+    tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
+    tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
 """
@@ -10,6 +12,7 @@ Errors a person can act on are printed as one message (no traceback) with exit c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -20,6 +23,7 @@ from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
 
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, FileExistsError, FileNotFoundError)
+RUN_FAILED_EXIT = 3  # the run stopped itself (failure budget); its last checkpoint is intact
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -67,6 +71,7 @@ def _config_for_model(model: str, config: str | None, overrides: list[str]) -> T
 def cmd_eval(ns: argparse.Namespace) -> int:
     from tidal.engines.torch_engine import TorchEngine
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+    from tidal.runtime.controller import build_scorer, make_rollout
     from tidal.runtime.evaluate import evaluate_engine
     from tidal.runtime.tasks import build_task
     from tidal.types import SamplingParams
@@ -79,15 +84,23 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     engine = TorchEngine(load_model(model_dir, cfg.model.dtype, cfg.model.resolved_device()), tokenizer.pad_token_id,
                          cfg.engine.max_batch_size)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    scorer = build_scorer(task.rewards, cfg.reward) if task.rewards else None
     t0 = time.time()
-    res = evaluate_engine(engine, tokenizer, task.eval_rows[: cfg.eval.n], task.make_env, params,
-                          k=cfg.eval.k, temperature=cfg.eval.temperature)
+    try:
+        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer), task.eval_rows[: cfg.eval.n],
+                              task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
+    finally:
+        if scorer is not None:
+            asyncio.run(scorer.close())
     res = {"model": str(model_dir), **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
     else:
+        failed = ", ".join(f"{n} {s}" for s, n in sorted(res["failed_by_status"].items())) or "none"
+        tools = f"  tool-call error rate {res['tool_error_rate']:.3f}" if "tool_error_rate" in res else ""
         print(f"{model_dir}: held-out accuracy (greedy) {res['accuracy']:.3f}  pass@{res['k']} {res['pass_at_k']:.3f}  "
-              f"pass@1 (T={res['temperature']}) {res['pass_at_1']:.3f}  on {res['n']} problems")
+              f"pass@1 (T={res['temperature']}) {res['pass_at_1']:.3f}  on {res['n']} problems  "
+              f"(failed episodes, counted wrong: {failed}){tools}")
     return 0
 
 
@@ -96,6 +109,59 @@ def cmd_build(ns: argparse.Namespace) -> int:
 
     summary = build_default_model(ns.out, seed=ns.seed)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return 0
+
+
+def _no_extra_args(ns: argparse.Namespace) -> None:
+    if ns.args:
+        raise ConfigError(f"tidal {ns.command}: unexpected arguments {' '.join(ns.args)}")
+
+
+def cmd_train_rm(ns: argparse.Namespace) -> int:
+    from tidal.rewards.train_rm import train_reward_model
+
+    _no_extra_args(ns)
+    try:
+        summary = train_reward_model(ns.out, init=ns.init, pairs=ns.pairs, steps=ns.steps, batch_size=ns.batch_size,
+                                     lr=ns.lr, seed=ns.seed, heldout_pairs=ns.heldout_pairs, threads=ns.threads,
+                                     log=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"tidal: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out": ns.out, "heldout_pairwise_accuracy": summary["heldout"]["accuracy"],
+                      "heldout_pairwise_accuracy_eos": summary["heldout"]["accuracy_eos"],
+                      "by_kind": summary["heldout"]["by_kind"], "heldout_at_init": summary["heldout_at_init"],
+                      "wall_s": summary["wall_s"]}))
+    return 0
+
+
+def cmd_serve_rm(ns: argparse.Namespace) -> int:
+    import os
+
+    from tidal.rewards.rm import RewardModelError, RewardModelPool
+    from tidal.rewards.server import RewardServer, ServeError, check_bind
+
+    _no_extra_args(ns)
+    token = ns.token
+    if ns.token_env:
+        token = os.environ.get(ns.token_env)
+        if not token:
+            print(f"tidal: error: --token-env {ns.token_env}: the environment variable is not set", file=sys.stderr)
+            return 2
+    try:
+        check_bind(ns.host, token)  # before the model loads: a refused start costs nothing
+        pool = RewardModelPool(ns.model, max_batch_size=ns.max_batch_size, max_wait_ms=ns.max_wait_ms,
+                               device=ns.device, dtype=ns.dtype, threads=ns.threads)
+        server = RewardServer(pool, ns.host, ns.port, token, transform=ns.transform, log_level=ns.log_level)
+    except (ServeError, RewardModelError) as e:
+        print(f"tidal: error: {e}", file=sys.stderr)
+        return 2
+    print(f"tidal: reward model {ns.model} on {server.url} (POST /score, POST /get_reward, GET /health"
+          f"{'; token required' if token else ''})", file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        pool.close()
     return 0
 
 
@@ -117,6 +183,32 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
+    r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
+    r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
+    r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")
+    r.add_argument("--steps", type=int, default=300)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch-size", type=int, default=32, help="pairs per step")
+    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--heldout-pairs", type=int, default=500, help="pairs from the held-out split, to measure only")
+    r.add_argument("--init", default=None, help="initial weights and tokenizer (default: the embedded tiny model)")
+    r.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
+    r.set_defaults(fn=cmd_train_rm, args=[])
+    s = sub.add_parser("serve-rm", help="serve a reward model over HTTP (tidal /score and OpenRLHF /get_reward)")
+    s.add_argument("model", help="HF sequence-classification directory (e.g. from tidal train-rm)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback only with a token")
+    s.add_argument("--port", type=int, default=5000, help="port (0: a free one, printed)")
+    s.add_argument("--token", default=None, help="bearer token clients must send (visible in `ps`: prefer --token-env)")
+    s.add_argument("--token-env", default=None, help="name of an environment variable holding the token")
+    s.add_argument("--max-batch-size", type=int, default=32)
+    s.add_argument("--max-wait-ms", type=float, default=5.0)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    s.add_argument("--transform", choices=["raw", "sigmoid", "standard"], default="raw",
+                   help="raw logits, sigmoid, or standardized by the held-out score stats of tidal_rm.json")
+    s.add_argument("--log-level", default="warning", help="uvicorn log level")
+    s.set_defaults(fn=cmd_serve_rm, args=[])
     # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
     ns, rest = p.parse_known_args(argv)
     if any(r.startswith("-") for r in rest):
@@ -127,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        from tidal.runtime.controller import RunFailed
+
+        if not isinstance(err, RunFailed):
+            raise
+        print(f"tidal: run stopped: {err}", file=sys.stderr)
+        return RUN_FAILED_EXIT
     except KeyboardInterrupt:
         print("tidal: interrupted; the last complete checkpoint is intact (resume with --resume)", file=sys.stderr)
         return 130

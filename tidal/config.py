@@ -43,7 +43,7 @@ class RewardSpec(_Section):
 
 
 class TaskConfig(_Section):
-    name: str = Field("arithmetic", description="Environment name recorded on every episode.")
+    name: str | None = Field(None, description="Task name recorded on every episode (Episode.env); None: the environment's name (arithmetic for the default task).")
     env: str = Field("single_turn", description="Environment class: a built-in name (single_turn, tool_arith, code, shell) or a dotted path `my_pkg.envs:MyEnv` or a file path `path/to/envs.py:MyEnv`; built as `Env(row, seed=..., **env_args)`.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
     dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: the environment's own generated task (the arithmetic task for single_turn).")
@@ -57,7 +57,7 @@ class TaskConfig(_Section):
     seed: int = Field(0, description="Seed of the generated problems.")
 
     @model_validator(mode="after")
-    def _one_reward_list(self) -> "TaskConfig":
+    def _one_reward_list(self) -> TaskConfig:
         if self.reward is not None and self.rewards:
             raise ValueError("set task.reward or task.rewards, not both")
         return self
@@ -134,7 +134,7 @@ class AlgorithmConfig(_Section):
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Value model, used when advantage=gae.")
 
     @model_validator(mode="after")
-    def _check(self) -> "AlgorithmConfig":
+    def _check(self) -> AlgorithmConfig:
         if self.loss_agg not in AGGREGATIONS:
             raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {self.loss_agg!r}")
         if self.kl_target is not None and self.kl_coef == 0:
@@ -235,7 +235,7 @@ class TidalConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
-    def _derived(self) -> "TidalConfig":
+    def _derived(self) -> TidalConfig:
         if self.algorithm.advantage == "remax" and self.rollout.temperature == 0:
             raise ValueError("algorithm.advantage=remax compares samples with the greedy response: rollout.temperature must be > 0")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:

@@ -61,9 +61,9 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # summed over turns into Episode.metrics
     tool_calls: list[ToolCallRecord] = field(default_factory=list)  # the turn's calls and outcomes
     sampling: SamplingOverride | None = None  # for the next turn
-    # How the turn is kept in the conversation history (e.g. with parsed `tool_calls`); None:
-    # {"role": "assistant", "content": the turn's text}. A message the chat template renders
-    # differently from the generated text is a prefix break (see the rollout's prefix policy).
+    # How the turn is kept in the conversation the rewards see (e.g. with parsed `tool_calls`
+    # in the OpenAI shape); None: {"role": "assistant", "content": the turn's text}. The chat
+    # template always renders the turn as generated: tokens are never re-serialized.
     assistant_message: Message | None = None
 
 

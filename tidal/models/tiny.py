@@ -97,17 +97,20 @@ def _sft_example(tokenizer, row, response: str) -> tuple[list[int], list[bool]]:
 
 def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
     """Greedy accuracy and pass@k on `rows`, through the same evaluation as `tidal eval`."""
+    from tidal.config import RewardConfig, RewardSpec
     from tidal.engines.torch_engine import TorchEngine
-    from tidal.envs.single_turn import SingleTurnEnv
+    from tidal.envs.single_turn import ArithmeticEnv
     from tidal.models import stop_token_ids
-    from tidal.rewards.arithmetic import score
+    from tidal.runtime.controller import build_scorer
     from tidal.runtime.evaluate import evaluate_engine
+    from tidal.runtime.rollout import Rollout
     from tidal.types import SamplingParams
 
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tokenizer))
-    res = evaluate_engine(engine, tokenizer, rows, lambda row: SingleTurnEnv(row, score), params, k=k)
+    scorer = build_scorer([RewardSpec(fn=ArithmeticEnv.default_reward)], RewardConfig(isolation="inline"))
+    res = evaluate_engine(engine, Rollout(tokenizer, params, scorer=scorer), rows, ArithmeticEnv, k=k)
     model.train()
     return res
 

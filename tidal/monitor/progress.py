@@ -21,7 +21,7 @@ class Progress:
             refresh=True,
         )
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

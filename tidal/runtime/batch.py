@@ -49,25 +49,60 @@ def unpad_positions(x_BT: torch.Tensor, lengths: list[int]) -> list[list[float]]
     return [x_BT[i, :n].tolist() for i, n in enumerate(lengths)]
 
 
+def token_rewards(episodes: list[Episode], mask_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T] aligned with the shifted mask (entry t: token t+1): each
+    turn's reward on the turn's last trained token, the rest of the episode's reward (reward
+    functions, shaping) on its last trained token. A reward whose turn has no trained token
+    left (a masked segment) moves to the next trained token, so the total is kept."""
+    out_BT = terminal_rewards(torch.tensor([e.reward - sum(t.reward for t in e.turns) for e in episodes]), mask_BT)
+    for b, e in enumerate(episodes):
+        trained = mask_BT[b].nonzero().squeeze(-1).tolist()
+        for t in e.turns:
+            if not t.reward or not trained:
+                continue
+            at = [p for p in trained if p <= t.end - 2]  # shifted: token t.end-1 sits at t.end-2
+            pos = at[-1] if at else next((p for p in trained if p > t.end - 2), trained[-1])
+            out_BT[b, pos] += t.reward
+    return out_BT
+
+
 def build_batch(
     episodes: list[Episode], algo: AlgorithmConfig, trainer, *, kl_coef: float,
     baselines: dict[str, float] | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """A TrainBatch with per-token advantages for `episodes` (all trainable, grouped by
     group_id). `trainer` supplies reference log-probs (KL in reward) and critic values (gae).
-    `baselines` maps group id → greedy reward (remax)."""
+    `baselines` maps group id → greedy reward (remax).
+
+    An episode split into segments by a prefix break (see rollout.py) becomes one training
+    sequence per segment that has trained tokens; its advantages are computed over the whole
+    episode (the segments joined: rewards and returns run over policy tokens only), and
+    log-probs (KL in reward) in each segment's own context, the one the policy sampled in."""
+    split = any(len(e.segment_spans()) > 1 for e in episodes)
+    if split and algo.advantage == "gae":
+        raise ValueError("algorithm.advantage=gae cannot value an episode split by a prefix break (rollout.prefix_policy); "
+                         "use a chat template that preserves prefixes or an outcome estimator")
+    seg_batch, where = _segments(episodes) if split else (None, [])
     batch = TrainBatch(tokens=[e.tokens for e in episodes], loss_mask=[e.loss_mask for e in episodes],
                        advantages=[], behaviour_logprobs=[e.logprobs for e in episodes])
     lengths = [len(e.tokens) - 1 for e in episodes]
     mask_BT = pad_rows([m[1:] for m in batch.loss_mask], False, torch.bool)
-    token_rewards_BT = terminal_rewards(torch.tensor([e.reward for e in episodes]), mask_BT)
+    token_rewards_BT = token_rewards(episodes, mask_BT)
     metrics: dict[str, float] = {}
     if algo.kl_in == "reward" and algo.kl_coef > 0:  # a reference model is loaded
         # veRL/OpenRLHF's KL-in-reward: β·KL(π_prox ‖ π_ref) per token, before advantages.
-        batch.old_logprobs = trainer.logprobs(batch)  # also the PPO anchor: no second pass later
-        prox_BT = pad_rows(batch.old_logprobs, 0.0, torch.float32)
-        kl_BT = kl_estimate(prox_BT, pad_rows(trainer.ref_logprobs(batch), 0.0, torch.float32),
-                            algo.kl_estimator) * mask_BT
+        scored = seg_batch if split else batch
+        scored.old_logprobs = trainer.logprobs(scored)  # also the PPO anchor: no second pass later
+        kl_rows = (kl_estimate(pad_rows(scored.old_logprobs, 0.0, torch.float32),
+                               pad_rows(trainer.ref_logprobs(scored), 0.0, torch.float32), algo.kl_estimator)
+                   * pad_rows([m[1:] for m in scored.loss_mask], False, torch.bool))
+        kl_BT = torch.zeros_like(token_rewards_BT)
+        if split:
+            for r, (i, a) in enumerate(where):
+                n = len(seg_batch.tokens[r]) - 1
+                kl_BT[i, a:a + n] = kl_rows[r, :n]
+        else:
+            kl_BT = kl_rows
         token_rewards_BT = token_rewards_BT - kl_coef * kl_BT
         metrics["kl"] = float(kl_BT.sum() / mask_BT.sum().clamp(min=1))
     values_BT = None
@@ -88,8 +123,29 @@ def build_batch(
         if r.numel() > 1 and r.var() > 0:
             metrics["critic/explained_var"] = float(1 - (r - v).var() / r.var())
         metrics["critic/value_mean"] = float(v.mean()) if v.numel() else 0.0
+    keep = list(range(len(episodes)))
     if algo.overlong_filter:
         keep = [i for i, e in enumerate(episodes) if e.status != Status.TRUNCATED]
         metrics["overlong_filtered"] = float(len(episodes) - len(keep))
-        batch = batch.select(keep)
-    return batch, metrics
+    if split:
+        seg_batch.advantages = [batch.advantages[i][a:a + len(seg_batch.tokens[r]) - 1] for r, (i, a) in enumerate(where)]
+        metrics["rollout/segments_trained"] = float(len(where))
+        return seg_batch.select([r for r, (i, _) in enumerate(where) if i in set(keep)]), metrics
+    return (batch.select(keep) if algo.overlong_filter else batch), metrics
+
+
+def _segments(episodes: list[Episode]) -> tuple[TrainBatch, list[tuple[int, int]]]:
+    """One training sequence per segment with trained tokens, and for each its (episode
+    index, start offset). Per-position lists are filled in by `build_batch`."""
+    tokens, masks, behaviour, where = [], [], [], []
+    for i, e in enumerate(episodes):
+        for a, b in e.segment_spans():
+            if not any(e.loss_mask[a + 1:b]):
+                continue
+            tokens.append(e.tokens[a:b])
+            masks.append(e.loss_mask[a:b])
+            behaviour.append(e.logprobs[a:b])
+            where.append((i, a))
+    return TrainBatch(tokens, masks, [], behaviour), where
+
+

@@ -33,6 +33,11 @@ from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout, group_specs
+
+try:
+    from tidal.rewards.pool import build_scorer
+except ImportError:  # INTERIM until the reward pool lands
+    from tidal.rewards._interim import build_scorer
 from tidal.runtime.tasks import Task, build_task
 from tidal.types import Episode, SamplingParams
 
@@ -46,6 +51,10 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
+# Episode metrics summed over a step's episodes (counts), not averaged.
+SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors")
+
+
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     n = max(len(episodes), 1)
     ok = [e for e in episodes if e.status.trainable]
@@ -56,11 +65,29 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         m["reward"] = sum(e.reward for e in ok) / len(ok)
         m["accuracy"] = sum(e.metrics.get("correct", 0.0) for e in ok) / len(ok)
         m["response_tokens"] = sum(e.num_policy_tokens for e in ok) / len(ok)
+        m["turns"] = sum(len(e.turns) for e in ok) / len(ok)
         parts = {k for e in ok for k in e.reward_parts}
         for k in sorted(parts):
             m[f"reward/{k}"] = sum(e.reward_parts.get(k, 0.0) for e in ok) / len(ok)
+    for e in episodes:
+        for k, v in e.metrics.items():
+            if k.startswith(SUMMED_PREFIXES):
+                m[k] = m.get(k, 0.0) + v
+    if m.get("tools/calls"):
+        m["tools/error_rate"] = sum(v for k, v in m.items() if k.startswith("tools/errors/")) / m["tools/calls"]
     m["episodes"] = float(n if episodes else 0)
+    m["episodes/failed_frac"] = (len(episodes) - len(ok)) / n if episodes else 0.0
     return m
+
+
+class RunFailed(RuntimeError):
+    """The run stopped itself (the failure budget): its last checkpoint is intact."""
+
+
+def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer) -> Rollout:
+    r = cfg.rollout
+    return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
+                   max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer)
 
 
 @dataclass
@@ -121,6 +148,7 @@ class Controller:
         self.model_dir = resolve_model_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.task: Task = build_task(cfg.task)
+        self.make_env = self.task.make_env
         run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.paths = RunPaths(run_dir)
         resume_from = self.paths.latest_checkpoint() if resume else None
@@ -140,15 +168,17 @@ class Controller:
         # Trainer ranks, engine replicas and the way weights reach them (placement.mode).
         self.roles = build_roles(cfg, self.model_dir, self.tokenizer.pad_token_id, kind, run_dir)
         self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
-        if self.roles.reward_fn is not None:  # rewards scored by the reward workers
-            self.task.reward_fn = self.roles.reward_fn
         if self.roles.envs is not None:  # environments hosted by the env workers
-            self.task.make_env = self.roles.envs.make_env
+            self.make_env = self.roles.envs.make_env
         self.params = SamplingParams(
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
         )
-        self.rollout = Rollout(self.tokenizer, self.params, timeout_s=cfg.rollout.episode_timeout_s)
+        # The task's rewards score in worker processes (or reward-worker actors) with hard timeouts.
+        self.scorer = build_scorer(self.task.rewards, cfg.reward, ray_handles=getattr(self.roles, "reward_handles", None)) \
+            if self.task.rewards else None
+        self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer)
+        self._over_budget = 0  # consecutive steps over the failure budget
         self.step = 0
         self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
         self._source_lock = threading.Lock()
@@ -182,6 +212,7 @@ class Controller:
         t0 = time.perf_counter()
         self._report_failures(step, episodes)
         metrics.update(episode_metrics(episodes))
+        self._check_failure_budget(step, episodes, metrics)
         metrics.update(staleness_metrics(train_eps, self.trainer.version, self.updates_per_step,
                                          cfg.rollout.max_staleness))
         if train_eps:
@@ -218,9 +249,9 @@ class Controller:
                         "time/trainer_wait_s": trainer_wait, "time/engine_wait_s": s.admission_wait,
                         "time/elapsed_s": t1 - self._t_start,  # wall clock since the controller started
                         "time/overlap": self._overlap(t0, t1)})
-        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
-            metrics["eval/accuracy"] = evaluate_engine(self.engine, self.tokenizer, self.task.eval_rows[: cfg.eval.n],
-                                                       self.task.make_env, self.params, k=0)["accuracy"]
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.task.eval_rows:
+            metrics["eval/accuracy"] = evaluate_engine(self.engine, self.rollout, self.task.eval_rows[: cfg.eval.n],
+                                                       self.make_env, k=0)["accuracy"]
         self.metrics.log(step, metrics)
         if self.episode_writer is not None:
             self.episode_writer.write(step, episodes)
@@ -251,7 +282,7 @@ class Controller:
         rounds = 0
         while True:
             rows = self.source.take(want)
-            specs = group_specs(rows, self.task.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
+            specs = group_specs(rows, self.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
                                 offset=rounds * want, greedy_baseline=algo.advantage == "remax")
             new: list[Episode] = []  # this round's samples that were scored
             for spec, e in zip(specs, asyncio.run(self.rollout.run(specs, self.engine, step))):
@@ -285,6 +316,26 @@ class Controller:
         if algo.advantage == "remax" and baselines:
             metrics["remax/greedy_reward"] = sum(baselines.values()) / len(baselines)
         return episodes, train_eps, baselines, metrics
+
+    def _check_failure_budget(self, step: int, episodes: list[Episode], metrics: dict[str, float]) -> None:
+        """Stop the run, its last checkpoint intact, when more than `reward.failure_budget` of the
+        episodes fail for `reward.failure_steps` steps in a row: training on the survivors of
+        a broken reward or environment would only waste the run."""
+        rc = self.cfg.reward
+        failed = metrics.get("episodes/failed_frac", 0.0)
+        self._over_budget = self._over_budget + 1 if episodes and failed > rc.failure_budget else 0
+        if self._over_budget >= rc.failure_steps:
+            by_status = {k.split("/", 1)[1]: int(v) for k, v in metrics.items()
+                         if k.startswith("episodes/") and k.split("/", 1)[1] in
+                         ("env_error", "reward_error", "engine_error", "timeout") and v}
+            first = next((e.error for e in episodes if not e.status.trainable), "")
+            last = self.paths.latest_checkpoint()
+            self.metrics.log(step, {**metrics, "stopped/failure_budget": 1.0})
+            raise RunFailed(
+                f"stopping at step {step}: {failed:.0%} of this step's episodes failed ({by_status}), over "
+                f"reward.failure_budget={rc.failure_budget:g} for {self._over_budget} steps in a row "
+                f"(reward.failure_steps={rc.failure_steps}). First error: {first}. Nothing of step {step} was "
+                f"trained on; the last checkpoint is {last or 'none (no step was saved yet)'}.")
 
     @staticmethod
     def _report_failures(step: int, episodes: list[Episode]) -> None:
@@ -366,7 +417,12 @@ class Controller:
         return last
 
     def close(self) -> None:
-        """Stop the engines (a vLLM server process ends with its engine) and the actors."""
+        """Stop the reward workers, the engines (a vLLM server process ends with its engine) and the actors."""
+        if self.scorer is not None:
+            try:
+                asyncio.run(self.scorer.close())
+            except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
+                log.warning("closing the reward workers raised %s(%s)", type(e).__name__, e)
         self.roles.close()
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -1,16 +1,17 @@
 """Held-out evaluation: greedy accuracy and pass@k (the unbiased estimator of Chen et al.
-2021, with n = k samples per problem at the evaluation temperature)."""
+2021, with n = k samples per problem at the evaluation temperature). Episodes run through
+the same rollout as training (turns, tools, rewards); a failed episode counts as wrong and
+is reported in `failed` (by status), never hidden."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from math import comb
 from typing import Any
 
 from tidal.runtime.rollout import Rollout, group_specs
-from tidal.types import SamplingParams
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -20,20 +21,28 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def evaluate_engine(engine, tokenizer, rows: list[dict[str, Any]], make_env: Callable, params: SamplingParams,
+def _correct(e) -> float:
+    return e.metrics.get("correct", 0.0) if e.status.trainable else 0.0
+
+
+def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_env: Callable,
                     k: int = 8, temperature: float = 1.0, seed: int = 1234) -> dict[str, Any]:
     if not rows:
         raise ValueError("evaluation needs held-out rows (task.eval_dataset)")
-    greedy = Rollout(tokenizer, replace(params, temperature=0.0))
+    greedy = rollout.with_params(temperature=0.0)
     episodes = asyncio.run(greedy.run(group_specs(rows, make_env, 1, seed, 0), engine, step=0))
-    correct = [e.metrics.get("correct", 0.0) if e.status.trainable else 0.0 for e in episodes]
-    out: dict[str, Any] = {"n": len(rows), "accuracy": sum(correct) / len(rows),
-                           "failed": sum(not e.status.trainable for e in episodes)}
+    correct = [_correct(e) for e in episodes]
+    failed = Counter(e.status.value for e in episodes if not e.status.trainable)
+    out: dict[str, Any] = {"n": len(rows), "accuracy": sum(correct) / len(rows), "failed": sum(failed.values()),
+                           "failed_by_status": dict(failed)}
+    tool_calls = sum(e.metrics.get("tools/calls", 0.0) for e in episodes)
+    if tool_calls:
+        errors = sum(v for e in episodes for key, v in e.metrics.items() if key.startswith("tools/errors/"))
+        out.update({"tool_calls": tool_calls, "tool_error_rate": errors / tool_calls})
     if k > 0:
-        sampled = Rollout(tokenizer, replace(params, temperature=temperature))
+        sampled = rollout.with_params(temperature=temperature)
         eps = asyncio.run(sampled.run(group_specs(rows, make_env, k, seed, 1), engine, step=0))
-        per_row = [sum(e.metrics.get("correct", 0.0) for e in eps[i * k : (i + 1) * k] if e.status.trainable)
-                   for i in range(len(rows))]
+        per_row = [sum(_correct(e) for e in eps[i * k : (i + 1) * k]) for i in range(len(rows))]
         out.update({"k": k, "temperature": temperature,
                     "pass_at_k": sum(pass_at_k(k, int(c), k) for c in per_row) / len(rows),
                     "pass_at_1": sum(c / k for c in per_row) / len(rows)})

@@ -1,25 +1,50 @@
-"""Rollout: run environments against an engine and return typed Episodes.
+"""Rollout: run environments against an engine, score them, and return typed Episodes.
 
-Every episode is its own coroutine (reset → generate → step → … → done), so single-turn,
-multi-turn and tool-using environments share one path. Their generation requests meet in
-a `BatchingClient`, which hands the engine everything that is waiting at once: the
-engine sees large batches while each episode reads as a plain sequential loop.
+Every episode is its own coroutine (reset → generate → step → … → done → reward → close), so
+single-turn, multi-turn and tool-using environments share one path. Their generation
+requests meet in a `BatchingClient`, which hands the engine everything that is waiting at
+once: the engine sees large batches while each episode reads as a plain sequential loop, and
+an episode waiting on a slow tool holds nobody else up.
 
-Token in, token out: the prompt is tokenized once; a later turn appends only the tokens
-of the new messages; generated tokens are kept exactly as the engine returned them.
+Token in, token out across turns. The prompt is rendered by the chat template and tokenized
+once; generated tokens are kept exactly as the engine returned them; after each turn only the
+text the template adds after the context so far is tokenized (the turn's end, the
+environment's messages, the next generation prompt). The check is textual: the template's
+rendering of the whole conversation, with the policy's turns as it generated them (never
+re-serialized), must start with the text of the tokens so far. A template that re-renders earlier turns differently
+(strips reasoning or whitespace, writes another end-of-turn token, re-serializes tool calls)
+is a *prefix break*, detected per episode and handled by `rollout.prefix_policy`:
+
+- `split`: the episode continues in a new segment whose context is the template's own
+  rendering of the conversation (masked), and every segment is trained as its own sequence
+  with the episode's advantage;
+- `continue`: the same, but only the last segment is trained (earlier ones stay masked).
+
+Either way no token is trained on in a context the policy did not see, and the breaks are
+counted (`rollout/prefix_breaks`).
+
+Rewards: once the environment is done, the configured rewards score the episode through a
+`Scorer` (tidal/rewards/contract.py; worker processes with hard timeouts), per episode, or per
+group when a reward is of the batched (TRL) form. The environment's per-turn rewards add to it.
+`close()` is called on every environment however its episode ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tidal.envs.base import Env, Message, RewardError
-from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status
+from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride
+from tidal.rewards.contract import RewardInput, RewardOutcome
+from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
+
+log = logging.getLogger("tidal")
 
 
 class BatchingClient:
@@ -48,15 +73,18 @@ class BatchingClient:
             results = await self.engine.generate([r for r, _ in pending])
         except Exception as e:  # noqa: BLE001 - every waiting episode learns of it
             for _, fut in pending:
-                fut.set_exception(e)
+                if not fut.done():
+                    fut.set_exception(e)
             return
         if len(results) != len(pending):
             err = RuntimeError(f"engine returned {len(results)} results for {len(pending)} requests")
             for _, fut in pending:
-                fut.set_exception(err)
+                if not fut.done():
+                    fut.set_exception(err)
             return
         for (_, fut), res in zip(pending, results):
-            fut.set_result(res)
+            if not fut.done():  # its episode may have been cancelled by its timeout
+                fut.set_result(res)
 
 
 def request_seed(*parts: Any) -> int:
@@ -72,130 +100,312 @@ class EpisodeSpec:
     task_id: str
     seed: int
     greedy: bool = False  # a baseline rollout (ReMax): temperature 0, not trained on
+    row: dict[str, Any] = field(default_factory=dict)  # the dataset row: its columns reach the rewards
+
+
+class _GroupScoring:
+    """The members of one group meet here when a batched (TRL-form) reward scores them
+    together: scoring starts once every member has either arrived or left (failed earlier)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.arrived: list[tuple[RewardInput, asyncio.Future]] = []
+        self.left = 0
+
+    def _maybe_start(self, scorer) -> None:
+        if len(self.arrived) + self.left == self.size and self.arrived:
+            asyncio.get_running_loop().create_task(self._score(scorer, list(self.arrived)))
+            self.arrived = []
+
+    async def _score(self, scorer, members) -> None:
+        try:
+            outcomes = await scorer.score([i for i, _ in members])
+        except Exception as e:  # noqa: BLE001 - a scorer bug types the episodes, never hangs them
+            outcomes = [RewardOutcome("reward_error", error=f"reward scorer failed: {type(e).__name__}({e})")] * len(members)
+        for (_, fut), out in zip(members, outcomes):
+            if not fut.done():
+                fut.set_result(out)
+
+    async def submit(self, scorer, inp: RewardInput) -> RewardOutcome:
+        fut = asyncio.get_running_loop().create_future()
+        self.arrived.append((inp, fut))
+        self._maybe_start(scorer)
+        return await fut
+
+    def leave(self, scorer) -> None:
+        self.left += 1
+        self._maybe_start(scorer)
 
 
 class Rollout:
-    def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0):
+    def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0, *,
+                 max_total_tokens: int | None = None, prefix_policy: str = "split", scorer=None,
+                 close_timeout_s: float = 60.0):
+        if prefix_policy not in ("split", "continue"):
+            raise ValueError(f"prefix_policy must be 'split' or 'continue', got {prefix_policy!r}")
         self.tokenizer = tokenizer
         self.params = params
         self.max_turns = max_turns
-        self.timeout_s = timeout_s  # one episode, all its turns: nothing waits forever
+        self.timeout_s = timeout_s  # one episode, all its turns and its reward: nothing waits forever
+        self.max_total_tokens = max_total_tokens
+        self.prefix_policy = prefix_policy
+        self.scorer = scorer  # None: the environment's own rewards are the whole reward
+        self.close_timeout_s = close_timeout_s
 
-    def _continuation(self, rendered: str, history: list[Message], new: list[Message]) -> tuple[list[int], str]:
-        """Tokens of the `new` messages after the policy's last turn, and the new rendering.
+    def with_params(self, **changes: Any) -> Rollout:
+        """A copy of this rollout whose sampling differs (e.g. greedy evaluation)."""
+        other = copy.copy(self)
+        other.params = replace(self.params, **changes)
+        return other
 
-        `rendered` is the text of the tokens so far (prompt and generations, special tokens
-        included). Only the text the chat template adds after it is tokenized — e.g. the
-        turn's closing "\n", then the new messages and the generation prompt — so tokens
-        already in the episode are never re-tokenized."""
-        after = self.tokenizer.apply_chat_template(history + new, add_generation_prompt=True, tokenize=False)
-        if not after.startswith(rendered):
-            # The policy's turn did not render as the template would (e.g. it stopped on
-            # a token the template does not write): continue from the template's own turn.
-            before = self.tokenizer.apply_chat_template(history, tokenize=False)
-            if not after.startswith(before):
-                raise ValueError("the chat template does not render conversations as prefixes of each other")
-            rendered = before
-        return self.tokenizer(after[len(rendered):], add_special_tokens=False)["input_ids"], after
+    # -- text and tokens ----------------------------------------------------------------------
+    def _render(self, messages: list[Message], tools: list | None, generation_prompt: bool) -> str:
+        kwargs = {"tools": tools} if tools else {}
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                                  **kwargs)
 
-    async def run_episode(self, spec: EpisodeSpec, client: BatchingClient, step: int) -> Episode:
-        ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step)
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _turn_params(self, spec: EpisodeSpec, turn: int, override: SamplingOverride | None, context: int) -> SamplingParams:
+        params = replace(self.params, seed=request_seed(spec.seed, turn))
+        if spec.greedy:
+            params = replace(params, temperature=0.0)
+        if override is not None:
+            if override.stop is not None:
+                params = replace(params, stop=tuple(override.stop))
+            if override.max_new_tokens is not None:
+                params = replace(params, max_new_tokens=int(override.max_new_tokens))
+        if self.max_total_tokens is not None:
+            params = replace(params, max_new_tokens=min(params.max_new_tokens, self.max_total_tokens - context))
+        return params
+
+    # -- one episode --------------------------------------------------------------------------
+    async def run_episode(self, spec: EpisodeSpec, client: BatchingClient, step: int,
+                          groups: dict[str, _GroupScoring] | None = None) -> Episode:
+        ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
+        group = (groups or {}).get(spec.group_id)
+        try:
+            return await self._run_episode(spec, ep, client, group)
+        finally:
+            if group is not None and not getattr(ep, "_scored", False):
+                group.leave(self.scorer)  # failed (or cancelled) before scoring: the others go on
+
+    async def _run_episode(self, spec: EpisodeSpec, ep: Episode, client: BatchingClient,
+                           group: _GroupScoring | None) -> Episode:
+        env, name = spec.env, spec.env.name
         t0 = time.perf_counter()
         try:
-            history = await spec.env.reset()
-            rendered = self.tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
-            ep.tokens = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+            history = list(await env.reset())
+            tools = getattr(env, "tools", None) or None
+            override = getattr(env, "sampling", None)
+            context_text = self._render(history, tools, generation_prompt=True)
+            ep.tokens = self._tokenize(context_text)
         except Exception as e:  # noqa: BLE001
-            return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` reset raised {type(e).__name__}({e})")
+            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset raised {type(e).__name__}({e})")
         if not ep.tokens:
-            return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` reset gave an empty prompt")
+            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset gave an empty prompt")
+        prompt_messages, prompt_text, conversation = list(history), context_text, list(history)
         ep.prompt_len = len(ep.tokens)
         ep.loss_mask = [False] * len(ep.tokens)
         ep.logprobs = [0.0] * len(ep.tokens)
         ep.versions = [-1] * len(ep.tokens)
-        gen_time = 0.0
+        seg = 0  # start of the current segment: the engine's context is ep.tokens[seg:]
+        gen_time, env_time, breaks, last_text = 0.0, 0.0, 0, ""
+        status = Status.TRUNCATED  # until the environment says done
         for turn in range(self.max_turns):
-            params = replace(self.params, seed=request_seed(spec.seed, turn))
-            if spec.greedy:
-                params = replace(params, temperature=0.0)
+            params = self._turn_params(spec, turn, override, len(ep.tokens) - seg)
+            if params.max_new_tokens <= 0:  # the episode's token budget is spent
+                ep.metrics["rollout/out_of_tokens"] = 1.0
+                break
             t1 = time.perf_counter()
             try:
-                res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", list(ep.tokens), params,
-                                                                session_id=spec.episode_id))
+                res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", ep.tokens[seg:], params,
+                                                              session_id=spec.episode_id))
             except Exception as e:  # noqa: BLE001
                 return self._fail(ep, Status.ENGINE_ERROR, f"engine raised {type(e).__name__}({e}) on turn {turn}")
             gen_time += time.perf_counter() - t1
+            start = len(ep.tokens)
             ep.tokens += res.token_ids
             ep.loss_mask += [True] * len(res.token_ids)
             ep.logprobs += res.logprobs
             ep.versions += res.versions_per_token()
-            text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+            last_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+            action = Action(last_text, res.finish_reason, tuple(res.token_ids), turn)
+            t2 = time.perf_counter()
             try:
-                out = await spec.env.step(text)
+                out = await env.step(action)
             except RewardError as e:
                 return self._fail(ep, Status.REWARD_ERROR, str(e))
             except Exception as e:  # noqa: BLE001
-                return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` step raised {type(e).__name__}({e}) on turn {turn}")
+                return self._fail(ep, Status.ENV_ERROR, f"env `{name}` step raised {type(e).__name__}({e}) on turn {turn}")
+            env_time += time.perf_counter() - t2
+            ep.turns.append(Turn(turn, start, len(ep.tokens), len(ep.tokens), last_text, res.finish_reason,
+                                 float(out.reward), list(out.tool_calls), res.version))
             ep.reward += out.reward
             for k, v in out.reward_parts.items():
                 ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
-            ep.metrics.update(out.metrics)
-            ep.status = Status.TRUNCATED if res.finish_reason == "length" else Status.OK
-            if out.done or res.finish_reason == "length":
+            for k, v in out.metrics.items():
+                ep.metrics[k] = ep.metrics.get(k, 0.0) + v
+            if out.sampling is not None:
+                override = out.sampling
+            # The template renders the turn as generated (`history`); the conversation as the
+            # environment keeps it (e.g. parsed tool calls) goes to the rewards (`conversation`).
+            history.append({"role": "assistant", "content": last_text})
+            conversation.append(out.assistant_message or history[-1])
+            if out.done:
+                status = Status.TRUNCATED if res.finish_reason == "length" else Status.OK
                 break
-            if turn == self.max_turns - 1:  # out of turns: no continuation that nobody answers
-                ep.status = Status.TRUNCATED
+            if turn == self.max_turns - 1:  # out of turns: no observation that nobody answers
+                ep.metrics["rollout/out_of_turns"] = 1.0
                 break
-            history = history + [{"role": "assistant", "content": text}]
-            rendered += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
+            # The environment's messages, then the next generation prompt: only the text the
+            # template adds is tokenized (or, on a prefix break, a new segment starts).
+            context_text += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
             try:
-                new, rendered = self._continuation(rendered, history, out.messages)
-            except ValueError as e:
-                return self._fail(ep, Status.ENV_ERROR, f"env `{spec.env.name}` turn {turn}: {e}")
+                after = self._render(history + list(out.messages), tools, generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - e.g. a message the template cannot render
+                return self._fail(ep, Status.ENV_ERROR, f"env `{name}` turn {turn}: the chat template cannot render "
+                                  f"its messages: {type(e).__name__}({e})")
+            history += list(out.messages)
+            conversation += list(out.messages)
+            if after.startswith(context_text):
+                new = self._tokenize(after[len(context_text):])
+                new_seg = False
+            else:
+                breaks += 1
+                new, new_seg = self._tokenize(after), True
+            if self.max_total_tokens is not None and (0 if new_seg else len(ep.tokens) - seg) + len(new) >= self.max_total_tokens:
+                ep.metrics["rollout/out_of_tokens"] = 1.0
+                break
+            if new_seg:
+                seg = len(ep.tokens)
+                ep.segments.append(seg)
+                if self.prefix_policy == "continue":  # earlier policy tokens stay untrained
+                    for i in range(seg):
+                        ep.loss_mask[i] = False
+                context_text = after
+            else:
+                context_text = after
             ep.tokens += new
             ep.loss_mask += [False] * len(new)
             ep.logprobs += [0.0] * len(new)
             ep.versions += [-1] * len(new)
-            history = history + out.messages
-        ep.metrics["turns"] = float(turn + 1)
-        ep.metrics["response_tokens"] = float(ep.num_policy_tokens)
+            ep.turns[-1].obs_end = len(ep.tokens)
+        ep.status = status
+        ep.metrics["turns"] = float(len(ep.turns))
+        ep.metrics["rollout/prefix_breaks"] = float(breaks)
+        ep.metrics["response_tokens"] = float(sum(t.end - t.start for t in ep.turns))
         ep.metrics["generate_s"] = gen_time
+        ep.metrics["env_s"] = env_time
+        if self.prefix_policy == "continue" and breaks:
+            for i in range(seg):  # masked afterwards: logprobs 0.0 and version -1 off the mask
+                ep.logprobs[i], ep.versions[i] = 0.0, -1
+        if self.scorer is not None:
+            t3 = time.perf_counter()
+            inp = self._reward_input(ep, spec, prompt_text, prompt_messages, conversation, last_text)
+            if group is not None:
+                ep._scored = True  # type: ignore[attr-defined]
+                outcome = await group.submit(self.scorer, inp)
+            else:
+                outcome = (await self.scorer.score([inp]))[0]
+            ep.metrics["reward_s"] = time.perf_counter() - t3
+            if outcome.status != "ok":
+                st = Status.TIMEOUT if outcome.status == "timeout" else Status.REWARD_ERROR
+                return self._fail(ep, st, outcome.error)
+            ep.outcome_reward = outcome.reward
+            ep.reward += outcome.reward
+            for k, v in outcome.parts.items():
+                ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
+            ep.metrics.update(outcome.metrics)
+        correct = correct_part(ep.reward_parts)
+        ep.metrics["correct"] = correct if correct is not None else ep.metrics.get("correct", float(ep.reward > 0))
         ep.metrics["episode_s"] = time.perf_counter() - t0
         return ep
+
+    def _reward_input(self, ep: Episode, spec: EpisodeSpec, prompt_text: str, prompt_messages: list[Message],
+                      history: list[Message], last_text: str) -> RewardInput:
+        policy_ids = [t for tr in ep.turns for t in ep.tokens[tr.start:tr.end]]
+        turns = [{"index": t.index, "text": t.text, "finish_reason": t.finish_reason, "reward": t.reward,
+                  "tool_calls": [asdict(c) for c in t.tool_calls]} for t in ep.turns]
+        columns = {k: v for k, v in spec.row.items() if k != "prompt"}
+        return RewardInput(ep.episode_id, ep.group_id, ep.task_id, ep.step, prompt_text, prompt_messages, last_text,
+                           policy_ids, list(history), turns, columns)
 
     @staticmethod
     def _fail(ep: Episode, status: Status, error: str) -> Episode:
         """A typed failure: not trained on, and never scored as reward 0 (reward is unset)."""
         ep.status, ep.reward = status, float("nan")
-        ep.error = f"{error} on episode {ep.episode_id} (task {ep.task_id}) of step {ep.step}"
+        named = f"episode {ep.episode_id}" in error  # the reward pool names the episode itself
+        ep.error = error if named else f"{error} on episode {ep.episode_id} (task {ep.task_id}) of step {ep.step}"
         return ep
 
-    async def _bounded(self, spec: EpisodeSpec, client: BatchingClient, step: int) -> Episode:
+    async def _bounded(self, spec: EpisodeSpec, client: BatchingClient, step: int, groups) -> Episode:
         try:
-            return await asyncio.wait_for(self.run_episode(spec, client, step), self.timeout_s)
+            ep = await asyncio.wait_for(self.run_episode(spec, client, step, groups), self.timeout_s)
         except TimeoutError:
-            ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step)
-            return self._fail(ep, Status.TIMEOUT, f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
+            ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
+            ep = self._fail(ep, Status.TIMEOUT, f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
+        await self._close(spec, ep)
+        return ep
 
-    async def run(self, specs: list[EpisodeSpec], engine, step: int) -> list[Episode]:
+    async def _close(self, spec: EpisodeSpec, ep: Episode) -> None:
+        """Release the environment (sandboxes, sessions) on every path, bounded."""
+        close = getattr(spec.env, "close", None)
+        if close is None:
+            return
+        try:
+            await asyncio.wait_for(close(), self.close_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the episode stands; the leak is logged and counted
+            ep.metrics["env/close_errors"] = 1.0
+            log.warning("env `%s` close raised %s(%s) on episode %s", spec.env.name, type(e).__name__, e, ep.episode_id)
+
+    async def run(self, specs: list[EpisodeSpec], engine, step: int,
+                  on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+        """Run `specs` concurrently; `on_episode(ep)` is called as each episode finishes (the
+        episode store streams them). Results are in the order of `specs`."""
         client = BatchingClient(engine)
-        return list(await asyncio.gather(*(self._bounded(s, client, step) for s in specs)))
+        groups: dict[str, _GroupScoring] | None = None
+        if self.scorer is not None and getattr(self.scorer, "per_group", False):
+            groups = {}
+            for s in specs:
+                groups.setdefault(s.group_id, _GroupScoring(0)).size += 1
+
+        async def one(spec: EpisodeSpec) -> Episode:
+            ep = await self._bounded(spec, client, step, groups)
+            if on_episode is not None:
+                on_episode(ep)
+            return ep
+
+        return list(await asyncio.gather(*(one(s) for s in specs)))
+
+
+def correct_part(parts: dict[str, float]) -> float | None:
+    """The reward part that defines accuracy: `correct`, else the first `<name>/correct`."""
+    if "correct" in parts:
+        return parts["correct"]
+    for k, v in parts.items():
+        if k.endswith("/correct"):
+            return v
+    return None
 
 
 def group_specs(
-    rows: list[dict[str, Any]], make_env: Callable[[dict[str, Any]], Env], samples: int, seed: int, step: int,
+    rows: list[dict[str, Any]], make_env: Callable[..., Env], samples: int, seed: int, step: int,
     offset: int = 0, greedy_baseline: bool = False,
 ) -> list[EpisodeSpec]:
     """`samples` episodes per row; episode ids and seeds are functions of (seed, step, index).
+    `make_env(row, seed)` builds each episode's environment with the episode's seed.
     `offset` numbers the rows after those already sampled in this step (dynamic sampling);
     `greedy_baseline` adds one greedy episode per row (ReMax), id suffix `-greedy`."""
     specs = []
     for p, row in enumerate(rows, start=offset):
         task_id = str(row.get("task_id", p))
         for s in range(samples):
-            specs.append(EpisodeSpec(make_env(row), f"s{step}-p{p}-e{s}", f"s{step}-p{p}", task_id,
-                                     request_seed(seed, step, p, s)))
+            es = request_seed(seed, step, p, s)
+            specs.append(EpisodeSpec(make_env(row, es), f"s{step}-p{p}-e{s}", f"s{step}-p{p}", task_id, es, row=row))
         if greedy_baseline:
-            specs.append(EpisodeSpec(make_env(row), f"s{step}-p{p}-greedy", f"s{step}-p{p}", task_id,
-                                     request_seed(seed, step, p, "greedy"), greedy=True))
+            es = request_seed(seed, step, p, "greedy")
+            specs.append(EpisodeSpec(make_env(row, es), f"s{step}-p{p}-greedy", f"s{step}-p{p}", task_id, es,
+                                     greedy=True, row=row))
     return specs

@@ -1,15 +1,27 @@
-"""A task: train rows, held-out rows and how to make an environment for a row."""
+"""A task: train rows, held-out rows, how to make an environment for a row and its rewards.
+
+`task.env` names the environment class (a built-in name, a dotted path or a file path); it is
+built per episode as `Env(row, seed=..., **task.env_args)`. Rows come from `task.dataset`, or,
+without one, from the environment's own generator (`Env.rows(split, n, seed)`); the default
+`single_turn` environment without a dataset is the generated arithmetic task.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.config import TaskConfig
-from tidal.envs.arithmetic import make_problems
+from tidal.config import ConfigError, RewardSpec, TaskConfig
 from tidal.envs.dataset import load_prompts
-from tidal.envs.single_turn import SingleTurnEnv
-from tidal.rewards import RewardFn, load_reward_fn
+from tidal.importing import import_object
+
+BUILTIN_ENVS = {
+    "single_turn": "tidal.envs.single_turn:SingleTurnEnv",
+    "tool_arith": "tidal.envs.tool_arith:ToolArithEnv",
+    "code": "tidal.envs.code:CodeEnv",
+    "shell": "tidal.envs.shell:ShellEnv",
+}
 
 
 @dataclass
@@ -17,19 +29,62 @@ class Task:
     name: str
     train_rows: list[dict[str, Any]]
     eval_rows: list[dict[str, Any]]
-    reward_fn: RewardFn
+    env_cls: Any
+    env_args: dict[str, Any] = field(default_factory=dict)
+    rewards: list[RewardSpec] = field(default_factory=list)
 
-    def make_env(self, row: dict[str, Any]) -> SingleTurnEnv:
-        return SingleTurnEnv(row, self.reward_fn, name=self.name)
+    def make_env(self, row: dict[str, Any], seed: int = 0):
+        env = self.env_cls(row, seed=seed, **self.env_args)
+        env.name = self.name
+        return env
+
+
+def load_env_class(cfg: TaskConfig):
+    if cfg.env == "single_turn" and cfg.dataset is None:
+        from tidal.envs.single_turn import ArithmeticEnv
+
+        return ArithmeticEnv  # the generated default task
+    path = BUILTIN_ENVS.get(cfg.env, cfg.env)
+    try:
+        cls = import_object(path, "task.env")
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
+    if not callable(cls):
+        raise ConfigError(f"invalid config: `task.env`: `{cfg.env}` is not a class or factory")
+    return cls
 
 
 def build_task(cfg: TaskConfig) -> Task:
-    """Everything is loaded and checked here, before any model or worker starts."""
-    reward_fn = load_reward_fn(cfg.reward)
+    """Everything is loaded and checked here, before any model or worker starts: the env class
+    (built once on the first row, so a bad `task.env_args` is named now), the rows, the rewards."""
+    env_cls = load_env_class(cfg)
     if cfg.dataset is None:
-        train = make_problems(cfg.arithmetic, "train", cfg.train_size, cfg.seed)
-        held_out = make_problems(cfg.arithmetic, "test", cfg.eval_size, cfg.seed)
+        rows_of = getattr(env_cls, "rows", None)
+        if rows_of is None:
+            raise ConfigError(f"invalid config: `task.dataset`: env `{cfg.env}` generates no rows of its own; name a dataset")
+        gen_args = cfg.arithmetic.model_dump() if cfg.env == "single_turn" else dict(cfg.env_args)
+        gen_args = _accepted(rows_of, gen_args)
+        train = rows_of("train", cfg.train_size, cfg.seed, **gen_args)
+        held_out = rows_of("test", cfg.eval_size, cfg.seed, **gen_args)
     else:
         train = load_prompts(cfg.dataset)
         held_out = load_prompts(cfg.eval_dataset) if cfg.eval_dataset else []
-    return Task(cfg.name, train, held_out, reward_fn)
+    env_args = {} if cfg.env == "single_turn" else dict(cfg.env_args)
+    name = cfg.name or getattr(env_cls, "name", None) or cfg.env
+    task = Task(name if isinstance(name, str) else cfg.env, train, held_out, env_cls, env_args)
+    try:
+        task.make_env(train[0], 0)
+    except TypeError as e:
+        raise ConfigError(f"invalid config: `task.env_args`: env `{cfg.env}` cannot be built with {env_args}: {e}") from None
+    task.rewards = cfg.reward_specs(getattr(env_cls, "default_reward", None))
+    if not task.rewards and getattr(env_cls, "default_reward", "none") is None and cfg.env == "single_turn":
+        raise ConfigError("invalid config: `task.reward`: a dataset task needs a reward function (task.reward or task.rewards)")
+    return task
+
+
+def _accepted(fn, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The generator's own keyword arguments among env_args (the rest are the env's)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}

@@ -6,15 +6,20 @@ ranks) plus, when colocated, one engine replica in the same process. `EngineWork
 disaggregated engine replica. Both are plain classes: `placement.py` wraps them with
 `ray.remote`, and the trainer class is also what local mode builds in the driver, so the
 two modes run the same code. `RemoteEngine` makes an engine actor look like an Engine to
-the router.
+the router. `RewardWorker` runs reward functions; `RewardActors` is how the reward scorer
+starts and replaces those actors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -283,50 +288,64 @@ class RemoteEngine:
 
 
 class RewardWorker:
-    """Runs the task's reward function (a dotted path, imported in the worker)."""
+    """A reward actor (placement.reward_workers): it imports the task's rewards once, at
+    start (a reward that cannot be imported fails the actor's start, naming its key), and runs
+    them with per-call timeouts (tidal/rewards/worker.py). The driver's `RayScorer` sends the
+    calls, kills an actor whose call hangs and starts another in its place."""
 
-    def __init__(self, reward_path: str, num_cpus: float = 0.0):
-        from tidal.rewards import load_reward_fn
+    def __init__(self, specs: list[dict], timeout_s: float, num_cpus: float = 0.0):
+        import traceback
+
+        from tidal.rewards.worker import RewardHost
 
         if num_cpus:
             set_threads(num_cpus)
-        self.fn = load_reward_fn(reward_path)
+        self.host, self.failed = None, None
+        try:
+            self.host = RewardHost(specs, timeout_s)
+        except Exception as e:  # noqa: BLE001 - answered by `ready` in our words, not as Ray's actor-death error
+            self.failed = {"failed": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}({e})",
+                           "traceback": traceback.format_exc()}
 
-    async def score(self, completion: str, columns: dict) -> tuple[float, dict[str, float]]:
-        from tidal.rewards import call_reward_async
+    def ready(self) -> dict:
+        """{"pid", "kinds"}, or {"failed": why, "traceback"} when a reward could not be loaded."""
+        return self.failed or {"pid": os.getpid(), "kinds": self.host.kinds}
 
-        return await call_reward_async(self.fn, completion, columns)
+    async def run(self, spec: int, inputs: list) -> tuple[list, bool]:
+        """(one result per input, hung): see RewardHost.run."""
+        return await self.host.run(spec, inputs)
 
     def pid(self) -> int:
         return os.getpid()
 
 
-class RemoteReward:
-    """The reward function as the environment sees it, scored by reward worker actors:
-    least-loaded, bounded by `timeout_s`. The function's own exception comes back as
-    itself, so the episode's error names the function and what it raised."""
+@dataclass
+class RewardActors:
+    """The reward-worker slots of a Ray run, as `build_scorer(..., ray_handles=...)` takes them:
+    `spawn(i, specs, timeout_s)` starts the RewardWorker actor of slot i in its placement-group
+    bundle (the scorer calls it at start and to replace an actor it killed or lost)."""
 
-    def __init__(self, handles: list, name: str, timeout_s: float = 600.0):
-        self.handles, self.timeout_s = handles, timeout_s
-        self.__tidal_name__ = name
-        self.inflight = [0] * len(handles)
-        self.served = [0] * len(handles)  # episodes scored, per worker
+    count: int
+    start_actor: Callable[[int, list, float], Any]
+    live: dict[int, Any] = field(default_factory=dict)  # slot -> the actor now in it
 
-    async def __call__(self, completion: str, **columns):
-        i = min(range(len(self.handles)), key=lambda j: (self.inflight[j], j))
-        self.inflight[i] += 1
-        try:
-            total, parts = await self.handles[i].acall("score", completion, columns, timeout_s=self.timeout_s)
-        finally:
-            self.inflight[i] -= 1
-        self.served[i] += 1
-        return parts or total
+    def spawn(self, i: int, specs: list, timeout_s: float):
+        self.live[i] = self.start_actor(i, specs, timeout_s)
+        return self.live[i]
+
+    def kill_all(self) -> None:
+        import ray
+
+        for a in self.live.values():
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(a, no_restart=True)
 
 
 class EnvWorker:
     """Hosts environments (`placement.env_workers`): an episode's environment is built here
-    at `reset` and lives here until its last `step`, so environment and reward work leave the
-    driver. The task (and its reward function) is built from the config in the worker."""
+    at `reset` and lives here until the rollout closes it, so environment work (tools,
+    sandboxes, per-turn rewards) leaves the driver. The task is built from the config in the
+    worker; the task's reward functions still score in the driver's reward pool."""
 
     def __init__(self, cfg: TidalConfig, num_cpus: float = 0.0):
         from tidal.runtime.tasks import build_task
@@ -336,23 +355,20 @@ class EnvWorker:
         self.task = build_task(cfg.task)
         self.envs: dict[str, object] = {}
 
-    async def reset(self, key: str, row: dict):
-        env = self.task.make_env(row)
+    async def reset(self, key: str, row: dict, seed: int) -> dict:
+        env = self.task.make_env(row, seed)
         self.envs[key] = env
-        return await env.reset()
+        messages = await env.reset()
+        return {"messages": messages, "tools": getattr(env, "tools", None) or None,
+                "sampling": getattr(env, "sampling", None)}
 
-    async def step(self, key: str, action: str):
-        try:
-            result = await self.envs[key].step(action)
-        except BaseException:
-            self.envs.pop(key, None)  # the episode ends here
-            raise
-        if result.done:
-            self.envs.pop(key, None)
-        return result
+    async def step(self, key: str, action):
+        return await self.envs[key].step(action)
 
-    def drop(self, key: str) -> None:
-        self.envs.pop(key, None)
+    async def close(self, key: str) -> None:
+        env = self.envs.pop(key, None)
+        if env is not None and hasattr(env, "close"):
+            await env.close()
 
     def live(self) -> int:
         return len(self.envs)
@@ -372,8 +388,8 @@ class RemoteEnvs:
         self.served = [0] * len(handles)  # episodes started, per worker
         self._ids = iter(range(1 << 62))
 
-    def make_env(self, row: dict) -> RemoteEnv:
-        return RemoteEnv(self, row)
+    def make_env(self, row: dict, seed: int = 0) -> RemoteEnv:
+        return RemoteEnv(self, row, seed)
 
     async def call(self, i: int, method: str, *args):
         return await self.handles[i].acall(method, *args, timeout_s=self.timeout_s)
@@ -382,35 +398,29 @@ class RemoteEnvs:
 class RemoteEnv:
     """One episode's environment on an env worker, behind the Env protocol."""
 
-    def __init__(self, pool: RemoteEnvs, row: dict):
-        self.pool, self.row, self.name = pool, row, pool.name
+    def __init__(self, pool: RemoteEnvs, row: dict, seed: int):
+        self.pool, self.row, self.seed, self.name = pool, row, seed, pool.name
         self.key = f"env-{next(pool._ids)}"
         self.worker: int | None = None
+        self.tools, self.sampling = None, None
 
     async def reset(self):
         i = min(range(len(self.pool.handles)), key=lambda j: (self.pool.live[j], j))
         self.worker = i
         self.pool.live[i] += 1
         self.pool.served[i] += 1
-        try:
-            return await self.pool.call(i, "reset", self.key, self.row)
-        except BaseException:
-            self._done(drop=True)
-            raise
+        opened = await self.pool.call(i, "reset", self.key, self.row, self.seed)
+        self.tools, self.sampling = opened["tools"], opened["sampling"]
+        return opened["messages"]
 
-    async def step(self, action: str):
-        try:
-            result = await self.pool.call(self.worker, "step", self.key, action)
-        except BaseException:  # an error, or the episode's timeout cancelled it
-            self._done(drop=True)
-            raise
-        if result.done:
-            self._done()
-        return result
+    async def step(self, action):
+        return await self.pool.call(self.worker, "step", self.key, action)
 
-    def _done(self, drop: bool = False) -> None:
-        if self.worker is not None:
-            if drop:  # the worker may still hold it (a cancelled call): let it go, without waiting
-                self.pool.handles[self.worker].target.drop.remote(self.key)
-            self.pool.live[self.worker] -= 1
-            self.worker = None
+    async def close(self) -> None:
+        """Always called by the rollout (also after an error or a timeout): the worker closes
+        and forgets the environment."""
+        if self.worker is None:
+            return
+        i, self.worker = self.worker, None
+        self.pool.live[i] -= 1
+        await self.pool.call(i, "close", self.key)
