@@ -22,8 +22,8 @@ commands that reach the goal; tests run them). The policy sees only the prompt a
 The held-out split is a hash bucket of the task's content (one in five), so train and
 held-out never share a task whatever the seeds and sizes.
 
-The verifier is `CHECKER`, a Python script run after the episode (tidal.envs.shell) on the
-final workspace. Check kinds: `file` (a regular file whose text equals `content`, trailing
+The verifier is `CHECKER`, a Python script run after the episode (tidal.envs.shell) on a
+snapshot of the final workspace, in a fresh sandbox. Check kinds: `file` (a regular file whose text equals `content`, trailing
 whitespace of lines and trailing blank lines aside), `answer` (a file whose stripped text,
 less a leading `./` or workspace path, equals `value`), `absent`, `executable`, and `run`
 (run `argv` in the workspace, `python` meaning the sandbox's interpreter, with optional
@@ -315,11 +315,26 @@ def make_tasks(split: str, n: int, seed: int, families: list[str] | tuple[str, .
     return rows
 
 
-# The verifier, run by the sandbox's interpreter (isolated, empty environment) in the final
-# workspace: argv = [workspace, checks JSON, token]. It prints `token {"passed", "total"}` last.
-CHECKER = r'''
-import json, os, sys
-workspace, checks, token = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+# The verifier, run as the main script of a fresh sandbox holding `snapshot.tar` (the final
+# workspace, read out of the episode's session). stdin: {"token", "checks", "workspace"} (the
+# session's own workspace path, which an `answer` may start with). It makes itself
+# non-dumpable first, so the programs a `run` check starts (the policy's, same uid) can read
+# neither its memory nor its /proc files, and prints `token {"passed", "total"}` last.
+CHECKER = r"""
+import ctypes, json, os, sys, tarfile
+try:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+except Exception:
+    pass
+spec = json.loads(sys.stdin.read())
+token, checks, session_workspace = spec["token"], spec["checks"], spec["workspace"]
+workspace = os.path.abspath("task")
+os.makedirs(workspace)
+with tarfile.open("snapshot.tar") as tar:
+    try:
+        tar.extractall(workspace, filter="tar")
+    except TypeError:  # a Python without extraction filters (< 3.11.4)
+        tar.extractall(workspace)
 os.chdir(workspace)
 
 def norm(text):
@@ -371,7 +386,7 @@ def passes(check):
         if text is None:
             return False
         value = text.strip()
-        for prefix in (workspace.rstrip("/") + "/", "./"):
+        for prefix in (session_workspace.rstrip("/") + "/", "./"):
             value = value[len(prefix):] if value.startswith(prefix) else value
         return value == check["value"]
     if kind == "absent":
@@ -390,4 +405,4 @@ for check in checks:
         pass
 print()
 print(token, json.dumps({"passed": passed, "total": len(checks)}))
-'''
+"""
