@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -82,8 +83,8 @@ def make_app(s: Scripted) -> FastAPI:
         s.max_active = max(s.max_active, s.active)
         try:
             if s.pairwise:
-                a = re.search(r"<<<RESPONSE-A-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-A-\1>>>", user, re.S)
-                b = re.search(r"<<<RESPONSE-B-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-B-\1>>>", user, re.S)
+                a = re.search(r"<<<RESPONSE-A-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-A-\1>>>", user, re.DOTALL)
+                b = re.search(r"<<<RESPONSE-B-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-B-\1>>>", user, re.DOTALL)
                 if s.pairwise == "always_a":
                     return reply("Winner: A")
                 va, vb = (int(re.search(r"value=(\d+)", x.group(2)).group(1)) for x in (a, b))
@@ -476,28 +477,45 @@ def test_judge_against_a_real_vllm_server(tmp_path):
                      "test start timeout")
         j = LLMJudge(f"http://127.0.0.1:{port}/v1", "tiny-judge", max_tokens=8, max_retries=1, backoff_s=0.05,
                      max_concurrency=2, timeout_s=30)
-        comps = [f"The answer is {n}." for n in (4, 5, 6, 7)]
+        comps = [f"The answer is {n}." for n in (4, 5, 6, 7, 8, 9)]
+        running: list[float] = []  # vLLM's own count of requests running, sampled while the judge works
 
-        async def judge_all():
-            return await asyncio.gather(*(j.evaluate(c, prompt="What is 2+2?", answer="4") for c in comps),
-                                        return_exceptions=True)
+        async def watch(stop: asyncio.Event):
+            async with httpx.AsyncClient() as c:
+                while not stop.is_set():
+                    text = (await c.get(f"http://127.0.0.1:{port}/metrics")).text
+                    found = re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", text, re.MULTILINE)
+                    running.extend(float(v) for v in found)
+                    await asyncio.sleep(0.02)
+
+        async def judge_all(texts):
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            try:
+                return await asyncio.gather(*(j.evaluate(c, prompt="What is 2+2?", answer="4") for c in texts),
+                                            return_exceptions=True)
+            finally:
+                stop.set()
+                await watcher
 
         t0 = time.monotonic()
-        first = asyncio.run(judge_all())
+        first = asyncio.run(judge_all(comps))
         elapsed = time.monotonic() - t0
         for r in first:
             if isinstance(r, BaseException):  # the tiny model's reply was no verdict, twice: typed as such
                 assert isinstance(r, JudgeVerdictError) and "malformed after 2 attempts" in str(r), r
             else:
                 assert 0.0 <= r.score <= 1.0 and r.raw and r.parts["judge_injection"] == 0.0
-        assert j.stats["requests"] >= len(comps) and j.stats["requests"] <= 2 * len(comps)
         sent = j.stats["requests"]
+        assert len(comps) <= sent <= 2 * len(comps)
+        assert running and max(running) <= 2  # the judge's max_concurrency, seen by the server
         # The cache: parsed verdicts come back without a request; malformed ones are not cached.
         parsed = [c for c, r in zip(comps, first) if not isinstance(r, BaseException)]
-        again = asyncio.run(asyncio.gather(*(j.evaluate(c, prompt="What is 2+2?", answer="4") for c in parsed)))
+        again = asyncio.run(judge_all(parsed))
         assert all(r.cached for r in again) and j.stats["requests"] == sent
-        print(f"vLLM judge: {sent} requests for {len(comps)} completions in {elapsed:.2f} s; "
-              f"replies: {[getattr(r, 'raw', str(r)[-60:]) for r in first]}")
+        print(f"vLLM judge: {sent} requests for {len(comps)} completions in {elapsed:.2f} s, at most "
+              f"{max(running):g} running; {len(parsed)} parsed; replies: "
+              f"{[getattr(r, 'raw', str(r)[-80:]) for r in first]}")
     finally:
         stop_process_group(proc)
         if proc.returncode not in (0, -15, None) and log_path.exists():

@@ -144,7 +144,8 @@ class HackingMonitor:
         if divergence_window < 2:
             raise ValueError(f"hacking monitor: divergence_window must be at least 2 evals, got {divergence_window}")
         if length_corr_method not in ("spearman", "pearson"):
-            raise ValueError(f"hacking monitor: length_corr_method must be spearman or pearson, got {length_corr_method!r}")
+            raise ValueError(f"hacking monitor: length_corr_method must be spearman or pearson, "
+                             f"got {length_corr_method!r}")
         if length_corr_scope not in ("group", "batch"):
             raise ValueError(f"hacking monitor: length_corr_scope must be group or batch, got {length_corr_scope!r}")
         if length_window < 1 or error_baseline_steps < 1 or min_episodes < 2 or judge_weight <= 0:
@@ -274,7 +275,8 @@ class HackingMonitor:
             return [("length_correlation", None)]
         longer = "longer" if corr > 0 else "shorter"
         msg = (f"reward correlates with response length: {self.length_corr_method} r={corr:+.2f} over {len(pool)} "
-               f"episodes ({self.length_corr_scope} scope; bound {self.length_corr_max:g}): {longer} answers score higher")
+               f"episodes ({self.length_corr_scope} scope; bound {self.length_corr_max:g}): {longer} answers score "
+               f"higher")
         sign = 1 if corr > 0 else -1  # examples: the best rewarded, then the longest (shortest) of those
         ex = self._examples(pool, lambda e: (-e.reward, -sign * e.num_policy_tokens))
         return [("length_correlation", HackingEvent("length_correlation", step, msg, ex, corr, self.length_corr_max))]

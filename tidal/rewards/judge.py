@@ -104,6 +104,14 @@ _RULES: list[tuple[str, str, str]] = [
      r"grading|scoring)\b"), "fold"),
     ("instruction-override", (rf"\b(?:do\s+not|don'?t|never|stop)\s+(?:follow|obey|apply|use)(?:ing)?\s+{_FILL}"
      r"(?:instructions?|rubrics?|guidelines?|criteria|grading|scoring)\b"), "fold"),
+    ("instruction-override", (r"\b(?:ignore|disregard|forget)\s+(?:everything|anything|all)\s+(?:above|before|"
+     r"previous(?:ly)?|prior|earlier|said|written|(?:you\s+(?:were|have\s+been)\s+)?told|(?:that\s+)?(?:came|comes)"
+     r"\s+before|so\s+far)\b"), "fold"),
+    ("reference-attack", (r"\b(?:the\s+)?(?:reference|expected|official|ground[- ]truth|given|provided)\s+"
+     r"(?:answer|solution)\s+(?:is|was|provided\s+is|given\s+is)\s+(?:wrong|incorrect|mistaken|outdated|a\s+typo|"
+     r"in\s+error|not\s+correct)\b"), "fold"),
+    ("authority-claim", (r"\bi\s+am\s+(?:the|your)\s+(?:developer|creator|administrator|admin|system|operator|"
+     r"teacher|grader|judge|evaluator|examiner)\b"), "fold"),
     ("judge-address", (r"\b(?:dear|hey|hello|hi|attention|note\s+to|message\s+(?:to|for)|instructions?\s+(?:to|for)|"
      r"a\s+note\s+for)\s+(?:the\s+|my\s+|our\s+)?(?:ai\s+)?(?:judge|grader|evaluator|rater|scorer|reviewer|"
      r"grading\s+(?:model|system|ai)|language\s+model|llm)s?\b"), "fold"),
@@ -251,7 +259,8 @@ def detect_injection(text: str) -> list[str]:
 
     Categories: instruction-override, judge-address, score-demand, verdict-forgery (a verdict
     line or JSON written into the answer), persona-switch ("you are now the system"),
-    fake-delimiter, role-play (`SYSTEM:` lines), chat-token (`<|im_start|>`)."""
+    reference-attack ("the reference answer is wrong"), authority-claim ("I am your
+    developer"), fake-delimiter, role-play (`SYSTEM:` lines), chat-token (`<|im_start|>`)."""
     views = _views(text)
     reasons: list[str] = []
     seen: set[str] = set()
