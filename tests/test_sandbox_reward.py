@@ -1,5 +1,6 @@
 """The sandboxed code reward: passing programs score 1, every failure of the code 0, an
-early exit never passes, and an environment awaits it like any reward function."""
+early exit never passes, and the reward contract awaits it like any reward function.
+The attacks on it are in tests/test_reward_hacking.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import asyncio
 import pytest
 from sandbox_support import require_bwrap, wait_for_no_sandbox_processes
 
-from tidal.envs.single_turn import SingleTurnEnv
-from tidal.rewards import call_reward
+from tidal.rewards import call_reward, call_reward_async
 from tidal.rewards.code import CodeReward, extract_program, score
 from tidal.sandbox import SandboxConfig, SandboxUnavailable
 
@@ -22,7 +22,7 @@ COMPLETIONS = {
     "exits 0 before the tests": ("```python\nimport sys\nsys.exit(0)\n```", 0.0),
     "os._exit(0) before the tests": ("```python\nimport os\nos._exit(0)\n```", 0.0),
     "prints a token of its own": ("```python\nprint('0' * 32)\nimport os\nos._exit(0)\n```", 0.0),
-    # Correct only if it could find the tests: in stdin or in the harness's file.
+    # Correct only if it could find the tests: in stdin or in the grader's file.
     "looks for the tests": (("```python\nimport sys\nseen = sys.stdin.read()\ntry:\n"
                              "    seen += open('/workspace/main.py').read()\nexcept OSError:\n    pass\n"
                              "if 'assert add' in seen:\n    def add(a, b):\n        return a + b\n```"), 0.0),
@@ -54,11 +54,16 @@ def test_code_reward_scores_the_program_and_only_the_program(bwrap):
     assert wait_for_no_sandbox_processes() == []
 
 
-def test_environment_awaits_the_sandboxed_reward(bwrap):
+def test_the_reward_contract_awaits_the_sandboxed_reward(bwrap):
     row = {"prompt": "Write add(a, b).", "tests": TESTS, "task_id": "add"}
-    env = SingleTurnEnv(row, score)
-    step = asyncio.run(env.step(COMPLETIONS["fenced, correct"][0]))
-    assert (step.reward, step.reward_parts, step.done) == (1.0, {"correct": 1.0}, True)
+
+    async def go():
+        try:
+            return await call_reward_async(score, COMPLETIONS["fenced, correct"][0], row)
+        finally:
+            await score.close()
+
+    assert asyncio.run(go()) == (1.0, {"correct": 1.0})
     with pytest.raises(TypeError, match="call_reward_async"):
         call_reward(score, "x", row)  # an async reward cannot be called synchronously by mistake
 

@@ -1,44 +1,54 @@
-"""Reward for generated code: run the completion's program against unit tests in the sandbox.
+"""Reward for generated code: unit tests run against the program in a fresh sandbox.
 
     tidal train my_code_task.yaml task.reward=tidal.rewards.code:score
 
-The dataset has a `tests` column: Python that exercises the program (asserts, calls).
-The program is the last fenced ```python block of the completion (or the whole
-completion when it has none), the module `solution` in the workspace. A harness reads a
-per-run token and the tests from stdin and deletes its own file (so the program finds
-neither on disk or in stdin), imports `solution`, runs the tests in its namespace, and
-prints the token. Only a run that prints the token last, exits 0 and stays within its
-limits is correct: a program that exits early (`sys.exit(0)`, `os._exit(0)`) or reads the
-tests to hard-code answers fails. It can still reach the harness's locals by frame
-introspection within its own process; this guards against the easy hacks, it is no proof.
+The dataset has a `tests` column: Python that exercises the program (asserts, calls,
+`check(candidate)`). The program is the last fenced ```python block of the completion (or
+the whole completion when it has none), the module `solution`. `CodeReward.grade(program,
+tests)` grades a program text directly: the code environment calls it at an episode's end
+with the dataset's original tests, so whatever the policy did to test files in its own
+workspace changes nothing.
 
-`score` is async: the episodes' runs overlap, bounded by one sandbox pool per event loop.
-A sandbox failure raises (the episode ends `reward_error`, never scored 0).
+The choice: the tests and the program run in two processes, and only the tests' process
+can vouch for a pass. Each grading is a new sandbox (bubblewrap, no network, rlimits)
+holding two interpreters. The grader reads a per-run token and the tests from stdin,
+empties stdin, makes itself non-dumpable (the program, the same uid, can then neither
+read its memory or /proc files nor ptrace it), and only then starts a fresh interpreter
+that imports the program. The tests run in the grader; every use of a program name is a
+message to the program's process, which sees its call's arguments and nothing else, and
+returns plain values by copy (an object that claims to equal everything stays in its own
+process, where no test compares with it). The grader prints the token with its verdict
+once every test ran and the program's process still answers. So none of these pass:
+exiting early (`sys.exit(0)`, `os._exit(0)`), patching the test runner (`builtins`,
+`sys.exit`, `unittest`, `print`, trace functions), swallowing exceptions globally,
+reading the tests or the token (stdin, /proc/self/fd, the parent's /proc, environment
+variables, files, frames, `gc`), editing or deleting test files, shadowing modules the
+grader imports. `tests/test_reward_hacking.py` runs each of these; docs/rewards.md has the
+threat model and what it does not cover.
+
+`score` is async: the episodes' gradings overlap, bounded by one sandbox pool per event
+loop. A failure of the sandbox or of the grading machinery itself raises (the episode
+ends `reward_error`, never scored 0).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import secrets
 import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
-from tidal.sandbox import SandboxConfig, SandboxPool, SandboxStatus
+from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult, SandboxStatus
 
 FENCE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-HARNESS = """import os, sys
-def _main():
-    token = sys.stdin.readline().strip()
-    tests = sys.stdin.read()
-    os.remove(__file__)
-    import solution
-    namespace = {name: value for name, value in vars(solution).items() if not name.startswith("__")}
-    exec(compile(tests, "tests.py", "exec"), {**namespace, "__name__": "tests"})
-    print(token)
-_main()
-"""
+GRADER_SOURCE = Path(__file__).with_name("_code_grader.py").read_text()
+PROGRAM_MODULE = "solution"
+# Two interpreters share these: each process gets cpu_s and memory_bytes of its own.
 DEFAULT_LIMITS = {"wall_s": 10.0, "cpu_s": 5}
-
 
 
 def extract_program(completion: str) -> str:
@@ -47,12 +57,23 @@ def extract_program(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-class CodeReward:
-    """`await reward(completion, tests)` -> {"correct": 0 or 1}. One sandbox pool per event
-    loop (a pool belongs to one loop), created on first use from `config`."""
+@dataclass(frozen=True)
+class CodeVerdict:
+    """The outcome of one grading: whether it passed, why not, and the sandbox's result."""
 
-    def __init__(self, config: SandboxConfig | None = None, limits: dict | None = None):
-        self.config = config or SandboxConfig()
+    passed: bool
+    reason: str  # "passed", or what failed (the grader's words, or the sandbox's status)
+    result: SandboxResult
+
+
+class CodeReward:
+    """`await reward(completion, tests)` -> {"correct": 0 or 1}; `await reward.grade(program,
+    tests)` for a program text. One sandbox pool per event loop (a pool belongs to one
+    loop), created on first use from `config`; `limits` override the sandbox's per run."""
+
+    def __init__(self, config: SandboxConfig | Mapping | None = None, limits: Mapping | None = None):
+        # A mapping is what `task.rewards[].args` gives from YAML.
+        self.config = SandboxConfig.model_validate(config) if isinstance(config, Mapping) else config or SandboxConfig()
         self.limits = {**DEFAULT_LIMITS, **(limits or {})}
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SandboxPool] = weakref.WeakKeyDictionary()
 
@@ -69,15 +90,42 @@ class CodeReward:
             await pool.close()
 
     async def __call__(self, completion: str, tests: str) -> dict[str, float]:
-        """correct: 1 when the program passes `tests` in the sandbox; 0 for any failure of
-        the code (wrong answer, exception, timeout, memory, output flood, early exit)."""
+        """correct: 1 when the completion's program passes `tests`; 0 for any failure of the
+        code (wrong answer, exception, timeout, memory, output flood, early exit, tampering)."""
+        return await self.grade(extract_program(completion), tests)
+
+    async def grade(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> dict[str, float]:
+        """Grade `program` (the source of module `solution`, with `files` beside it in the
+        workspace) against `tests` in a fresh sandbox: {"correct": 0 or 1}."""
+        verdict = await self.verdict(program, tests, files)
+        return {"correct": float(verdict.passed)}
+
+    async def verdict(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> CodeVerdict:
+        """`grade` with the reason: what failed, and the sandbox's result (stdout, stderr)."""
+        if not isinstance(program, str) or not isinstance(tests, str):
+            raise TypeError(f"CodeReward grades a program and tests given as str, got {type(program).__name__} "
+                            f"and {type(tests).__name__}")
+        workspace = dict(files or {})
+        if "main.py" in workspace:
+            raise ValueError("CodeReward: the workspace file `main.py` is the grader's; rename the program's file")
+        workspace[f"{PROGRAM_MODULE}.py"] = program
         token = secrets.token_hex(16)
-        result = await self.pool().run_python(
-            HARNESS, files={"solution.py": extract_program(completion)}, stdin=f"{token}\n{tests}", limits=self.limits)
+        payload = json.dumps({"token": token, "tests": tests, "module": PROGRAM_MODULE, "server": GRADER_SOURCE})
+        result = await self.pool().run_python(GRADER_SOURCE, files=workspace, stdin=payload, limits=self.limits)
         if result.status is SandboxStatus.SANDBOX_ERROR:
-            raise RuntimeError(f"sandbox failed to run the tests: {result.error}")
-        passed = result.ok and result.stdout.rstrip("\n").rsplit("\n", 1)[-1] == token
-        return {"correct": float(passed)}
+            raise RuntimeError(f"the sandbox failed to run the tests: {result.error}")
+        # Only the grader knows the token, so only it can write a line that starts with it.
+        lines = [line for line in result.stdout.splitlines() if line.startswith(token)]
+        verdict = lines[-1][len(token) + 1:] if lines else ""
+        if verdict.startswith("error:"):
+            raise RuntimeError(f"the code grader could not start: {verdict[len('error:'):].strip()}; "
+                               f"stderr: {result.stderr.strip()[-1000:]}")
+        last_line = result.stdout.rstrip("\n").rsplit("\n", 1)[-1]
+        if result.ok and verdict == "pass" and last_line == f"{token} pass":
+            return CodeVerdict(True, "passed", result)
+        if verdict.startswith("fail:"):
+            return CodeVerdict(False, verdict[len("fail:"):].strip(), result)
+        return CodeVerdict(False, f"the grader did not finish: {result}", result)
 
 
 # `task.reward=tidal.rewards.code:score`. No warm sandboxes: nothing outlives a run's

@@ -1,0 +1,257 @@
+"""Math answers checked with math-verify: is the completion's final answer equal to the row's?
+
+    task.reward: tidal.rewards.math:score
+    task.rewards: [{fn: tidal.rewards.math:MathReward, args: {answer_column: solution_answer}}]
+
+The choice: the answer must be *given as an answer*, and every answer given must be right.
+The final answers are the completion's `\\boxed{...}` (and `\\fbox{...}`) contents, its
+`<answer>...</answer>` tags, and a final-answer phrase on its last non-empty line ("The
+answer is X", "Final answer: X", "Answer: X", "#### X"). Each is parsed by math-verify on
+its own, and compared with the reference by math-verify (so `\\frac{1}{2}`, `0.5` and `1/2`
+agree). No number is fished out of free text, which is what math-verify's own `parse` does
+with a whole completion (the last number wins): a completion that only scatters numbers
+through a ramble has no answer and scores 0. Several different final answers (two boxes,
+a box and a tag that differ) score 0, as do an empty answer and one that is too costly to
+check.
+
+Parts: `correct` (1 or 0) and `format` (`format_weight`, 0.1 by default, as the
+arithmetic task's exact-match reward gives: the comparison of the two on that task is
+fair): the completion has exactly one final answer, non-empty, and ends with it.
+
+Timeouts: math-verify bounds its parse and its comparison with SIGALRM, which works only in
+a process's main thread. There `timeout_s` applies (an answer that runs out of it is
+wrong). In another thread (tidal's reward workers run synchronous rewards in a thread of
+their own), math-verify cannot be interrupted, and the reward pool's hard per-call timeout
+(`reward.timeout_s`, which kills the worker) is the guard. Cheap checks keep the known
+pathological answers from reaching it, in every thread: an answer longer than
+`max_answer_chars`, or nesting brackets deeper than `max_nesting` (the LaTeX parser's time
+grows steeply with depth: seconds at depth 10, tens of seconds at 40), is wrong unparsed; one
+whose parsed expression holds a huge power or factorial (a tower like `9^{9^{9^9}}`,
+`(10^{100})!`) is wrong before the comparison, the step that hangs on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import isfinite  # noqa: F401 — see below
+from typing import Any
+
+# Importing this module binds it as the attribute `math` of the package `tidal.rewards`,
+# which is also the global namespace of tidal/rewards/__init__.py: there `math.isfinite`
+# then means this module's. It is the standard one, so that code keeps working.
+EXTRACTORS = ("boxed", "answer_tag", "final_line")
+BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
+TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+# On the last non-empty line: "the (final) answer is X", "answer: X", "#### X" (GSM8K); the
+# last such phrase of the line counts ("Final Answer: the final answer is 5").
+FINAL_PHRASE_RE = re.compile(r"\banswer\b\s*(?:is\b|:|=)|^\s*####", re.IGNORECASE)
+INTEGER_RE = re.compile(r"[+-]?\d+")
+# After a final answer the completion may close its math and end its sentence.
+TRAILER_RE = re.compile(r"(?:\s|\$|\\\]|\\\)|\.)*")
+# Beyond these the comparison (sympy evaluating the number) is what hangs.
+MAX_NUMERIC_EXPONENT = 10**6
+MAX_SYMBOLIC_EXPONENT = 1000
+MAX_FACTORIAL = 10**5
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One final answer found in a completion: how it was given, its text, where it is."""
+
+    kind: str  # "boxed", "answer_tag" or "final_line"
+    text: str
+    start: int
+    end: int  # index just past its closing brace / tag / line
+
+
+def _braced(text: str, open_brace: int) -> int | None:
+    """Index of the brace closing the one at `open_brace` (escaped braces skipped), or None."""
+    depth = 0
+    i = open_brace
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
+
+
+def find_answers(completion: str, extract: Sequence[str] = EXTRACTORS) -> list[Answer]:
+    """Every final answer of `completion` in the places `extract` names, in text order."""
+    found: list[Answer] = []
+    if "boxed" in extract:
+        for m in BOXED_RE.finditer(completion):
+            close = _braced(completion, m.end() - 1)
+            if close is not None and not any(a.start < m.start() < a.end for a in found):  # not a nested box
+                found.append(Answer("boxed", completion[m.end():close], m.start(), close + 1))
+    if "answer_tag" in extract:
+        found += [Answer("answer_tag", m.group(1), m.start(), m.end()) for m in TAG_RE.finditer(completion)]
+    if "final_line" in extract:
+        stripped = completion.rstrip()
+        line_start = stripped.rfind("\n") + 1
+        line = stripped[line_start:]
+        # A box or tag on that line is already an answer of its own.
+        phrases = list(FINAL_PHRASE_RE.finditer(line)) if line and not BOXED_RE.search(line) \
+            and not TAG_RE.search(line) else []
+        if phrases:
+            rest = line[phrases[-1].end():]
+            start = line_start + phrases[-1].end() + len(rest) - len(rest.lstrip())
+            text = re.split(r"\.\s", rest.strip(), maxsplit=1)[0]  # the sentence that gives it
+            found.append(Answer("final_line", text, start, start + len(text)))
+    return sorted(found, key=lambda a: a.start)
+
+
+def _unwrap(text: str) -> str:
+    """The answer without the math delimiters and final period around it."""
+    text = text.strip().rstrip(".").strip()
+    for left, right in (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
+        if text.startswith(left) and text.endswith(right) and len(text) >= len(left) + len(right):
+            text = text[len(left):len(text) - len(right)].strip()
+    return text
+
+
+def _nesting(text: str) -> int:
+    """Deepest nesting of (), [] and {} in `text` (unbalanced closers ignored)."""
+    depth = deepest = 0
+    for c in text:
+        if c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _too_costly(parsed: list[Any]) -> bool:
+    """Whether a parsed answer holds a power or factorial that sympy would take forever to
+    compare (math-verify's own timeout cannot run outside the main thread)."""
+    import sympy
+
+    for expr in parsed:
+        if not isinstance(expr, sympy.Basic):
+            continue
+        for node in sympy.preorder_traversal(expr):
+            if isinstance(node, sympy.Pow) and node.exp.is_number:
+                bound = MAX_NUMERIC_EXPONENT if node.base.is_number else MAX_SYMBOLIC_EXPONENT
+                try:
+                    if abs(node.exp) > bound:
+                        return True
+                except TypeError:  # a complex or otherwise unorderable exponent
+                    continue
+            if isinstance(node, sympy.factorial) and node.args[0].is_number:
+                try:
+                    if abs(node.args[0]) > MAX_FACTORIAL:
+                        return True
+                except TypeError:
+                    continue
+    return False
+
+
+class MathReward:
+    """`reward(completion, **columns)` -> {"correct": 0 or 1, "format": 0 or format_weight}.
+
+    answer_column: the row's reference answer (LaTeX or plain: "-36", "\\frac{1}{2}").
+    solution_column: used when the row has no answer column: a worked solution whose last
+        `\\boxed{}` is the reference (the MATH dataset's form).
+    extract: where final answers are looked for, a subset of ("boxed", "answer_tag", "final_line").
+    format_weight: the `format` part (0 leaves the part out).
+    timeout_s: math-verify's bound on each parse and comparison, in whole seconds (main thread only).
+    max_answers / max_answer_chars / max_nesting: more final answers, a longer one, or one
+        nesting brackets deeper, score 0 unparsed.
+    """
+
+    def __init__(self, answer_column: str = "answer", extract: Sequence[str] = EXTRACTORS, *,
+                 solution_column: str | None = "solution", format_weight: float = 0.1, timeout_s: int = 5,
+                 max_answers: int = 8, max_answer_chars: int = 400, max_nesting: int = 10):
+        unknown = [e for e in extract if e not in EXTRACTORS]
+        if unknown or not extract:
+            raise ValueError(f"MathReward(extract={list(extract)!r}): choose from {list(EXTRACTORS)}")
+        if int(timeout_s) != timeout_s or timeout_s < 1:
+            raise ValueError(f"MathReward(timeout_s={timeout_s!r}): math-verify takes whole seconds, at least 1")
+        self.answer_column = answer_column
+        self.solution_column = solution_column
+        self.extract = tuple(extract)
+        self.format_weight = float(format_weight)
+        self.timeout_s = int(timeout_s)
+        self.max_answers = max_answers
+        self.max_answer_chars = max_answer_chars
+        self.max_nesting = max_nesting
+
+    def __call__(self, completion: str, **columns: Any) -> dict[str, float]:
+        reference = self.reference(columns)
+        answers = find_answers(completion, self.extract)
+        correct = (0 < len(answers) <= self.max_answers
+                   and all(self.equal(reference, a.text) for a in answers))
+        parts = {"correct": float(correct)}
+        if self.format_weight:
+            parts["format"] = self.format_weight * float(self.well_formatted(completion, answers))
+        return parts
+
+    def reference(self, columns: dict[str, Any]) -> str:
+        """The row's reference answer text (raises naming the columns when there is none)."""
+        if self.answer_column in columns and columns[self.answer_column] is not None:
+            value = columns[self.answer_column]
+            return value if isinstance(value, str) else str(value)
+        if self.solution_column and isinstance(columns.get(self.solution_column), str):
+            boxed = [a for a in find_answers(columns[self.solution_column], ("boxed",))]
+            if boxed:
+                return boxed[-1].text
+            raise ValueError(f"MathReward: column `{self.solution_column}` has no \\boxed{{}} answer, and the row "
+                             f"has no `{self.answer_column}` column")
+        raise ValueError(f"MathReward: the row has no column `{self.answer_column}`"
+                         f"{f' nor `{self.solution_column}`' if self.solution_column else ''} "
+                         f"(columns: {', '.join(sorted(columns)) or 'none'}); set answer_column")
+
+    def well_formatted(self, completion: str, answers: list[Answer]) -> bool:
+        """Exactly one final answer, non-empty, and nothing after it but closing math and a period."""
+        if len(answers) != 1 or not _unwrap(answers[0].text):
+            return False
+        return TRAILER_RE.fullmatch(completion, answers[0].end) is not None
+
+    def equal(self, reference: str, given: str) -> bool:
+        """Whether the answer text `given` is math-verify-equal to `reference`."""
+        given = _unwrap(given)
+        if not given or len(given) > self.max_answer_chars or _nesting(given) > self.max_nesting:
+            return False
+        if INTEGER_RE.fullmatch(given) and INTEGER_RE.fullmatch(reference.strip()):
+            return int(given) == int(reference.strip())  # the arithmetic task's case, without sympy
+        from math_verify import verify
+
+        gold = self._parse_reference(reference)
+        target = self._parse(given)
+        if not target or _too_costly(target):
+            return False
+        return bool(verify(gold, target, timeout_seconds=self._timeout()))
+
+    def _timeout(self) -> int | None:
+        # math-verify's timeout is SIGALRM: only the main thread may set it.
+        return self.timeout_s if threading.current_thread() is threading.main_thread() else None
+
+    def _parse(self, text: str) -> list[Any]:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+        # The whole text is the answer: given to math-verify as one formula, never searched for numbers.
+        return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                     parsing_timeout=self._timeout())
+
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 — one reward object per run; references repeat
+    def _parse_reference(self, reference: str) -> list[Any]:
+        parsed = self._parse(_unwrap(reference))
+        if not parsed:
+            raise ValueError(f"MathReward: math-verify cannot parse the reference answer {reference[:200]!r} "
+                             f"(column `{self.answer_column}`)")
+        return parsed
+
+
+score = MathReward()
