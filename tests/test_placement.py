@@ -228,9 +228,10 @@ def test_reward_workers_score_every_episode(tmp_path, ray_local):
     ctl = Controller(cfg)
     try:
         ctl.train()
-        assert sum(ctl.task.reward_fn.served) == 2 * 16 and min(ctl.task.reward_fn.served) > 0  # both workers scored
-        pids = {h.call("pid") for h in ctl.roles.reward_handles}
-        assert os.getpid() not in pids and len(pids) == 2
+        served = ctl.scorer.served  # calls answered per reward actor: one per episode (a per-sample reward)
+        assert sum(served) == 2 * 16 and min(served) > 0  # both workers scored
+        pids = set(ctl.scorer.pids())
+        assert os.getpid() not in pids and len(pids) == 2 and len(ctl.roles.reward_handles.live) == 2
     finally:
         ctl.close()
     _train(config(tmp_path, name="local"))
@@ -260,7 +261,8 @@ def test_reward_worker_error_names_the_function_and_episode(tmp_path, ray_local)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?"}) + "\n" for i in range(8)))  # no `answer`
     cfg = config(tmp_path, "placement.mode=ray", "placement.colocate=true", "placement.reward_workers=1",
-                 "placement.reward.num_cpus=0.25", f"task.dataset={data}", "train.steps=1")
+                 "placement.reward.num_cpus=0.25", f"task.dataset={data}", "task.reward=tidal.rewards.arithmetic:score",
+                 "train.steps=1")
     ctl = Controller(cfg)
     try:
         episodes, *_ = ctl._sample(1)

@@ -1,42 +1,65 @@
-"""Reward functions: `fn(completion: str, **row_columns) -> float | dict[str, float]`, or
-`async def` (awaited by the environment; `tidal.rewards.code` runs code in the sandbox).
+"""Reward functions and how they are loaded: `task.reward` (or each `task.rewards[i].fn`)
+names a dotted path `my_pkg.rewards:score` or a file path `path/to/rewards.py:score`; with
+`args` the named attribute is a class or factory, called once with `**args` to make the
+reward (a class without `args` is instantiated with none).
 
-A dict gives named parts whose sum is the reward; a part named `correct` (0 or 1) is what
-accuracy is measured on. Users name their own function by dotted path,
-`my_pkg.rewards:score`, in `task.reward`.
+The calling conventions (forms) and their checks are in `tidal/rewards/forms.py`; the
+worker pool that runs rewards with hard timeouts is `tidal/rewards/pool.py` (`build_scorer`).
+`call_reward`/`call_reward_async` call a `tidal`-form function directly (tests, simple
+scripts): a dict gives named parts whose sum is the reward.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 RewardFn = Callable[..., Any]
 
 
-def import_object(path: str) -> Any:
-    """Import `pkg.module:attr` (or `pkg.module.attr`), with an error that says what failed."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"`{path}` is not a dotted path of the form `my_pkg.module:function`")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import module `{module_name}` of `{path}`: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"module `{module_name}` has no attribute `{attr}` (from `{path}`)") from None
+def import_object(path: str, key: str = "") -> Any:
+    """Import `pkg.module:attr` (or `pkg.module.attr`, or `path/to/file.py:attr`), with an
+    error that says what failed (and names `key` when given)."""
+    from tidal.importing import import_object as _import
+
+    return _import(path, key)
 
 
-def load_reward_fn(path: str) -> RewardFn:
-    fn = import_object(path)
+def load_reward(spec: Any, key: str = "task.reward") -> RewardFn:
+    """The reward a RewardSpec names (anything with `fn` and `args`): the attribute itself,
+    or, with `args` (or when it is a class), what calling it with `**args` returns. Every
+    failure is a ValueError naming `key` and what failed."""
+    where = f"`{key}`: "
+    try:
+        obj = import_object(spec.fn, key)
+    except ValueError:
+        raise
+    except Exception as e:  # the module itself raised while being imported
+        raise ValueError(f"{where}importing `{spec.fn}` raised {type(e).__name__}({e})") from e
+    args = dict(getattr(spec, "args", None) or {})
+    if args or inspect.isclass(obj):
+        if not callable(obj):
+            raise ValueError(f"{where}`{spec.fn}` is not a class or factory, so it cannot take args {sorted(args)}")
+        try:
+            obj = obj(**args)
+        except Exception as e:
+            raise ValueError(f"{where}`{spec.fn}(**{args!r})` raised {type(e).__name__}({e})") from e
+    if not callable(obj):
+        raise ValueError(f"{where}reward `{spec.fn}` is not callable (it is a {type(obj).__name__})")  # noqa: TRY004
+    try:
+        obj.__tidal_name__ = spec.fn  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):  # a builtin or a slotted object: the name comes from the spec
+        pass
+    return obj
+
+
+def load_reward_fn(path: str, key: str = "") -> RewardFn:
+    """The function at a dotted or file path (no factory call), as `task.reward` names it."""
+    fn = import_object(path, key)
     if not callable(fn):
-        raise ValueError(f"reward `{path}` is not callable")
+        raise ValueError(f"reward `{path}` is not callable")  # noqa: TRY004 - a config error, as the others
     fn.__tidal_name__ = path  # type: ignore[attr-defined]
     return fn
 

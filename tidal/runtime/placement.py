@@ -30,7 +30,7 @@ from tidal.runtime.workers import (
     EnvWorker,
     RemoteEngine,
     RemoteEnvs,
-    RemoteReward,
+    RewardActors,
     RewardWorker,
     TrainerWorker,
     make_engine,
@@ -87,9 +87,9 @@ class Roles:
     pusher: WeightPusher
     started_ray: bool = False
     placement_group: object = None
-    reward_handles: list[Handle] = field(default_factory=list)
+    # The reward actors' slots (placement.reward_workers > 0): pass to build_scorer(ray_handles=...).
+    reward_handles: RewardActors | None = None
     env_handles: list[Handle] = field(default_factory=list)
-    reward_fn: object = None  # scores on the reward workers; None: the task's own function in the driver
     envs: object = None  # RemoteEnvs: environments on the env workers; None: in the driver
 
     def close(self) -> None:
@@ -100,9 +100,11 @@ class Roles:
             return
         import ray
 
-        for h in self.trainer.ranks + self.pusher.engine_handles + self.reward_handles + self.env_handles:
+        for h in self.trainer.ranks + self.pusher.engine_handles + self.env_handles:
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(h.target, no_restart=True)
+        if self.reward_handles is not None:
+            self.reward_handles.kill_all()
         ray.util.remove_placement_group(self.placement_group)
         if self.started_ray:
             ray.shutdown()
@@ -189,11 +191,14 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     names = [f"engine replica{i}" + (f" (in trainer rank {i})" if colocated else "") for i in range(n_eng)]
     remotes = [RemoteEngine(h, n, timeout_s=cfg.engine.request_timeout_s) for h, n in zip(handles, names)]
     engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
-    rewards = [Handle(f"reward worker {i}", actor(RewardWorker, first_reward + i, pl.reward).remote(
-        cfg.task.reward, num_cpus=pl.reward.num_cpus), remote=True) for i in range(pl.reward_workers)]
+
+    def start_reward_actor(i: int, specs: list, timeout_s: float):  # the scorer starts them (it knows the rewards)
+        return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus)
+
+    rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
     envs = [Handle(f"env worker {i}", actor(EnvWorker, first_env + i, pl.env).remote(cfg, num_cpus=pl.env.num_cpus),
                    remote=True) for i in range(pl.env_workers)]
-    gather([h.submit("pid") for h in rewards + envs], timeout_s=pl.start_timeout_s)
+    gather([h.submit("pid") for h in envs], timeout_s=pl.start_timeout_s)
     transport = pl.weight_sync
     if transport == "auto":
         transport = "inprocess" if colocated else "broadcast"
@@ -204,5 +209,4 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
                  reward_handles=rewards, env_handles=envs,
-                 reward_fn=RemoteReward(rewards, cfg.task.reward, timeout_s=pl.call_timeout_s) if rewards else None,
                  envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s) if envs else None)

@@ -1,0 +1,681 @@
+"""The reward scorers: user reward code runs where a hung call can be killed.
+
+`build_scorer(specs, cfg, ray_handles=...)` gives one of:
+
+- `ProcessScorer` (reward.isolation=process, the default): `reward.workers` worker processes
+  (`python -m tidal.rewards.worker`, each its own process group) that import the rewards once
+  at start; the scorer fails at start, naming the key, when one cannot be imported.
+- `RayScorer` (the same, placement.reward_workers Ray actors in ray mode).
+- `InlineScorer` (reward.isolation=inline): the same adapters in the caller's event loop, for
+  breakpoints. Async rewards are bounded by asyncio timeouts; a synchronous reward that hangs
+  there hangs the rollout (nothing can stop a Python thread from outside).
+
+How the pools work. `score(inputs)` turns each reward into calls: one per input for the
+per-sample forms (tidal, veRL), one per group for TRL's batched form. Calls go to the
+least-loaded worker; each worker serves up to `reward.max_concurrency` async calls at once
+and runs synchronous ones one at a time, in order. Every call in flight has a deadline
+`reward.timeout_s + GRACE_S`, counted from when it starts (a synchronous call starts when the
+one before it on its worker answers; the worker's lane is first-in first-out). A worker that
+reports a hung call, or misses a deadline, is killed (SIGKILL to its process group, so a
+subprocess the reward started dies with it; `ray.kill` for an actor) and replaced; the call
+that hung ends `timeout`; the other calls it held are sent again. A call lost while it ran
+(its worker died, or was killed for another call) is retried once; lost a second time it
+ends `reward_error`. A worker that dies on its own (a segfault, `os._exit`) is replaced the
+same way. Nothing waits forever: a replacement that cannot start fails the calls waiting
+for it, and `close()` stops every worker.
+
+IPC is batched: the calls of one `score` sent to one worker travel in one message (inputs
+once, whatever the number of rewards), and the answers that finish together come back in one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+import os
+import pickle
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from tidal.rewards.contract import RewardInput, RewardOutcome
+from tidal.rewards.forms import Failed, LoadedReward, Result, combine, default_keys, reward_meta, spec_data, timed_out
+
+log = logging.getLogger("tidal.rewards")
+
+GRACE_S = 0.5  # the driver's deadline past reward.timeout_s: the worker's own answer normally comes first
+START_TIMEOUT_S = 120.0  # a worker imports the rewards (torch, math-verify, a model) before it is ready
+SYNC_DEPTH = 32  # synchronous calls queued on one process worker: amortizes IPC, keeps load balanced
+RAY_SYNC_DEPTH = 1  # an actor does not promise to start calls in order, so one at a time (deadline from send)
+RAY_ACTOR_CONCURRENCY = 64  # placement's max_concurrency of a reward actor
+
+
+class RewardLoadError(ValueError):
+    """A reward could not be loaded in a worker; the message names the key and what failed."""
+
+
+def build_scorer(specs: list, cfg, *, ray_handles=None, keys: list[str] | None = None):
+    """The scorer for `specs` (RewardSpec, in order) under `cfg` (RewardConfig). `ray_handles`:
+    the `RewardActors` of placement (Roles.reward_handles in ray mode); None or empty: local
+    worker processes. `keys` names each spec's config key in errors (default: `task.reward` for
+    one spec, `task.rewards[i].fn` for several; see `spec_keys`). Blocks until the workers are
+    ready; raises RewardLoadError (a ValueError) naming the key when a reward cannot be loaded."""
+    keys = keys or default_keys(len(specs))
+    data = [spec_data(s, k) for s, k in zip(specs, keys)]
+    if cfg.isolation == "inline":
+        return InlineScorer(data, cfg)
+    if ray_handles:
+        return RayScorer(data, cfg, ray_handles)
+    return ProcessScorer(data, cfg)
+
+
+def spec_keys(task_cfg) -> list[str]:
+    """The config key of each of `task_cfg.reward_specs(...)`: `task.rewards[i].fn`, or `task.reward`."""
+    if task_cfg.rewards:
+        return [f"task.rewards[{i}].fn" for i in range(len(task_cfg.rewards))]
+    return ["task.reward"]
+
+
+def _calls_of(rewards: list[LoadedReward], inputs: list[RewardInput]) -> list[tuple[int, list[int]]]:
+    """(reward index, positions of its inputs) per call: a group for TRL's form, else one input."""
+    out = []
+    for si, r in enumerate(rewards):
+        if r.form == "trl":
+            out.append((si, list(range(len(inputs)))))
+        else:
+            out.extend((si, [j]) for j in range(len(inputs)))
+    return out
+
+
+def _outcomes(rewards: list[LoadedReward], inputs: list[RewardInput], calls, answers) -> list[RewardOutcome]:
+    per_input: list[list[Result | None]] = [[None] * len(rewards) for _ in inputs]
+    for (si, rows), results in zip(calls, answers):
+        for j, res in zip(rows, results):
+            per_input[j][si] = res
+    return [combine(rewards, inp, res) for inp, res in zip(inputs, per_input)]  # type: ignore[arg-type]
+
+
+# -- inline ------------------------------------------------------------------------------------
+class InlineScorer:
+    """Rewards in the caller's event loop (reward.isolation=inline)."""
+
+    def __init__(self, specs: list[dict[str, Any]], cfg):
+        from tidal.rewards.worker import RewardHost
+
+        self.host = RewardHost(specs, cfg.timeout_s, sync_in_thread=False)
+        self.rewards = self.host.rewards
+        self.per_group = any(r.form == "trl" for r in self.rewards)
+
+    async def score(self, inputs: list[RewardInput]) -> list[RewardOutcome]:
+        if not inputs:
+            return []
+        calls = _calls_of(self.rewards, inputs)
+        runs = [self.host.run(si, [inputs[j] for j in rows]) for si, rows in calls]
+        answers = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
+        return _outcomes(self.rewards, inputs, calls, [a for a, _ in answers])
+
+    async def close(self) -> None:
+        await self.host.close()
+
+
+# -- the pools ---------------------------------------------------------------------------------
+class _Call:
+    __slots__ = ("deadline", "finished", "future", "id", "inputs", "is_async", "loop", "lost", "slot", "spec")
+
+    def __init__(self, call_id: int, spec: int, inputs: list[RewardInput], is_async: bool, loop, future):
+        self.id, self.spec, self.inputs, self.is_async = call_id, spec, inputs, is_async
+        self.loop, self.future = loop, future
+        self.lost = 0  # times its worker was lost while it ran
+        self.slot: _Slot | None = None  # the worker it is in flight on
+        self.deadline: float | None = None
+        self.finished = False  # answered (or its caller went away)
+
+
+class _Slot:
+    """One worker (process or actor) and the calls in flight on it."""
+
+    def __init__(self, index: int, generation: int):
+        self.index, self.generation = index, generation
+        self.ready = False
+        self.dead = False
+        self.pid: int | None = None
+        self.inflight: dict[int, _Call] = {}
+        self.lane: deque[_Call] = deque()  # synchronous calls, in the order the worker runs them
+        self.n_async = 0
+        self.transport: Any = None
+
+    def __repr__(self) -> str:
+        return f"reward worker {self.index}" + (f" (pid {self.pid})" if self.pid else "")
+
+
+class _PoolScorer:
+    """Dispatch, deadlines, kills and retries, over a transport (processes or Ray actors)."""
+
+    sync_depth = SYNC_DEPTH
+
+    def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int, max_async: int):
+        self.specs = specs
+        self.rewards = reward_meta(specs)  # names and weights; the code itself is imported in the workers
+        self.per_group = any(r.form == "trl" for r in self.rewards)
+        self.timeout_s = float(cfg.timeout_s)
+        self.max_async = max_async
+        self.kinds: list[bool] | None = None  # per reward: async (from the first worker that started)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._pending: deque[_Call] = deque()
+        self._wake: list[tuple[Any, Any, Any]] = []  # (loop, future, value) to set once the lock is let go
+        self._closed = False
+        self._dispatch_soon = False
+        self._broken = ""  # why no worker is left
+        self._generation = itertools.count()
+        self.slots: list[_Slot] = []
+        self.served: list[int] = [0] * n_workers  # calls answered, per worker slot
+        self.restarts = 0
+        self._starting = True  # a worker that fails now fails build_scorer
+        self._timer = threading.Thread(target=self._run_timer, name="tidal-reward-deadlines", daemon=True)
+        self._timer.start()
+        with self._lock:
+            for i in range(n_workers):
+                self.slots.append(self._new_slot(i))
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while not all(s.ready or s.dead for s in self.slots) and not self._broken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._broken = f"the reward workers did not start within {START_TIMEOUT_S:g} s"
+                    break
+                self._cond.wait(left)
+            self._starting = False
+            broken = self._broken
+        if broken:
+            self.shutdown()
+            raise RewardLoadError(broken)
+
+    # -- transport (subclasses) -----------------------------------------------------------
+    def _start(self, slot: _Slot) -> None:
+        raise NotImplementedError
+
+    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
+        raise NotImplementedError
+
+    def _kill(self, slot: _Slot) -> None:
+        raise NotImplementedError
+
+    def _stop(self, slots: list[_Slot]) -> None:
+        raise NotImplementedError
+
+    # -- the caller's side ------------------------------------------------------------------
+    async def score(self, inputs: list[RewardInput]) -> list[RewardOutcome]:
+        if not inputs:
+            return []
+        loop = asyncio.get_running_loop()
+        plan = _calls_of(self.rewards, inputs)
+        kinds = self.kinds or [False] * len(self.rewards)
+        calls = [_Call(next(self._ids), si, [inputs[j] for j in rows], kinds[si], loop, loop.create_future())
+                 for si, rows in plan]
+        with self._lock:
+            self._pending.extend(calls)
+            soon, self._dispatch_soon = not self._dispatch_soon, True
+        if soon:  # the calls of every `score` started in this turn of the loop leave together
+            loop.call_soon(self._dispatch_now)
+        try:
+            answers = [await calls[0].future] if len(calls) == 1 else await asyncio.gather(*(c.future for c in calls))
+        except asyncio.CancelledError:
+            with self._lock:
+                for c in calls:
+                    c.finished = True  # in flight it stays on its worker's books until it answers or its deadline
+            raise
+        return _outcomes(self.rewards, inputs, plan, answers)
+
+    def _dispatch_now(self) -> None:
+        with self._lock:
+            self._dispatch_soon = False
+            self._dispatch()
+            self._flush_wakes()
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers, by slot."""
+        with self._lock:
+            return [s.pid for s in self.slots if s.ready and not s.dead and s.pid is not None]
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop every worker (politely, then by force) and end every waiting call."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for c in list(self._pending) + [c for s in self.slots for c in s.inflight.values()]:
+                self._finish(c, _unscored("the reward scorer was closed", len(c.inputs)))
+            self._pending.clear()
+            self._broken = "the reward scorer was closed"
+            slots = list(self.slots)
+            for s in slots:
+                s.dead = True
+            self._cond.notify_all()
+            self._flush_wakes()
+        self._stop(slots)
+
+    # -- bookkeeping (every method below runs with the lock held) ----------------------------
+    def _new_slot(self, index: int) -> _Slot:
+        slot = _Slot(index, next(self._generation))
+        self._push(time.monotonic() + START_TIMEOUT_S, "start", slot)
+        self._start(slot)
+        return slot
+
+    def _push(self, when: float, kind: str, obj: Any) -> None:
+        heapq.heappush(self._heap, (when, next(self._seq), kind, obj))
+        self._cond.notify_all()
+
+    def _finish(self, c: _Call, results: list[Result]) -> None:
+        c.slot, c.deadline = None, None
+        if not c.finished:
+            c.finished = True
+            self._wake.append((c.loop, c.future, results))
+
+    def _flush_wakes(self) -> None:
+        by_loop: dict[Any, list] = {}
+        for loop, fut, value in self._wake:
+            by_loop.setdefault(loop, []).append((fut, value))
+        self._wake.clear()
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: its caller is gone
+                loop.call_soon_threadsafe(_set_results, items)
+
+    def _pick(self, is_async: bool) -> _Slot | None:
+        best = None
+        for s in self.slots:
+            if not s.ready or s.dead:
+                continue
+            if is_async and s.n_async >= self.max_async:
+                continue
+            if not is_async and len(s.lane) >= self.sync_depth:
+                continue
+            if best is None or len(s.inflight) < len(best.inflight):
+                best = s
+        return best
+
+    def _dispatch(self) -> None:
+        if self._broken:
+            while self._pending:
+                c = self._pending.popleft()
+                self._finish(c, _unscored(self._broken, len(c.inputs)))
+            return
+        now = time.monotonic()
+        sends: dict[int, tuple[_Slot, list[_Call]]] = {}
+        waiting: deque[_Call] = deque()
+        while self._pending:
+            c = self._pending.popleft()
+            if c.finished:
+                continue
+            slot = self._pick(c.is_async)
+            if slot is None:
+                waiting.append(c)
+                continue
+            slot.inflight[c.id] = c
+            c.slot = slot
+            if c.is_async:
+                slot.n_async += 1
+                self._set_deadline(c, now)
+            else:
+                slot.lane.append(c)
+                if len(slot.lane) == 1:  # it starts now; the others start as the one before answers
+                    self._set_deadline(c, now)
+            sends.setdefault(slot.generation, (slot, []))[1].append(c)
+        self._pending = waiting
+        for slot, calls in sends.values():
+            self._send(slot, calls)
+
+    def _set_deadline(self, c: _Call, start: float) -> None:
+        c.deadline = start + self.timeout_s + GRACE_S
+        self._push(c.deadline, "call", c)
+
+    def _on_ready(self, slot: _Slot, info: dict) -> None:
+        if slot.dead:
+            return
+        slot.ready, slot.pid = True, info.get("pid")
+        if self.kinds is None:
+            self.kinds = list(info["kinds"])
+        self._cond.notify_all()
+        self._dispatch()
+
+    def _on_start_failed(self, slot: _Slot, why: str, traceback: str = "") -> None:
+        if slot.dead or slot.ready:
+            return
+        slot.dead = True
+        self._kill(slot)
+        if traceback and not self._broken:
+            log.warning("reward worker %d failed to load the rewards: %s\n%s", slot.index, why, traceback.rstrip())
+        if self._starting:  # build_scorer raises it
+            self._broken = self._broken or why
+        else:
+            log.error("reward worker %d could not be restarted: %s", slot.index, why)
+            if not any(not s.dead for s in self.slots):
+                self._broken = f"no reward worker is left (the last restart failed: {why})"
+        self._cond.notify_all()
+        self._dispatch()
+
+    def _on_results(self, slot: _Slot, batch: list) -> None:
+        if slot.dead:
+            return  # it was killed: these calls were sent again already
+        now = time.monotonic()
+        hung = False
+        for call_id, results, was_hung in batch:
+            c = slot.inflight.pop(call_id, None)
+            if c is None:
+                continue
+            if c.is_async:
+                slot.n_async -= 1
+            else:
+                head = bool(slot.lane) and slot.lane[0] is c
+                with contextlib.suppress(ValueError):
+                    slot.lane.remove(c)
+                if head and slot.lane:
+                    self._set_deadline(slot.lane[0], now)
+            self.served[slot.index] += 1
+            hung = hung or was_hung
+            self._finish(c, results)
+        if hung:  # the worker's sync lane is stuck in user code: only a kill frees it
+            self._lose(slot, "its reward worker was killed (another call on it timed out)", head_running=False)
+        self._dispatch()
+
+    def _expire(self, c: _Call) -> None:
+        """A call past its deadline: it ends `timeout`, its worker is killed and replaced."""
+        slot = c.slot
+        assert slot is not None
+        slot.inflight.pop(c.id, None)
+        if c.is_async:
+            slot.n_async -= 1
+        else:
+            with contextlib.suppress(ValueError):
+                slot.lane.remove(c)
+        self._finish(c, timed_out(self.timeout_s, len(c.inputs), hint=f"{slot} did not answer by its deadline "
+                                  f"and was killed"))
+        self._lose(slot, "its reward worker was killed (another call on it timed out)", head_running=False)
+
+    def _lose(self, slot: _Slot, why: str, head_running: bool) -> None:
+        """`slot` is gone (killed or died): its calls are sent again, those that were running
+        at most once more; a replacement starts. `head_running`: the first call of its sync
+        lane had started (false once the call that hung there has been taken off)."""
+        if slot.dead:
+            return
+        slot.dead = True
+        self._kill(slot)
+        running = {c.id for c in slot.inflight.values() if c.is_async}
+        if head_running and slot.lane:
+            running.add(slot.lane[0].id)
+        again = []
+        for c in sorted(slot.inflight.values(), key=lambda c: c.id):
+            c.slot, c.deadline = None, None
+            if c.finished:
+                continue
+            if c.id in running:
+                c.lost += 1
+            if c.lost > 1:
+                self._finish(c, _unscored(f"{why} while running it, also on its retry", len(c.inputs)))
+            else:
+                again.append(c)
+        slot.inflight.clear()
+        slot.lane.clear()
+        slot.n_async = 0
+        self._pending.extendleft(reversed(again))
+        if not self._closed:
+            self.restarts += 1
+            self.slots[slot.index] = self._new_slot(slot.index)
+        self._dispatch()
+
+    def _on_exit(self, slot: _Slot, why: str) -> None:
+        if slot.dead:
+            return
+        if not slot.ready:
+            self._on_start_failed(slot, f"the worker exited before it was ready ({why})")
+        else:
+            self._lose(slot, f"its reward worker died ({why})", head_running=True)
+
+    def _run_timer(self) -> None:
+        with self._lock:
+            while not self._closed:
+                now = time.monotonic()
+                while self._heap and self._heap[0][0] <= now:
+                    when, _, kind, obj = heapq.heappop(self._heap)
+                    if kind == "call":
+                        if obj.slot is not None and obj.deadline == when and not obj.slot.dead:
+                            self._expire(obj)
+                    elif not obj.ready and not obj.dead:
+                        self._on_start_failed(obj, f"it did not start within {START_TIMEOUT_S:g} s")
+                self._flush_wakes()
+                self._cond.wait(self._heap[0][0] - now if self._heap else None)
+
+
+def _unscored(why: str, n: int) -> list[Result]:
+    return [Failed("reward_error", "could not be scored", hint=why)] * n
+
+
+def _set_results(items) -> None:
+    for fut, value in items:
+        if not fut.done():
+            fut.set_result(value)
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "no exit status"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+# -- worker processes --------------------------------------------------------------------------
+class _Proc:
+    """One worker process: its pipes, a reader thread and a sender thread (a full pipe blocks
+    only the sender, never the caller's event loop or the bookkeeping)."""
+
+    def __init__(self, pool: ProcessScorer, slot: _Slot):
+        from multiprocessing.connection import Connection
+
+        self.pool, self.slot = pool, slot
+        to_worker_r, to_worker_w = os.pipe()
+        from_worker_r, from_worker_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tidal.rewards.worker", str(to_worker_r), str(from_worker_w)],
+                pass_fds=(to_worker_r, from_worker_w), start_new_session=True, stdin=subprocess.DEVNULL, env=env)
+        finally:
+            os.close(to_worker_r)
+            os.close(from_worker_w)
+        self.tx = Connection(to_worker_w, readable=False)
+        self.rx = Connection(from_worker_r, writable=False)
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox.put(pickle.dumps({"init": {"specs": pool.specs, "timeout_s": pool.timeout_s,
+                                               "sys_path": list(sys.path)}}))
+        self.killed = False
+        threading.Thread(target=self._write, name=f"tidal-reward-tx{slot.index}", daemon=True).start()
+        threading.Thread(target=self._read, name=f"tidal-reward-rx{slot.index}", daemon=True).start()
+
+    def _write(self) -> None:
+        while (data := self.outbox.get()) is not None:
+            try:
+                self.tx.send_bytes(data)
+            except OSError:
+                break
+        with contextlib.suppress(OSError):
+            self.tx.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                if not self.rx.poll(1.0):
+                    if self.proc.poll() is not None:
+                        break
+                    continue
+                msg = pickle.loads(self.rx.recv_bytes())
+            except (EOFError, OSError):
+                break
+            with self.pool._lock:
+                if "results" in msg:
+                    self.pool._on_results(self.slot, msg["results"])
+                elif "ready" in msg:
+                    self.pool._on_ready(self.slot, msg["ready"])
+                elif "failed" in msg:
+                    self.pool._on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
+                self.pool._flush_wakes()
+        code = self.proc.wait()
+        self.outbox.put(None)
+        with contextlib.suppress(OSError):
+            self.rx.close()
+        with self.pool._lock:
+            self.pool._on_exit(self.slot, _exit_text(code))
+            self.pool._flush_wakes()
+
+    def send(self, data: bytes) -> None:
+        self.outbox.put(data)
+
+    def kill(self) -> None:
+        """SIGKILL to the worker's process group: a subprocess the reward started goes too
+        (one that made itself a new session escapes; the sandbox's own runs are bounded)."""
+        self.killed = True
+        # The group outlives its leader while a member lives, so its id is not reused meanwhile.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.outbox.put(None)
+
+
+class ProcessScorer(_PoolScorer):
+    """Rewards in `reward.workers` worker processes on this machine."""
+
+    def __init__(self, specs: list[dict[str, Any]], cfg):
+        super().__init__(specs, cfg, int(cfg.workers), int(cfg.max_concurrency))
+
+    def _start(self, slot: _Slot) -> None:
+        slot.transport = _Proc(self, slot)
+        slot.pid = slot.transport.proc.pid
+
+    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
+        inputs: list[RewardInput] = []
+        index: dict[int, int] = {}
+        wire = []
+        for c in calls:  # each input once per message, whatever the number of rewards that score it
+            rows = []
+            for inp in c.inputs:
+                if id(inp) not in index:
+                    index[id(inp)] = len(inputs)
+                    inputs.append(inp)
+                rows.append(index[id(inp)])
+            wire.append((c.id, c.spec, rows))
+        slot.transport.send(pickle.dumps({"inputs": inputs, "calls": wire}, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _kill(self, slot: _Slot) -> None:
+        if slot.transport is not None:
+            slot.transport.kill()
+
+    def _stop(self, slots: list[_Slot]) -> None:
+        procs = [s.transport for s in slots if s.transport is not None]
+        for p in procs:
+            p.send(pickle.dumps({"close": True}))
+        deadline = time.monotonic() + 5.0
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(max(0.0, deadline - time.monotonic()))
+            p.kill()  # whatever is left of its process group
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.proc.wait(1.0)
+
+
+# -- Ray reward actors -------------------------------------------------------------------------
+class RayScorer(_PoolScorer):
+    """Rewards in Ray actors (`RewardWorker`, placement.reward_workers). `actors` is
+    placement's `RewardActors`: `spawn(i, specs, timeout_s)` starts the actor of slot i (in
+    its placement-group bundle), also to replace one that was killed or died."""
+
+    sync_depth = RAY_SYNC_DEPTH
+
+    def __init__(self, specs: list[dict[str, Any]], cfg, actors):
+        self.actors = actors
+        # Ray runs a future's callback in its own thread, or at once in ours when the future is
+        # done already (with our lock held): every callback is handed to one thread instead.
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run_events, name="tidal-reward-ray", daemon=True).start()
+        super().__init__(specs, cfg, int(actors.count), min(int(cfg.max_concurrency), RAY_ACTOR_CONCURRENCY - 4))
+
+    def _run_events(self) -> None:
+        while (event := self._events.get()) is not None:
+            event()
+
+    def _on(self, ref, handler) -> None:
+        ref.future().add_done_callback(lambda f: self._events.put(lambda: handler(f)))
+
+    def _start(self, slot: _Slot) -> None:
+        slot.transport = self.actors.spawn(slot.index, self.specs, self.timeout_s)
+        self._on(slot.transport.ready.remote(), lambda f: self._ray_ready(slot, f))
+
+    def _ray_ready(self, slot: _Slot, f) -> None:
+        try:
+            info = f.result()
+        except Exception as e:  # noqa: BLE001 - the actor's constructor raised (a reward failed to load) or it died
+            with self._lock:
+                self._on_start_failed(slot, _ray_cause(e))
+                self._flush_wakes()
+            return
+        with self._lock:
+            if "failed" in info:
+                self._on_start_failed(slot, info["failed"], info.get("traceback", ""))
+            else:
+                self._on_ready(slot, info)
+            self._flush_wakes()
+
+    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
+        for c in calls:
+            self._on(slot.transport.run.remote(c.spec, c.inputs), lambda f, c=c: self._ray_done(slot, c, f))
+
+    def _ray_done(self, slot: _Slot, c: _Call, f) -> None:
+        from ray.exceptions import RayActorError
+
+        try:
+            results, hung = f.result()
+        except RayActorError as e:
+            with self._lock:
+                self._on_exit(slot, _ray_cause(e))
+                self._flush_wakes()
+            return
+        except Exception as e:  # noqa: BLE001 - the host itself failed: that call is an error, not a hang
+            results, hung = _unscored(f"the reward worker raised {_ray_cause(e)}", len(c.inputs)), False
+        with self._lock:
+            self._on_results(slot, [(c.id, results, hung)])
+            self._flush_wakes()
+
+    def _kill(self, slot: _Slot) -> None:
+        if slot.transport is not None:
+            import ray
+
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(slot.transport, no_restart=True)
+
+    def _stop(self, slots: list[_Slot]) -> None:
+        for s in slots:
+            self._kill(s)
+        self._events.put(None)
+
+
+def _ray_cause(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return str(cause) if isinstance(cause, ValueError) else f"{type(cause).__name__}({cause})"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"

@@ -1,0 +1,262 @@
+"""Where reward code runs: `RewardHost` calls the rewards with per-call timeouts inside one
+process (a worker process of the pool, a Ray reward actor, or the driver for the inline
+scorer), and `python -m tidal.rewards.worker IN_FD OUT_FD` is a pool worker process.
+
+A host imports every reward once when it starts. Async rewards run concurrently on the
+host's event loop and are cancelled at `timeout_s`. Synchronous rewards run one at a time,
+in order, in one thread of their own (the "sync lane"): the loop stays free to serve async
+calls, and a hung call is observable. A synchronous call past its timeout cannot be stopped
+from inside the process, so the host answers it `timeout` with `hung=True` and stops its lane;
+the driver then kills the whole process (and its process group) and starts another. When the
+hang holds the GIL (a regex backtracking in C) the host cannot even answer; the driver's own
+deadline catches that.
+
+Wire protocol of a worker process (pickled messages over two pipes, see pool.py):
+driver → worker: {"init": ...} once, then {"inputs": [RewardInput], "calls": [(id, spec, [input index])]},
+or {"close": True}; worker → driver: {"ready": {...}} or {"failed": "message"} once, then
+{"results": [(id, [Result], hung)]} (results that finish together travel together).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+from tidal.rewards.contract import RewardInput
+from tidal.rewards.forms import (
+    BadInput,
+    LoadedReward,
+    Result,
+    arguments,
+    bad_input,
+    check,
+    load_rewards,
+    raised,
+    timed_out,
+)
+
+
+def _invoke(fn, args, kwargs) -> tuple[bool, Any, str]:
+    """(ok, answer or exception, traceback) of one synchronous call."""
+    try:
+        return True, fn(*args, **kwargs), ""
+    except BaseException as e:  # noqa: BLE001 - SystemExit from user code is an error of that call, not of the worker
+        return False, e, traceback.format_exc()
+
+
+async def _awaited(aw) -> tuple[bool, Any, str]:
+    try:
+        return True, await aw, ""
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - kept inside the task: SystemExit would otherwise stop the loop
+        return False, e, traceback.format_exc()
+
+
+class RewardHost:
+    """The rewards of a run, loaded in this process. `run(spec, inputs)` -> (one Result per
+    input, hung). `sync_in_thread=False` (the inline scorer) calls synchronous rewards
+    directly in the caller's loop: breakpoints work, a hang cannot be stopped."""
+
+    def __init__(self, specs: list[dict[str, Any]], timeout_s: float, *, sync_in_thread: bool = True):
+        self.rewards: list[LoadedReward] = load_rewards(specs)
+        self.timeout_s = timeout_s
+        self.sync_in_thread = sync_in_thread
+        self.kinds = [r.is_async for r in self.rewards]
+        self._lane: asyncio.Queue | None = None
+        self._lane_task: asyncio.Task | None = None
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._delivered: list = []
+        self._delivered_lock = threading.Lock()
+        self._drain_scheduled = False
+        self.hung = False
+
+    async def run(self, spec: int, inputs: list[RewardInput]) -> tuple[list[Result], bool]:
+        reward = self.rewards[spec]
+        try:
+            args, kwargs = arguments(reward, inputs)
+        except BadInput as e:
+            return bad_input(e, len(inputs)), False
+        if reward.is_async or not self.sync_in_thread:
+            return await self._direct(reward, args, kwargs, inputs), False
+        if self._lane is None:
+            self._lane = asyncio.Queue()
+            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-reward-sync")
+            self._lane_task = asyncio.get_running_loop().create_task(self._serve_lane())
+        fut = asyncio.get_running_loop().create_future()
+        self._lane.put_nowait((reward, args, kwargs, inputs, fut))
+        return await fut
+
+    async def _direct(self, reward, args, kwargs, inputs) -> list[Result]:
+        ok, out, tb = _invoke(reward.fn, args, kwargs)  # an async function returns its coroutine at once
+        if not ok:
+            return raised(reward, out, inputs, tb)
+        if inspect.isawaitable(out):
+            return await self._await(reward, out, inputs, self.timeout_s)
+        return check(reward, out, inputs)
+
+    async def _await(self, reward, aw, inputs, timeout_s: float) -> list[Result]:
+        task = asyncio.ensure_future(_awaited(aw))
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, timeout_s))
+        if not done:
+            task.cancel()  # not awaited: a reward that ignores cancellation must not hold this call
+            return timed_out(self.timeout_s, len(inputs))
+        ok, out, tb = task.result()
+        return check(reward, out, inputs) if ok else raised(reward, out, inputs, tb)
+
+    async def _serve_lane(self) -> None:
+        """Synchronous calls, one at a time, in arrival order, each timed from its own start.
+        The calls waiting when the thread frees up go to it together (one hand-over, not one
+        per call); the loop sleeps until the running call's deadline or the batch's end."""
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._lane.get()]
+            while not self._lane.empty():
+                batch.append(self._lane.get_nowait())
+            progress = [(0, time.monotonic())]  # (index of the running call, its start), set by the thread
+            job = loop.run_in_executor(self._thread, self._run_batch, batch, progress, loop)
+            while not job.done():
+                i, t0 = progress[0]
+                left = t0 + self.timeout_s - time.monotonic()
+                if left <= 0:  # the thread is stuck in user code: only killing the process ends it
+                    self.hung = True
+                    fut = batch[i][-1]
+                    if not fut.done():
+                        fut.set_result((timed_out(self.timeout_s, len(batch[i][3])), True))
+                    return
+                await asyncio.wait({job}, timeout=left)
+            job.result()
+
+    def _run_batch(self, batch: list, progress: list, loop) -> None:
+        """In the lane's thread."""
+        for i, (reward, args, kwargs, inputs, fut) in enumerate(batch):
+            t0 = time.monotonic()
+            progress[0] = (i, t0)
+            ok, out, tb = _invoke(reward.fn, args, kwargs)
+            if not ok:
+                res = raised(reward, out, inputs, tb)
+            elif inspect.isawaitable(out):  # a sync-looking callable that returned an awaitable
+                left = self.timeout_s - (time.monotonic() - t0)
+                res = asyncio.run_coroutine_threadsafe(self._await(reward, out, inputs, left), loop).result()
+            else:
+                res = check(reward, out, inputs)
+            self._deliver(loop, fut, res)
+
+    def _deliver(self, loop, fut, res) -> None:
+        """Answers go to the loop in bunches: one wake-up for all that finished meanwhile."""
+        with self._delivered_lock:
+            self._delivered.append((fut, res))
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._delivered_lock:
+            items, self._delivered = self._delivered, []
+            self._drain_scheduled = False
+        for fut, res in items:
+            if not fut.done():
+                fut.set_result((res, False))
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Give rewards with a `close()` (sandbox pools, HTTP clients) a bounded chance to let go."""
+        for r in self.rewards:
+            close = getattr(r.fn, "close", None)
+            if close is None:
+                continue
+            try:
+                out = close()
+                if inspect.isawaitable(out):
+                    await asyncio.wait_for(out, timeout_s)
+            except Exception:  # noqa: BLE001, S110 - the process ends next; nothing to save
+                pass
+        if self._lane_task is not None:
+            self._lane_task.cancel()
+        if self._thread is not None:
+            self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+# -- the worker process ------------------------------------------------------------------------
+def _main(in_fd: int, out_fd: int) -> None:
+    from multiprocessing.connection import Connection
+
+    rx, tx = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
+    send_lock = threading.Lock()
+
+    def send(msg: dict) -> None:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        with send_lock:
+            tx.send_bytes(data)
+
+    init = pickle.loads(rx.recv_bytes())["init"]
+    sys.path[:] = init["sys_path"]  # the driver's import path: the rewards import here as they do there
+    try:
+        host = RewardHost(init["specs"], init["timeout_s"])
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it at start
+        send({"failed": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}({e})",
+              "traceback": traceback.format_exc()})
+        return
+    send({"ready": {"pid": os.getpid(), "kinds": host.kinds}})
+    asyncio.run(_serve(host, rx, send))
+
+
+async def _serve(host: RewardHost, rx, send) -> None:
+    loop = asyncio.get_running_loop()
+    stop = loop.create_future()
+    outbox: list = []
+    tasks: set[asyncio.Task] = set()
+
+    def flush() -> None:
+        batch = outbox[:]
+        outbox.clear()
+        if batch:
+            send({"results": batch})
+
+    async def one(call_id: int, spec: int, inputs: list[RewardInput]) -> None:
+        try:
+            results, hung = await host.run(spec, inputs)
+        except Exception as e:  # noqa: BLE001 - a bug here must answer the call, not strand it
+            results, hung = raised(host.rewards[spec], e, inputs), False
+        if not outbox:
+            loop.call_soon(flush)  # everything that finishes in this turn of the loop goes in one message
+        outbox.append((call_id, results, hung))
+
+    def on_message(msg: dict) -> None:
+        if "close" in msg:
+            if not stop.done():
+                stop.set_result(None)
+            return
+        inputs = msg["inputs"]
+        for call_id, spec, rows in msg["calls"]:
+            t = loop.create_task(one(call_id, spec, [inputs[i] for i in rows]))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+    def read() -> None:
+        """Blocking reads in a thread of their own: a message is handed to the loop whole.
+        When the driver goes away (the pipe ends), the process ends, even with a stuck lane."""
+        while True:
+            try:
+                msg = pickle.loads(rx.recv_bytes())
+            except (EOFError, OSError):
+                os._exit(0)
+            loop.call_soon_threadsafe(on_message, msg)
+
+    threading.Thread(target=read, name="tidal-reward-reader", daemon=True).start()
+    await stop
+    await host.close()
+    flush()
+    os._exit(0)  # a stuck sync thread must not keep the process alive
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]), int(sys.argv[2]))
