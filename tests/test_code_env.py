@@ -236,3 +236,25 @@ def test_rollout_closes_the_session_when_the_engine_fails(tok):
     (ep,) = asyncio.run(rollout.run([EpisodeSpec(env, "e0", "g0", GCD["task_id"], 0, row=GCD)], engine, step=0))
     assert ep.status is Status.ENGINE_ERROR
     assert env.closed and env._session is None  # the session opened on turn 0 was closed
+
+
+def test_no_sandbox_pool_outlives_its_event_loop():
+    """A run makes an event loop per step: the envs' pools (contended ones too, whose
+    semaphore holds the loop) are closed and dropped when the loop shuts down."""
+    import threading
+    import time
+
+    from tidal.envs import code
+
+    threads = threading.active_count()
+    for _ in range(3):
+        async def step():
+            envs = [CodeEnv(GCD, i, sandbox={"max_concurrency": 1}) for i in range(3)]
+            return await asyncio.gather(*(_drive(e, [call("run_python", code="1"), "no"]) for e in envs))
+
+        asyncio.run(step())
+    assert code._POOLS == {}
+    deadline = time.monotonic() + 5.0  # a closed pool's start-up threads exit as they wake
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads, [t.name for t in threading.enumerate()]

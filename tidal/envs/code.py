@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any, ClassVar
@@ -193,6 +194,9 @@ class CodeEnv(ToolEnv):
         self.sandbox = sandbox_config(sandbox, "code")
         self.grade_limits = dict(grade_limits or {})
         self._pool = pool
+        # RLIMIT_CPU counts over a session's whole life: room for every run the episode may make.
+        self._session_limits = {"wall_s": run_timeout_s,
+                                "cpu_s": max(10, math.ceil(run_timeout_s * max_turns * max_calls_per_turn))}
         self._session: PythonSession | None = None
         self._lock = asyncio.Lock()
         self._submission: str | None = None
@@ -200,9 +204,9 @@ class CodeEnv(ToolEnv):
         self._metrics: dict[str, float] = {}
 
     async def reset(self) -> list[Message]:
-        messages = await super().reset()
+        await self._close_session()
         self._submission, self._infra_error = None, ""
-        return messages
+        return await super().reset()
 
     # -- tools ------------------------------------------------------------------------------
     async def run_python(self, code: str) -> str:
@@ -215,7 +219,7 @@ class CodeEnv(ToolEnv):
             self._metrics["code/runs"] = self._metrics.get("code/runs", 0.0) + 1.0
             if self._session is None or self._session.ended is not None:
                 pool = self._pool or await loop_pool(self.sandbox)
-                self._session = await pool.python_session(limits={"wall_s": self.run_timeout_s})
+                self._session = await pool.python_session(limits=self._session_limits)
             result = await self._session.run(code, wall_s=self.run_timeout_s)
             if result.status is SandboxStatus.SANDBOX_ERROR:
                 self._infra_error = f"the sandbox could not run `run_python`: {result.error}"
@@ -243,7 +247,7 @@ class CodeEnv(ToolEnv):
     # -- turns ------------------------------------------------------------------------------
     async def step(self, action: Action | str) -> StepResult:
         turn = self.turn
-        self._metrics = {}
+        self._metrics = {"code/runs": 0.0, "code/run_errors": 0.0, "code/run_killed": 0.0}  # on every turn
         result = await super().step(action)
         if self._infra_error:
             raise RuntimeError(f"code: {self._infra_error}")
@@ -266,8 +270,13 @@ class CodeEnv(ToolEnv):
             return self._ungraded("code/no_program")
         return await self._grade(program)
 
+    @staticmethod
+    def _final_metrics(submitted: bool, why: str = "") -> dict[str, float]:
+        return {"code/submitted": float(submitted), "code/no_program": float(why == "code/no_program"),
+                "code/out_of_turns": float(why == "code/out_of_turns")}
+
     def _ungraded(self, why: str) -> StepResult:
-        return StepResult(reward=0.0, reward_parts={"correct": 0.0}, done=True, metrics={"code/submitted": 0.0, why: 1.0})
+        return StepResult(reward=0.0, reward_parts={"correct": 0.0}, done=True, metrics=self._final_metrics(False, why))
 
     async def _grade(self, program: str) -> StepResult:
         """The verifier's grade: a fresh sandbox, the original tests, none of the session's state."""
@@ -280,7 +289,7 @@ class CodeEnv(ToolEnv):
             correct = float(parts["correct"])
         except Exception as e:  # infrastructure (the sandbox failed): typed, never scored 0
             raise RewardError(f"code: grading the submission failed: {type(e).__name__}({e})") from e
-        return StepResult(reward=correct, reward_parts={"correct": correct}, done=True, metrics={"code/submitted": 1.0})
+        return StepResult(reward=correct, reward_parts={"correct": correct}, done=True, metrics=self._final_metrics(True))
 
     @property
     def _grader(self) -> CodeReward:
@@ -289,8 +298,11 @@ class CodeEnv(ToolEnv):
             _GRADERS[key] = CodeReward(self.sandbox, limits=self.grade_limits or None)
         return _GRADERS[key]
 
-    async def close(self) -> None:
+    async def _close_session(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+    async def close(self) -> None:
+        await self._close_session()
         await super().close()

@@ -205,9 +205,8 @@ class ShellEnv(ToolEnv):
             return result
         final = await self._verify()
         final.tool_calls, final.assistant_message = result.tool_calls, result.assistant_message
-        final.metrics = {**result.metrics, **final.metrics}
-        if not self._finished and not self._lost:
-            final.metrics["shell/out_of_turns"] = 1.0
+        final.metrics = {**result.metrics, **final.metrics,
+                         "shell/out_of_turns": float(not self._finished and not self._lost)}
         return final
 
     async def final_turn(self, action: Action) -> StepResult:
@@ -247,9 +246,8 @@ class ShellEnv(ToolEnv):
     @staticmethod
     def _result(passed: float, why: str = "") -> StepResult:
         correct = float(passed == 1.0)
-        metrics = {"shell/checks_passed": float(passed), "shell/workspace_lost": float(why == "workspace_lost")}
-        if why == "verifier_failed":
-            metrics["shell/verifier_failed"] = 1.0
+        metrics = {"shell/checks_passed": float(passed), "shell/workspace_lost": float(why == "workspace_lost"),
+                   "shell/verifier_failed": float(why == "verifier_failed"), "shell/out_of_turns": 0.0}
         return StepResult(reward=correct, reward_parts={"correct": correct}, done=True, metrics=metrics)
 
     async def _close_session(self) -> None:
