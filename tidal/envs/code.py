@@ -281,12 +281,7 @@ class CodeEnv(ToolEnv):
     async def _grade(self, program: str) -> StepResult:
         """The verifier's grade: a fresh sandbox, the original tests, none of the session's state."""
         try:
-            grade = getattr(self._grader, "grade", None)
-            if grade is not None:
-                parts = await grade(program, self.row["tests"])
-            else:  # the verifier before `grade` landed: the program as its only fenced block
-                parts = await self._grader(f"```python\n{program}\n```", self.row["tests"])
-            correct = float(parts["correct"])
+            correct = float((await self._grader.grade(program, self.row["tests"]))["correct"])
         except Exception as e:  # infrastructure (the sandbox failed): typed, never scored 0
             raise RewardError(f"code: grading the submission failed: {type(e).__name__}({e})") from e
         return StepResult(reward=correct, reward_parts={"correct": correct}, done=True, metrics=self._final_metrics(True))
