@@ -26,7 +26,9 @@ cannot start or run is an infrastructure failure: `env_error` (or `reward_error`
 check), never 0.
 
 Per-turn metrics: `shell/commands`, `shell/command_errors` (non-zero exit or killed),
-`shell/timeouts`; at the end `shell/checks_passed` (fraction) and `shell/workspace_lost`.
+`shell/timeouts`; at the end `shell/checks_passed` (the fraction of checks met),
+`shell/workspace_lost`, `shell/verifier_failed` (the workspace could not be read back) and
+`shell/out_of_turns` (the env's `max_turns` ended it).
 
 Reproducibility: the starting files are written with a fixed modification time, bash's
 `$RANDOM` is seeded from the episode seed and `PYTHONHASHSEED` is 0, so the same seed and the
