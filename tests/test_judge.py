@@ -450,10 +450,12 @@ def test_pairwise_injection_forfeits_without_a_call(srv):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_judge_against_a_real_vllm_server(tmp_path):
-    """The whole path against a real OpenAI-compatible server (vLLM serving the tiny model):
-    requests are answered, the tiny model's verdict is either parsed or typed as malformed after
-    its retries (it cannot judge: the test is about the path, not the verdicts), the concurrency
-    limit and the cache hold."""
+    """The whole path against a real OpenAI-compatible server (vLLM serving the tiny model). The
+    tiny model cannot judge (the test is about the path, not the verdicts): unconstrained, its
+    replies are no verdict and end typed as malformed after the retries; with vLLM's structured
+    output (`extra_body`) it must write `Score: N`, which is parsed and normalized. The
+    concurrency limit holds at the server (vLLM's own count of running requests) and a
+    repeated judgement is answered from the cache without a request."""
     if importlib.util.find_spec("vllm") is None:
         if os.environ.get("TIDAL_REQUIRE_VLLM"):
             pytest.fail("vLLM is not installed (`make setup-vllm`) and TIDAL_REQUIRE_VLLM is set")
@@ -473,10 +475,16 @@ def test_judge_against_a_real_vllm_server(tmp_path):
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
+        t_start = time.monotonic()
+        # Start-up is 15-30 s on an idle machine; 300 s leaves room for a loaded CI runner.
         wait_healthy(proc, f"http://127.0.0.1:{port}/health", 300, "vLLM judge server", log_path, RuntimeError,
                      "test start timeout")
-        j = LLMJudge(f"http://127.0.0.1:{port}/v1", "tiny-judge", max_tokens=8, max_retries=1, backoff_s=0.05,
-                     max_concurrency=2, timeout_s=30)
+        t_start = time.monotonic() - t_start
+        base = f"http://127.0.0.1:{port}/v1"
+        common = {"max_tokens": 8, "max_retries": 1, "backoff_s": 0.05, "max_concurrency": 2, "timeout_s": 60}
+        free = LLMJudge(base, "tiny-judge", **common)
+        constrained = LLMJudge(base, "tiny-judge", extra_body={"structured_outputs": {"regex": r"Score: (10|[0-9])"}},
+                               **common)
         comps = [f"The answer is {n}." for n in (4, 5, 6, 7, 8, 9)]
         running: list[float] = []  # vLLM's own count of requests running, sampled while the judge works
 
@@ -488,36 +496,38 @@ def test_judge_against_a_real_vllm_server(tmp_path):
                     running.extend(float(v) for v in found)
                     await asyncio.sleep(0.02)
 
-        async def judge_all(texts):
+        async def judge_all(j: LLMJudge):
             stop = asyncio.Event()
             watcher = asyncio.create_task(watch(stop))
             try:
-                return await asyncio.gather(*(j.evaluate(c, prompt="What is 2+2?", answer="4") for c in texts),
+                return await asyncio.gather(*(j.evaluate(c, prompt="What is 2+2?", answer="4") for c in comps),
                                             return_exceptions=True)
             finally:
                 stop.set()
                 await watcher
 
         t0 = time.monotonic()
-        first = asyncio.run(judge_all(comps))
-        elapsed = time.monotonic() - t0
-        for r in first:
-            if isinstance(r, BaseException):  # the tiny model's reply was no verdict, twice: typed as such
+        unconstrained = asyncio.run(judge_all(free))
+        for r in unconstrained:  # parsed if the tiny model happens to write a number, else typed as malformed
+            if isinstance(r, BaseException):
                 assert isinstance(r, JudgeVerdictError) and "malformed after 2 attempts" in str(r), r
             else:
-                assert 0.0 <= r.score <= 1.0 and r.raw and r.parts["judge_injection"] == 0.0
-        sent = j.stats["requests"]
-        assert len(comps) <= sent <= 2 * len(comps)
-        assert running and max(running) <= 2  # the judge's max_concurrency, seen by the server
-        # The cache: parsed verdicts come back without a request; malformed ones are not cached.
-        parsed = [c for c, r in zip(comps, first) if not isinstance(r, BaseException)]
-        again = asyncio.run(judge_all(parsed))
-        assert all(r.cached for r in again) and j.stats["requests"] == sent
-        print(f"vLLM judge: {sent} requests for {len(comps)} completions in {elapsed:.2f} s, at most "
-              f"{max(running):g} running; {len(parsed)} parsed; replies: "
-              f"{[getattr(r, 'raw', str(r)[-80:]) for r in first]}")
+                assert 0.0 <= r.score <= 1.0
+        assert len(comps) <= free.stats["requests"] <= 2 * len(comps)
+        verdicts = asyncio.run(judge_all(constrained))
+        elapsed = time.monotonic() - t0
+        assert all(not isinstance(r, BaseException) for r in verdicts), verdicts
+        assert all(re.fullmatch(r"Score: (10|[0-9])", r.raw) for r in verdicts)
+        assert all(r.score == int(r.raw.split()[1]) / 10 for r in verdicts)  # parsed and normalized
+        assert constrained.stats["requests"] == len(comps) and constrained.stats["malformed"] == 0
+        assert running and max(running) <= 2  # the judge's max_concurrency, as the server counts it
+        again = asyncio.run(judge_all(constrained))
+        assert [r.raw for r in again] == [r.raw for r in verdicts] and all(r.cached for r in again)
+        assert constrained.stats["requests"] == len(comps)  # no request: the cache answered
+        print(f"vLLM judge: server up in {t_start:.0f} s; {free.stats['requests'] + len(comps)} requests in "
+              f"{elapsed:.2f} s, at most {max(running):g} running; unconstrained replies "
+              f"{[getattr(r, 'raw', '') for r in unconstrained]}; constrained {[r.raw for r in verdicts]}")
     finally:
         stop_process_group(proc)
         if proc.returncode not in (0, -15, None) and log_path.exists():
             print(tail(log_path))
-
