@@ -4,18 +4,29 @@ with the trainer's forward pass (DESIGN.md: token in, token out; versions; misma
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
 
 from tidal.config import AlgorithmConfig, TrainConfig
-from tidal.engines.torch_engine import TorchEngine
+from tidal.engines.torch_engine import EngineClosed, TorchEngine
 from tidal.models import load_model, stop_token_ids
 from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.types import GenerationRequest, SamplingParams
 
 PROMPTS = ["What is 12 + 34?", "What is 99 - 7?", "Hi", "What is 5 + 5? Answer quickly please."]
 LOGPROB_TOLERANCE = 1e-4  # fp32, same weights: engine (KV cache, left padding) vs trainer (full pass)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the matrices are tiny, and on a loaded CPU torch's pool spins."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _ids(tokenizer, text):
@@ -136,7 +147,7 @@ def test_continuous_batching_new_requests_join_and_match_alone(tiny_model_dir, t
     eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, max_batch_size=4)
     prefills = []
     prefill = eng._prefill
-    eng._prefill = lambda requests, take: prefills.append(len(take)) or prefill(requests, take)
+    eng._prefill = lambda seqs: prefills.append(len(seqs)) or prefill(seqs)
     together = eng.generate_sync(reqs)
     assert len(prefills) > 3 and max(prefills) <= 4  # rows joined in several waves, never past the limit
     alone = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
@@ -145,3 +156,103 @@ def test_continuous_batching_new_requests_join_and_match_alone(tiny_model_dir, t
         assert got.request_id == r.request_id and got.token_ids == ref.token_ids
         assert len(got.token_ids) == r.params.max_new_tokens or got.finish_reason == "stop"
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
+
+
+# -- one scheduler per engine: requests of concurrent calls share the running batch ---------------
+STEP_DELAY_S = 0.003  # per forward pass: a second call surely arrives while the first decodes
+
+
+def _slow(engine: TorchEngine) -> TorchEngine:
+    engine.model.register_forward_pre_hook(lambda *_: time.sleep(STEP_DELAY_S))
+    return engine
+
+
+def _in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, box
+
+
+def _wait_steps(engine, n, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while engine.decode_steps < n:
+        assert time.monotonic() < deadline, "the engine made no progress"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("cross_call", [True, False])
+def test_two_overlapping_calls_decode_in_one_batch(tiny_model_dir, tokenizer, cross_call):
+    """Call B starts while call A decodes. With the scheduler its requests join A's running
+    batch: fewer decode steps than the two calls one after the other, and every request's
+    tokens are those it gets alone. Without it (cross_call_batching=False) each call runs
+    its own loop: the steps add up — the measure tells the two apart."""
+    params = SamplingParams(max_new_tokens=30, temperature=1.0)
+    a = _requests(tokenizer, params)
+    b = [GenerationRequest(f"b{r.request_id}", r.prompt_ids, SamplingParams(max_new_tokens=30, seed=900 + i))
+         for i, r in enumerate(_requests(tokenizer, params))]
+    ref = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    want_a, want_b = ref.generate_sync(a), ref.generate_sync(b)
+    one_after_the_other = ref.decode_steps  # 30 + 30: no stop tokens, each call runs to its limit
+
+    eng = _slow(TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, cross_call_batching=cross_call))
+    ta, box_a = _in_thread(eng.generate_sync, a)
+    _wait_steps(eng, 3)
+    tb, box_b = _in_thread(eng.generate_sync, b)
+    ta.join(60)
+    tb.join(60)
+    assert "error" not in box_a and "error" not in box_b
+    for got, want in ((box_a["out"], want_a), (box_b["out"], want_b)):
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+    assert eng.sampled_tokens == ref.sampled_tokens == 8 * 30
+    if cross_call:
+        assert eng.decode_steps < one_after_the_other - 10  # B joined within A's first 20 steps
+    else:
+        assert eng.decode_steps == one_after_the_other
+
+
+def test_many_concurrent_async_calls_join_one_batch(tiny_model_dir, tokenizer):
+    """40 concurrent single-request calls (more than the default thread pool's workers): all of
+    them decode together, as the turns of many episodes do."""
+    eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    reqs = [GenerationRequest(f"r{i}", [5 + i % 7, 17, 30], SamplingParams(max_new_tokens=12, seed=i))
+            for i in range(40)]
+
+    async def all_at_once():
+        return await asyncio.gather(*(eng.generate([r]) for r in reqs))
+
+    out = asyncio.run(all_at_once())
+    assert [o[0].request_id for o in out] == [r.request_id for r in reqs]
+    assert eng.decode_steps < 3 * 12  # one batch (a few joins), not 40 loops of 12 steps
+    alone = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id).generate_sync(reqs)
+    assert [o[0].token_ids for o in out] == [r.token_ids for r in alone]
+
+
+def test_a_bad_call_fails_alone_and_close_fails_calls_in_flight(tiny_model_dir, tokenizer):
+    eng = _slow(TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id))
+    params = SamplingParams(max_new_tokens=25, temperature=1.0)
+    good = _requests(tokenizer, params)
+    ta, box = _in_thread(eng.generate_sync, good)
+    _wait_steps(eng, 2)
+    with pytest.raises(ValueError, match="request bad has an empty prompt"):
+        eng.generate_sync([GenerationRequest("bad", [], params)])
+    ta.join(60)
+    want = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id).generate_sync(good)
+    assert [r.token_ids for r in box["out"]] == [r.token_ids for r in want]
+
+    tb, box = _in_thread(eng.generate_sync, good)
+    _wait_steps(eng, eng.decode_steps + 2)
+    eng.close()
+    tb.join(30)
+    assert not tb.is_alive() and isinstance(box.get("error"), EngineClosed)
+    with pytest.raises(EngineClosed, match="generate .* after close"):
+        eng.generate_sync(good)

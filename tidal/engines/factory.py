@@ -32,11 +32,12 @@ def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: 
     """One engine replica of a resolved kind ("torch", "vllm" or "sglang")."""
     if kind == "torch":
         from tidal.engines.torch_engine import TorchEngine
-        from tidal.models import load_model
+        from tidal.models import load_model, load_tokenizer
 
+        # The tokenizer lets the engine see text: stop strings (SamplingParams.stop).
         return TorchEngine(load_model(model_dir, dtype=dtype, device=device), pad_token_id,
                            max_batch_size=cfg.max_batch_size, partial_rollout=cfg.partial_rollout,
-                           update_timeout_s=cfg.request_timeout_s)
+                           update_timeout_s=cfg.request_timeout_s, tokenizer=load_tokenizer(model_dir))
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("engine.kind=vllm: vLLM is not installed in this environment "

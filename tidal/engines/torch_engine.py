@@ -1,39 +1,59 @@
 """The built-in torch engine: batched sampling with a KV cache on any HF causal LM.
 
 It is the embedded default and the reference for correctness. Prompts are left-padded
-and share one KV cache. Continuous batching: a row that finishes (stop token or its own
-max_new_tokens) leaves the batch at once, so the others stop paying for it, and waiting
-requests join the running batch (prefilled, then their cache is merged in) as soon as
-enough rows have left, so the batch stays full. Sampling noise is a function of
-(request seed, position, token), so a request's tokens do not depend on which requests
-it shares a batch with (up to float rounding of padded attention).
+and share one KV cache. Continuous batching: a row that finishes (stop token, stop
+string or its own max_new_tokens) leaves the batch at once, so the others stop paying
+for it, and waiting requests join the running batch (prefilled, then their cache is
+merged in) as soon as enough rows have left, so the batch stays full. Sampling noise is a
+function of (request seed, position, token), so a request's tokens do not depend on which
+requests it shares a batch with (up to float rounding of padded attention).
+
+One scheduler per engine. Every `generate` call puts its requests in the engine's queue;
+one background thread (started when work arrives, gone when the engine is idle) runs the
+decode loop, and queued requests join the running batch between two decode steps. So the
+next turn of an episode whose tool just answered joins the requests already decoding
+instead of waiting for them or running a second loop that contends with the first; a
+call returns when all of its own requests have finished. `cross_call_batching=False`
+keeps the earlier behaviour (each call runs its own loop in its own thread), for
+benchmarks/agents.py to measure the difference.
 
 New weights during generation (the asynchronous loop calls `update_weights` from another
-thread while `generate_sync` decodes). With `partial_rollout=True` (the default) the update
+thread while the engine decodes). With `partial_rollout=True` (the default) the update
 lands between two decode steps: each step holds the weights lock shared, an update takes
 it exclusive and goes first once it waits, so decoding cannot starve it; the running batch
 then continues on the new weights with its KV cache as computed so far. Every token
 records the version of the weights whose forward pass gave the logits it was sampled from
 (`GenerationResult.token_versions`): the token sampled right after an update still comes
-from logits the old weights computed. With `partial_rollout=False` a generate call holds
-the lock for its whole length: an update waits for the calls in flight, and calls that
-start while it waits wait for it (what vLLM and SGLang do), so each result has one version.
+from logits the old weights computed. With `partial_rollout=False` the requests in flight
+hold the lock until the last of them finishes: an update waits for them, and requests
+queued while it waits start after it (what vLLM and SGLang do), so each result has one
+version.
+
+Stop strings (`SamplingParams.stop`) need the tokenizer (`TorchEngine(..., tokenizer=)`):
+the row's newest tokens are decoded in a short window after each step
+(`stop_strings.py`); the token that completes a stop string ends the request and is kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from tidal.engines.sampling import sample
+from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult
+
+# Most generate calls waiting on the scheduler at once, each on its own thread (the default
+# executor has min(32, cores + 4) threads: too few for an agent's concurrent turns).
+_MAX_WAITING_CALLS = 1024
 
 
 class EngineClosed(RuntimeError):
@@ -46,19 +66,29 @@ class WeightUpdateTimeout(TimeoutError):
 
 class TorchEngine:
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
-                 update_timeout_s: float = 600.0):
+                 update_timeout_s: float = 600.0, tokenizer=None, cross_call_batching: bool = True):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.partial_rollout = partial_rollout
         self.update_timeout_s = update_timeout_s
+        self.cross_call_batching = cross_call_batching
+        self.tokenizer = tokenizer
+        self._stops = StopStringMatcher(tokenizer) if tokenizer is not None else None
         self.decode_steps = 0  # sampling steps run so far (all calls): lets a watcher see progress
+        self.sampled_tokens = 0  # tokens sampled so far: sampled_tokens / decode_steps is the mean batch
         self._weights = _WeightsLock()
         self._version = 0
         self._running = threading.Event()
         self._running.set()
+        self._awake = threading.Event()  # cleared while asleep: the scheduler does not decode then
+        self._awake.set()
         self._closed = False
         self._home: torch.device | None = None  # where the weights live while asleep on the host
+        self._cv = threading.Condition()  # guards the queue and the scheduler thread
+        self._queue: deque[_Call] = deque()
+        self._scheduler: threading.Thread | None = None
+        self._callers: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def version(self) -> int:
@@ -77,12 +107,13 @@ class TorchEngine:
 
     def sleep(self) -> None:
         """Give the accelerator memory back while a colocated trainer trains: new generate
-        calls wait until `wake_up()`, and on a GPU the weights move to host memory (the KV
-        cache lives only inside a generate call). On CPU only the pause remains."""
+        calls wait until `wake_up()`, and on a GPU the weights move to host memory (requests
+        in flight stop decoding until then). On CPU only the pause remains."""
         self.pause()
         if self.device.type == "cuda" and self._home is None:
             with self._weights.exclusive(self.update_timeout_s, lambda n: WeightUpdateTimeout(
                     f"torch engine: sleep waited {self.update_timeout_s:g} s for {n} generate steps")):
+                self._awake.clear()
                 self._home = self.device
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
@@ -91,12 +122,19 @@ class TorchEngine:
         if self._home is not None:
             self.model.to(self._home)
             self._home = None
+            self._awake.set()
         self.resume()
 
     def close(self) -> None:
-        """Stop serving: later calls raise EngineClosed (a replica that was shut down)."""
+        """Stop serving: later calls raise EngineClosed (a replica that was shut down), and so
+        do the calls in flight, after the decode step in progress."""
         self._closed = True
         self._running.set()  # wake anything waiting on pause(), so it can fail
+        self._awake.set()
+        with self._cv:
+            self._cv.notify_all()
+            if self._scheduler is None:  # nothing runs: fail what is queued here
+                self._fail_queued(EngineClosed("torch engine: closed before the call ran"))
 
     def _check_open(self, call: str) -> None:
         if self._closed:
@@ -109,7 +147,7 @@ class TorchEngine:
         missing = sorted(set(params) - set(tensors))
         if unknown or missing:
             raise ValueError(f"weight update v{version} does not match the engine's model: unknown {unknown[:5]}, missing {missing[:5]}")
-        waits_for = "a decode step" if self.partial_rollout else "generate calls in flight (engine.partial_rollout=false)"
+        waits_for = "a decode step" if self.partial_rollout else "the requests in flight (engine.partial_rollout=false)"
         too_slow = lambda n: WeightUpdateTimeout(
             f"torch engine: update_weights v{version} waited {self.update_timeout_s:g} s for {waits_for} to finish "
             f"({n} holding the weights; is update_weights called from the thread that runs generate?)")
@@ -118,68 +156,169 @@ class TorchEngine:
                 params[name].copy_(t)
             self._version = version
 
+    # -- generate ------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        await asyncio.to_thread(self._running.wait)
-        return await asyncio.to_thread(self.generate_sync, requests)
+        self._check_open(f"generate ({len(requests)} requests)")
+        if not self._running.is_set():
+            await asyncio.to_thread(self._running.wait)
+        if not self.cross_call_batching:
+            return await asyncio.to_thread(self.generate_sync, requests)
+        # A thread of the engine's own pool waits for the scheduler, so any number of calls
+        # can be in flight at once (and join one batch).
+        if self._callers is None:
+            self._callers = concurrent.futures.ThreadPoolExecutor(_MAX_WAITING_CALLS, "tidal-torch-call")
+        return await asyncio.get_running_loop().run_in_executor(self._callers, self.generate_sync, requests)
 
     def generate_sync(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         self._check_open(f"generate ({len(requests)} requests)")
         for r in requests:
-            if not r.prompt_ids:
-                raise ValueError(f"request {r.request_id} has an empty prompt")
-        if self.partial_rollout:
-            return self._generate(requests, step_lock=self._weights.shared)
-        with self._weights.shared():  # the whole call on one version
-            return self._generate(requests, step_lock=contextlib.nullcontext)
+            self._validate(r)
+        if not requests:
+            return []
+        call = _Call(requests)
+        if not self.cross_call_batching:
+            return self._run_alone(call)
+        with self._cv:
+            self._check_open(f"generate ({len(requests)} requests)")
+            self._queue.append(call)
+            if self._scheduler is None:
+                self._scheduler = threading.Thread(target=self._schedule, name="tidal-torch-engine", daemon=True)
+                self._scheduler.start()
+            else:
+                self._cv.notify_all()
+        try:
+            return call.future.result()
+        except BaseException:
+            call.future.cancel()  # interrupted: its rows leave the batch at the next step
+            raise
 
-    def _generate(self, requests: list[GenerationRequest],
-                  step_lock: Callable[[], contextlib.AbstractContextManager]) -> list[GenerationResult]:
-        """The decode loop; each iteration (join, sample, decode) runs under `step_lock()`."""
-        # Shortest prompts first: rows that join together pad little.
-        waiting = deque(sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids)))
-        tokens: list[list[int]] = [[] for _ in requests]
-        logps: list[list[float]] = [[] for _ in requests]
-        versions: list[list[int]] = [[] for _ in requests]
-        out: list[GenerationResult | None] = [None] * len(requests)
+    def _validate(self, r: GenerationRequest) -> None:
+        if not r.prompt_ids:
+            raise ValueError(f"request {r.request_id} has an empty prompt")
+        if r.params.stop:
+            check_stop_strings(r.params.stop, f"request {r.request_id}")
+            if self._stops is None:
+                raise ValueError(f"request {r.request_id} has stop strings {tuple(r.params.stop)!r} but the torch "
+                                 "engine has no tokenizer to see text: TorchEngine(..., tokenizer=...) "
+                                 "(build_engine passes the model's)")
+
+    def _run_alone(self, call: _Call) -> list[GenerationResult]:
+        """One call's own decode loop (cross_call_batching=False)."""
+        waiting = deque(call.seqs())
         rows: _Rows | None = None
-        with torch.inference_mode():
-            while waiting or rows is not None:
-                with step_lock():  # weight updates land between iterations, never inside one
-                    rows = self._step(requests, waiting, rows, tokens, logps, versions, out)
-        return out  # type: ignore[return-value]
+        step_lock = self._weights.shared if self.partial_rollout else contextlib.nullcontext
+        with contextlib.ExitStack() as whole:
+            if not self.partial_rollout:
+                whole.enter_context(self._weights.shared())  # the whole call on one version
+            with torch.inference_mode():
+                while waiting or rows is not None:
+                    with step_lock():  # weight updates land between iterations, never inside one
+                        rows = self._step(waiting, rows)
+        return call.future.result(timeout=0)
 
-    def _step(self, requests, waiting, rows, tokens, logps, versions, out) -> _Rows | None:
+    def _schedule(self) -> None:
+        """The scheduler thread: admit queued calls between decode steps, decode, resolve
+        each call as its last request finishes; exit once nothing is queued or in flight."""
+        waiting: deque[_Seq] = deque()
+        rows: _Rows | None = None
+        holding = False  # partial_rollout=False: the lock is held while requests are in flight
+        try:
+            with torch.inference_mode():
+                while True:
+                    if self._closed:
+                        raise EngineClosed("torch engine: closed with the call in flight")
+                    idle = rows is None and not waiting
+                    if idle and holding:  # nothing in flight: a waiting update may go now
+                        self._weights.release_shared()
+                        holding = False
+                    with self._cv:
+                        if idle and not self._queue:
+                            self._scheduler = None
+                            return
+                    if idle and not self.partial_rollout:
+                        self._weights.acquire_shared()  # after an update that runs or waits
+                        holding = True
+                    with self._cv:
+                        # Without partial rollouts an update that waits holds new requests back.
+                        if self.partial_rollout or not self._weights.updates_waiting:
+                            while self._queue:
+                                waiting.extend(self._queue.popleft().seqs())
+                    if rows is None and not waiting:
+                        continue
+                    with self._weights.shared() if self.partial_rollout else contextlib.nullcontext():
+                        asleep = not self._awake.is_set()  # sleep() moved the weights: no decoding
+                        if not asleep:
+                            try:
+                                rows = self._step(waiting, rows)
+                            except Exception as e:  # noqa: BLE001 - the calls in flight fail; later ones are served
+                                _fail(_calls_of(waiting, rows), e)
+                                waiting.clear()
+                                rows = None
+                    if asleep:
+                        self._awake.wait()
+        except BaseException as e:  # closed, or the thread itself failed: nobody may wait forever
+            err = e if isinstance(e, EngineClosed) else EngineClosed(
+                f"torch engine: the scheduler thread failed: {type(e).__name__}: {e}")
+            _fail(_calls_of(waiting, rows), err)
+            with self._cv:
+                self._scheduler = None
+                self._fail_queued(err)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            if holding:
+                self._weights.release_shared()
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Fail every queued call (holding self._cv)."""
+        while self._queue:
+            call = self._queue.popleft()
+            if not call.future.done():
+                call.future.set_exception(error)
+
+    def _step(self, waiting: deque[_Seq], rows: _Rows | None) -> _Rows | None:
         """One iteration: waiting requests join, every row samples a token, finished rows
         leave, the others are decoded. Returns the running batch (None when empty)."""
+        while waiting and waiting[0].call.future.cancelled():
+            waiting.popleft()
         free = self.max_batch_size - (len(rows) if rows is not None else 0)
         # New requests join when a worthwhile number of slots is free (one prefill
         # per join), or when every waiting request fits.
         if waiting and free > 0 and (rows is None or free >= min(len(waiting), self._join_at)):
-            take = [waiting.popleft() for _ in range(min(free, len(waiting)))]
-            new = self._prefill(requests, take)
-            rows = new if rows is None else rows.merge(new)
-        assert rows is not None
+            take: list[_Seq] = []
+            while waiting and len(take) < free:
+                s = waiting.popleft()
+                if not s.call.future.cancelled():
+                    take.append(s)
+            # Shortest prompts first: rows that join together pad little.
+            take.sort(key=lambda s: len(s.request.prompt_ids))
+            if take:
+                new = self._prefill(take)
+                rows = new if rows is None else rows.merge(new)
+        if rows is None:
+            return None
         tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps)
         self.decode_steps += 1
+        self.sampled_tokens += len(rows)
         keep = []
         # A token's version is that of the logits it was sampled from (prefill or last decode).
-        for row, (i, t, lpv, v) in enumerate(zip(rows.idx.tolist(), tok.tolist(), lp.tolist(),
-                                                 rows.versions.tolist())):
-            tokens[i].append(t)
-            logps[i].append(lpv)
-            versions[i].append(v)
-            params = requests[i].params
-            if t in params.stop_token_ids or len(tokens[i]) >= params.max_new_tokens:
-                reason = "stop" if t in params.stop_token_ids else "length"
-                out[i] = GenerationResult(requests[i].request_id, tokens[i], logps[i], reason, max(versions[i]),
-                                          token_versions=versions[i])
+        for row, (seq, t, lpv, v) in enumerate(zip(rows.seqs, tok.tolist(), lp.tolist(), rows.versions.tolist())):
+            if seq.call.future.cancelled():
+                continue  # its caller is gone: the row leaves
+            seq.tokens.append(t)
+            seq.logprobs.append(lpv)
+            seq.versions.append(v)
+            params = seq.request.params
+            stop = t in params.stop_token_ids or (bool(params.stop) and self._stops.completes(seq.tokens, params.stop))
+            if stop or len(seq.tokens) >= params.max_new_tokens:
+                seq.finish("stop" if stop else "length")
             else:
                 keep.append(row)
         if not keep:
             return None
         if len(keep) < len(rows):  # finished rows leave the batch and the cache
             keep_t = torch.tensor(keep, device=rows.seeds.device)
-            rows.select(keep_t)
+            rows.select(keep_t, keep)
             tok = tok[keep_t]
         rows.decode(self.model, tok, self._version)
         return rows
@@ -188,8 +327,8 @@ class TorchEngine:
     def _join_at(self) -> int:
         return max(1, self.max_batch_size // 8)
 
-    def _prefill(self, requests: list[GenerationRequest], take: list[int]) -> _Rows:
-        reqs = [requests[i] for i in take]
+    def _prefill(self, seqs: list[_Seq]) -> _Rows:
+        reqs = [s.request for s in seqs]
         dev, B = self.device, len(reqs)
         L = max(len(r.prompt_ids) for r in reqs)
         input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
@@ -205,7 +344,7 @@ class TorchEngine:
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
         return _Rows(
-            idx=torch.tensor(take, device=dev), cache=cache, attn=attn, next_pos=attn.sum(-1), logits=logits,
+            seqs=list(seqs), cache=cache, attn=attn, next_pos=attn.sum(-1), logits=logits,
             temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
             top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
@@ -215,13 +354,66 @@ class TorchEngine:
         )
 
 
+class _Call:
+    """One generate call: its requests, their results as they finish, and the future its
+    caller waits on (resolved when the last of them finishes)."""
+
+    def __init__(self, requests: list[GenerationRequest]):
+        self.requests = requests
+        self.out: list[GenerationResult | None] = [None] * len(requests)
+        self.left = len(requests)
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def seqs(self) -> list[_Seq]:
+        return [_Seq(self, i) for i in range(len(self.requests))]
+
+
+@dataclass(eq=False)
+class _Seq:
+    """One request being generated: the tokens, log-probs and versions so far."""
+
+    call: _Call
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.call.requests[self.index]
+
+    def finish(self, reason: str) -> None:
+        call = self.call
+        call.out[self.index] = GenerationResult(self.request.request_id, self.tokens, self.logprobs, reason,
+                                                max(self.versions), token_versions=self.versions)
+        call.left -= 1
+        if call.left == 0 and not call.future.done():
+            try:
+                call.future.set_result(call.out)
+            except concurrent.futures.InvalidStateError:  # cancelled just now
+                pass
+
+
+def _calls_of(waiting, rows) -> set[_Call]:
+    return {s.call for s in waiting} | ({s.call for s in rows.seqs} if rows is not None else set())
+
+
+def _fail(calls, error: BaseException) -> None:
+    for call in calls:
+        if not call.future.done():
+            try:
+                call.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:
+                pass
+
+
 @dataclass
 class _Rows:
     """The running batch: one row per request being decoded, with its KV cache (left-padded
     to a common length), attention mask, next position, next-token logits and sampling
     parameters. Rows leave (`select`) and join (`merge`) between decode steps."""
 
-    idx: torch.Tensor  # request index of each row
+    seqs: list[_Seq]  # the request of each row
     cache: DynamicCache
     attn: torch.Tensor
     next_pos: torch.Tensor
@@ -233,15 +425,23 @@ class _Rows:
     steps: torch.Tensor  # tokens generated so far per row: the position of the sampling noise
     versions: torch.Tensor  # weight version that computed each row's `logits`
 
-    _PER_ROW = ("idx", "attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
+    _PER_ROW = ("attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
 
     def __len__(self) -> int:
-        return len(self.idx)
+        return len(self.seqs)
 
-    def select(self, keep: torch.Tensor) -> None:
+    def select(self, keep: torch.Tensor, keep_rows: list[int]) -> None:
         self.cache.batch_select_indices(keep)
         for name in self._PER_ROW:
             setattr(self, name, getattr(self, name)[keep])
+        self.seqs = [self.seqs[i] for i in keep_rows]
+        # Left padding no remaining row needs is cut, so that a batch that never empties
+        # (requests keep joining) does not carry the padding of rows long gone.
+        unused = self.attn.shape[1] - int(self.attn.sum(-1).max())
+        if unused > 0:
+            self.attn = self.attn[:, unused:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
 
     def decode(self, model, tok: torch.Tensor, version: int) -> None:
         """Feed each row's sampled token; the logits become those of the next position,
@@ -265,6 +465,7 @@ class _Rows:
         for name in self._PER_ROW:
             if name != "attn":
                 setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
+        self.seqs = self.seqs + new.seqs
         return self
 
 
@@ -288,17 +489,23 @@ class _WeightsLock:
         self.updates_waiting = 0
         self._updating = False
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def acquire_shared(self) -> None:
         with self._cond:
             self._cond.wait_for(lambda: not self._updating and not self.updates_waiting)
             self.holders += 1
+
+    def release_shared(self) -> None:
+        with self._cond:
+            self.holders -= 1
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        self.acquire_shared()
         try:
             yield
         finally:
-            with self._cond:
-                self.holders -= 1
-                self._cond.notify_all()
+            self.release_shared()
 
     @contextlib.contextmanager
     def exclusive(self, timeout_s: float, on_timeout: Callable[[int], Exception]) -> Iterator[None]:
