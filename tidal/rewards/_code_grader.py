@@ -190,7 +190,10 @@ class Peer:
         self.read_fd, self.write_fd = read_fd, write_fd
 
     def request(self, message):
-        _send(self.write_fd, message)
+        try:
+            _send(self.write_fd, message)
+        except (BrokenPipeError, ConnectionResetError):
+            raise ProgramExited("the program's process ended") from None
         while True:
             reply = _receive(self.read_fd)
             if reply is None:
