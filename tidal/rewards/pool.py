@@ -54,7 +54,6 @@ log = logging.getLogger("tidal.rewards")
 GRACE_S = 0.5  # the driver's deadline past reward.timeout_s: the worker's own answer normally comes first
 START_TIMEOUT_S = 120.0  # a worker imports the rewards (torch, math-verify, a model) before it is ready
 SYNC_DEPTH = 32  # synchronous calls queued on one process worker: amortizes IPC, keeps load balanced
-RAY_SYNC_DEPTH = 1  # an actor does not promise to start calls in order, so one at a time (deadline from send)
 RAY_ACTOR_CONCURRENCY = 64  # placement's max_concurrency of a reward actor
 
 
@@ -160,6 +159,9 @@ class _PoolScorer:
     """Dispatch, deadlines, kills and retries, over a transport (processes or Ray actors)."""
 
     sync_depth = SYNC_DEPTH
+    # True: sync calls go to a worker only while its lane is empty (those of one dispatch
+    # travel together), for a transport that keeps order only within one message.
+    lane_exclusive = False
 
     def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int, max_async: int):
         self.specs = specs
@@ -294,14 +296,14 @@ class _PoolScorer:
             with contextlib.suppress(RuntimeError):  # that loop is closed: its caller is gone
                 loop.call_soon_threadsafe(_set_results, items)
 
-    def _pick(self, is_async: bool) -> _Slot | None:
+    def _pick(self, is_async: bool, open_lanes: set[int] | None) -> _Slot | None:
         best = None
         for s in self.slots:
             if not s.ready or s.dead:
                 continue
             if is_async and s.n_async >= self.max_async:
                 continue
-            if not is_async and len(s.lane) >= self.sync_depth:
+            if not is_async and (len(s.lane) >= self.sync_depth or (open_lanes is not None and s.generation not in open_lanes)):
                 continue
             if best is None or len(s.inflight) < len(best.inflight):
                 best = s
@@ -316,11 +318,12 @@ class _PoolScorer:
         now = time.monotonic()
         sends: dict[int, tuple[_Slot, list[_Call]]] = {}
         waiting: deque[_Call] = deque()
+        open_lanes = {s.generation for s in self.slots if not s.lane} if self.lane_exclusive else None
         while self._pending:
             c = self._pending.popleft()
             if c.finished:
                 continue
-            slot = self._pick(c.is_async)
+            slot = self._pick(c.is_async, open_lanes)
             if slot is None:
                 waiting.append(c)
                 continue
@@ -459,6 +462,22 @@ class _PoolScorer:
                 self._cond.wait(self._heap[0][0] - now if self._heap else None)
 
 
+def _wire(calls: list[_Call]) -> dict:
+    """One message of calls: each input once, whatever the number of rewards that score it."""
+    inputs: list[RewardInput] = []
+    index: dict[int, int] = {}
+    wire = []
+    for c in calls:
+        rows = []
+        for inp in c.inputs:
+            if id(inp) not in index:
+                index[id(inp)] = len(inputs)
+                inputs.append(inp)
+            rows.append(index[id(inp)])
+        wire.append((c.id, c.spec, rows))
+    return {"inputs": inputs, "calls": wire}
+
+
 def _unscored(why: str, n: int) -> list[Result]:
     return [Failed("reward_error", "could not be scored", hint=why)] * n
 
@@ -568,18 +587,7 @@ class ProcessScorer(_PoolScorer):
         slot.pid = slot.transport.proc.pid
 
     def _send(self, slot: _Slot, calls: list[_Call]) -> None:
-        inputs: list[RewardInput] = []
-        index: dict[int, int] = {}
-        wire = []
-        for c in calls:  # each input once per message, whatever the number of rewards that score it
-            rows = []
-            for inp in c.inputs:
-                if id(inp) not in index:
-                    index[id(inp)] = len(inputs)
-                    inputs.append(inp)
-                rows.append(index[id(inp)])
-            wire.append((c.id, c.spec, rows))
-        slot.transport.send(pickle.dumps({"inputs": inputs, "calls": wire}, protocol=pickle.HIGHEST_PROTOCOL))
+        slot.transport.send(pickle.dumps(_wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
 
     def _kill(self, slot: _Slot) -> None:
         if slot.transport is not None:
@@ -604,7 +612,7 @@ class RayScorer(_PoolScorer):
     placement's `RewardActors`: `spawn(i, specs, timeout_s)` starts the actor of slot i (in
     its placement-group bundle), also to replace one that was killed or died."""
 
-    sync_depth = RAY_SYNC_DEPTH
+    lane_exclusive = True  # Ray keeps the order of calls within one actor call, not across calls
 
     def __init__(self, specs: list[dict[str, Any]], cfg, actors):
         self.actors = actors
@@ -641,24 +649,31 @@ class RayScorer(_PoolScorer):
             self._flush_wakes()
 
     def _send(self, slot: _Slot, calls: list[_Call]) -> None:
-        for c in calls:
-            self._on(slot.transport.run.remote(c.spec, c.inputs), lambda f, c=c: self._ray_done(slot, c, f))
+        """One streaming actor call for the lot: answers come back in bunches as they finish
+        (a synchronous call's answer tells that the next one started, as with the processes)."""
+        gen = slot.transport.run_batch.options(num_returns="streaming").remote(_wire(calls))
+        threading.Thread(target=self._consume, args=(slot, gen, calls), name=f"tidal-reward-ray{slot.index}",
+                         daemon=True).start()
 
-    def _ray_done(self, slot: _Slot, c: _Call, f) -> None:
+    def _consume(self, slot: _Slot, gen, calls: list[_Call]) -> None:
+        import ray
         from ray.exceptions import RayActorError
 
         try:
-            results, hung = f.result()
+            for ref in gen:
+                chunk = ray.get(ref)
+                with self._lock:
+                    self._on_results(slot, chunk)
+                    self._flush_wakes()
         except RayActorError as e:
             with self._lock:
                 self._on_exit(slot, _ray_cause(e))
                 self._flush_wakes()
-            return
-        except Exception as e:  # noqa: BLE001 - the host itself failed: that call is an error, not a hang
-            results, hung = _unscored(f"the reward worker raised {_ray_cause(e)}", len(c.inputs)), False
-        with self._lock:
-            self._on_results(slot, [(c.id, results, hung)])
-            self._flush_wakes()
+        except Exception as e:  # noqa: BLE001 - the host itself failed: its calls are errors, not hangs
+            why = f"the reward worker raised {_ray_cause(e)}"
+            with self._lock:
+                self._on_results(slot, [(c.id, _unscored(why, len(c.inputs)), False) for c in calls])
+                self._flush_wakes()
 
     def _kill(self, slot: _Slot) -> None:
         if slot.transport is not None:

@@ -12,6 +12,7 @@ starts and replaces those actors.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -314,6 +315,31 @@ class RewardWorker:
     async def run(self, spec: int, inputs: list) -> tuple[list, bool]:
         """(one result per input, hung): see RewardHost.run."""
         return await self.host.run(spec, inputs)
+
+    async def run_batch(self, msg: dict):
+        """Calls {"inputs", "calls": [(id, spec, [input index])]}, answered as a stream of
+        bunches [(id, results, hung)] in the order they finish (sync calls run in the order given)."""
+        from tidal.rewards.forms import raised
+
+        done: asyncio.Queue = asyncio.Queue()
+
+        async def one(call_id: int, spec: int, inputs: list) -> None:
+            try:
+                results, hung = await self.host.run(spec, inputs)
+            except Exception as e:  # noqa: BLE001 - a bug here must answer the call, not strand it
+                results, hung = raised(self.host.rewards[spec], e, inputs), False
+            done.put_nowait((call_id, results, hung))
+
+        inputs = msg["inputs"]
+        tasks = [asyncio.ensure_future(one(cid, spec, [inputs[i] for i in rows])) for cid, spec, rows in msg["calls"]]
+        left = len(tasks)
+        while left:
+            chunk = [await done.get()]
+            await asyncio.sleep(0)  # let the answers that finish together join this bunch
+            while not done.empty():
+                chunk.append(done.get_nowait())
+            left -= len(chunk)
+            yield chunk
 
     def pid(self) -> int:
         return os.getpid()
