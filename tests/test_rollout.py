@@ -259,12 +259,14 @@ def test_step_result_changes_sampling_of_the_next_turn(tokenizer):
 
     engine = ScriptedTurns(tokenizer, ["x", "y", "z"])
     rollout = Rollout(tokenizer, SamplingParams(max_new_tokens=20), max_turns=3)
-    make = lambda r, s: Override(r, s, replies=[[{"role": "user", "content": "go on"}]] * 2)
+    envs = []
+    make = lambda r, s: envs.append(Override(r, s, replies=[[{"role": "user", "content": "go on"}]] * 3)) or envs[-1]
     ep = run(rollout, group_specs([{"prompt": "hi"}], make, 1, 0, 1), engine)[0]
-    assert ep.status is Status.OK
+    assert ep.status is Status.TRUNCATED and ep.metrics["rollout/out_of_turns"] == 1  # it wanted a 4th turn
     p = [r.params for r in engine.requests]
     assert p[0].stop == () and p[0].max_new_tokens == 20
     assert p[1].stop == ("</tool_call>",) and p[1].max_new_tokens == 7 and p[2].stop == ("</tool_call>",)
+    assert [a.last_turn for a in envs[0].actions] == [False, False, True]
     assert len({q.seed for q in p}) == 3  # every turn has its own sampling seed
 
 
@@ -279,7 +281,7 @@ def test_env_sees_text_finish_reason_and_tokens(tokenizer):
     ep = run(Rollout(tokenizer, SamplingParams(max_new_tokens=3)), group_specs([{"prompt": "hi"}], make, 1, 0, 1),
              engine)[0]
     (action,) = envs[0].actions
-    assert action.finish_reason == "length" and ep.status is Status.TRUNCATED
+    assert action.finish_reason == "length" and ep.status is Status.TRUNCATED and action.last_turn  # max_turns=1
     assert list(action.token_ids) == ep.tokens[ep.turns[0].start:ep.turns[0].end]
     assert action.text == tokenizer.decode(action.token_ids, skip_special_tokens=True)
     assert ep.seed == envs[0].seed  # the episode records its env seed

@@ -144,3 +144,25 @@ def test_custom_dataset_example_trains(tiny_model_dir, tmp_path):
     cfg.task.eval_dataset = str(Path(__file__).parent.parent / cfg.task.eval_dataset)
     m = Controller(cfg).train()
     assert m["episodes"] == 4 and m["episodes/reward_error"] == 0
+
+
+def test_failure_budget_stops_the_run_with_exit_3_and_the_checkpoint_intact(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    base = [f"model.path={tiny_model_dir}", f"run.dir={run}", "rollout.prompts_per_step=2",
+            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=4", "task.train_size=16", "task.eval_size=4",
+            "run.progress=false", "run.eval_every=0", "run.save_every=1", "reward.isolation=inline"]
+    assert main(["train", *base, "train.steps=2"]) == 0
+    ckpt = run / "checkpoints" / "step_000002"
+    before = {p.name: p.read_bytes() for p in (ckpt / "model").iterdir()}
+    # the run goes on with a reward that fails on every episode: 3 steps over the budget stop it
+    code = main(["train", *base, "train.steps=10", "task.reward=test_run:broken_reward", "reward.failure_steps=3",
+                 "--resume"])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "stopping at step 5: 100% of this step's episodes failed ({'reward_error': 4})" in err
+    assert "reward.failure_budget=0.5 for 3 steps in a row" in err and "KeyError('solution')" in err
+    assert f"the last checkpoint is {ckpt}" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert {p.name: p.read_bytes() for p in (ckpt / "model").iterdir()} == before  # untouched
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and steps[-1]["stopped/failure_budget"] == 1.0

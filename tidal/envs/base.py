@@ -42,6 +42,10 @@ class Action:
     finish_reason: str = "stop"  # "stop" (stop token or stop string) | "length" (out of tokens)
     token_ids: tuple[int, ...] = ()
     turn: int = 0
+    # No further turn follows, whatever the environment answers (rollout.max_turns, or the
+    # episode's token budget is spent): an environment that grades or verifies at its end
+    # should do it now.
+    last_turn: bool = False
 
 
 @dataclass(frozen=True)

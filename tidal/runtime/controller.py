@@ -254,7 +254,10 @@ class Controller:
                                                        self.make_env, k=0)["accuracy"]
         self.metrics.log(step, metrics)
         if self.episode_writer is not None:
-            self.episode_writer.write(step, episodes)
+            if cfg.algorithm.dynamic_sampling:
+                self.episode_writer.write(step, episodes)
+            else:
+                self.episode_writer.end_step(step)
         if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
             self.save()
         return metrics
@@ -280,12 +283,15 @@ class Controller:
         baselines: dict[str, float] = {}
         kept: list[str] = []  # group ids to train on, in sampling order
         rounds = 0
+        # Episodes stream to the store as they finish, unless dynamic sampling decides only at
+        # the end which of them are trained (then the step is written whole).
+        stream = self._stream if self.episode_writer is not None and not algo.dynamic_sampling else None
         while True:
             rows = self.source.take(want)
             specs = group_specs(rows, self.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
                                 offset=rounds * want, greedy_baseline=algo.advantage == "remax")
             new: list[Episode] = []  # this round's samples that were scored
-            for spec, e in zip(specs, asyncio.run(self.rollout.run(specs, self.engine, step))):
+            for spec, e in zip(specs, asyncio.run(self.rollout.run(specs, self.engine, step, on_episode=stream))):
                 if spec.greedy:  # a baseline, not a sample: no training, no sample metrics
                     if e.status.trainable:
                         baselines[e.group_id] = e.reward
@@ -336,6 +342,12 @@ class Controller:
                 f"reward.failure_budget={rc.failure_budget:g} for {self._over_budget} steps in a row "
                 f"(reward.failure_steps={rc.failure_steps}). First error: {first}. Nothing of step {step} was "
                 f"trained on; the last checkpoint is {last or 'none (no step was saved yet)'}.")
+
+    def _stream(self, e: Episode) -> None:
+        if e.episode_id.endswith("-greedy"):  # a ReMax baseline: not a sample
+            return
+        e.metrics["trained"] = float(e.status.trainable)
+        self.episode_writer.add(e)
 
     @staticmethod
     def _report_failures(step: int, episodes: list[Episode]) -> None:

@@ -231,7 +231,9 @@ class Rollout:
             ep.logprobs += res.logprobs
             ep.versions += res.versions_per_token()
             last_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-            action = Action(last_text, res.finish_reason, tuple(res.token_ids), turn)
+            spent = self.max_total_tokens is not None and len(ep.tokens) - seg >= self.max_total_tokens
+            action = Action(last_text, res.finish_reason, tuple(res.token_ids), turn,
+                            last_turn=turn == self.max_turns - 1 or spent)
             t2 = time.perf_counter()
             try:
                 out = await env.step(action)
