@@ -21,7 +21,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from tidal.engines.served import free_port, stop_process_group, tail, wait_healthy
 from tidal.rewards import call_reward_async
@@ -102,6 +102,12 @@ def make_app(s: Scripted) -> FastAPI:
                 return reply(action[2])
             if kind == "body":
                 return PlainTextResponse(action[1])
+            if kind == "dribble":  # a byte every 0.1 s for action[1] seconds: no single read ever waits long
+                async def drip():
+                    for _ in range(int(action[1] / 0.1)):
+                        yield b" "
+                        await asyncio.sleep(0.1)
+                return StreamingResponse(drip(), media_type="application/json")
             raise AssertionError(f"unknown action {action}")
         finally:
             s.active -= 1
@@ -285,6 +291,15 @@ def test_a_slow_answer_times_out_and_is_retried(srv):
     # Abandoned at the 0.3 s timeout, not after the server's 3 s (1.5 s leaves room for a loaded CI machine).
     assert time.monotonic() - t0 < 1.5
     assert srv.count("slow") == 2 and j.stats["transport_retries"] == 1
+
+
+def test_timeout_bounds_the_whole_answer_not_each_read(srv):
+    srv.plans["drip"] = [("dribble", 3.0), ("reply", "Score: 4")]
+    j = judge(srv, timeout_s=0.5)
+    t0 = time.monotonic()
+    assert run(j("case=drip 4", answer="4"))["judge"] == pytest.approx(0.4)
+    assert time.monotonic() - t0 < 2.0  # cut at 0.5 s, not after the 3 s of dribble (slack: a loaded machine)
+    assert j.stats["transport_retries"] == 1
 
 
 def test_retries_run_out_into_a_typed_error_within_the_worst_case(srv):

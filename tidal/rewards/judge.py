@@ -527,7 +527,7 @@ class _Client:
             self._loop = loop
             # Plain http has no certificates to check: skip loading the CA bundle (0.1-0.3 s per client).
             verify = not self.url.startswith("http://")
-            self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.max_concurrency), verify=verify)
+            self._http = httpx.AsyncClient(verify=verify)  # the semaphore is the concurrency limit
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._inflight = {}
 
