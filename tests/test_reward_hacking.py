@@ -192,7 +192,7 @@ def passes_in_one_process(grade, source: str, tests: str = TESTS) -> bool:
     token = secrets.token_hex(16)
 
     async def run():
-        return await grade.reward.pool().run_python(IN_PROCESS_HARNESS, files={"solution.py": source},
+        return await (await grade.reward.pool()).run_python(IN_PROCESS_HARNESS, files={"solution.py": source},
                                                     stdin=f"{token}\n{tests}")
 
     result = grade.loop.run_until_complete(run())

@@ -5,6 +5,8 @@ The attacks on it are in tests/test_reward_hacking.py."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from sandbox_support import require_bwrap, wait_for_no_sandbox_processes
@@ -66,6 +68,21 @@ def test_the_reward_contract_awaits_the_sandboxed_reward(bwrap):
     assert asyncio.run(go()) == (1.0, {"correct": 1.0})
     with pytest.raises(TypeError, match="call_reward_async"):
         call_reward(score, "x", row)  # an async reward cannot be called synchronously by mistake
+
+
+def test_a_loop_per_step_leaves_no_pool_behind(bwrap):
+    """A run may make an event loop per step: each loop's pool (its starter threads and
+    warm sandboxes) ends with the loop."""
+    reward = CodeReward(SandboxConfig(warm=2))
+    threads = threading.active_count()
+    for _ in range(3):
+        assert asyncio.run(reward(COMPLETIONS["bare, correct"][0], TESTS)) == {"correct": 1.0}
+    assert reward._pools == {}
+    assert wait_for_no_sandbox_processes() == []
+    deadline = time.monotonic() + 5.0  # executor threads leave once they see the shutdown
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads
 
 
 def test_a_sandbox_that_cannot_run_raises_instead_of_scoring_zero():

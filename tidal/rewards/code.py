@@ -37,10 +37,10 @@ import asyncio
 import json
 import re
 import secrets
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult, SandboxStatus
 
@@ -75,19 +75,35 @@ class CodeReward:
         # A mapping is what `task.rewards[].args` gives from YAML.
         self.config = SandboxConfig.model_validate(config) if isinstance(config, Mapping) else config or SandboxConfig()
         self.limits = {**DEFAULT_LIMITS, **(limits or {})}
-        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SandboxPool] = weakref.WeakKeyDictionary()
+        # Not weak: a pool's semaphore refers to its loop once contended, so a weak key would
+        # never go; the pool's lifetime generator removes the entry instead.
+        self._pools: dict[asyncio.AbstractEventLoop, tuple[SandboxPool, Any]] = {}
 
-    def pool(self) -> SandboxPool:
+    async def pool(self) -> SandboxPool:
+        """This event loop's pool, made on first use and closed when the loop shuts down
+        its async generators (asyncio.run does, before closing the loop): a run that makes
+        a loop per step keeps no pool, thread or warm sandbox of a finished step."""
         loop = asyncio.get_running_loop()
         if loop not in self._pools:
-            self._pools[loop] = SandboxPool(self.config)
-        return self._pools[loop]
+            pool = SandboxPool(self.config)
+            lifetime = self._lifetime(loop, pool)
+            self._pools[loop] = (pool, lifetime)
+            await lifetime.__anext__()  # first iterated in this loop: the loop finalizes it
+        return self._pools[loop][0]
+
+    async def _lifetime(self, loop: asyncio.AbstractEventLoop, pool: SandboxPool):
+        try:
+            yield
+        finally:
+            if self._pools.get(loop, (None,))[0] is pool:
+                del self._pools[loop]
+            await pool.close()
 
     async def close(self) -> None:
-        """Close this loop's pool (its warm sandboxes); a later call makes a new one."""
-        pool = self._pools.pop(asyncio.get_running_loop(), None)
-        if pool is not None:
-            await pool.close()
+        """Close this loop's pool (its warm sandboxes) now; a later call makes a new one."""
+        entry = self._pools.pop(asyncio.get_running_loop(), None)
+        if entry is not None:
+            await entry[1].aclose()
 
     async def __call__(self, completion: str, tests: str) -> dict[str, float]:
         """correct: 1 when the completion's program passes `tests`; 0 for any failure of the
@@ -111,7 +127,7 @@ class CodeReward:
         workspace[f"{PROGRAM_MODULE}.py"] = program
         token = secrets.token_hex(16)
         payload = json.dumps({"token": token, "tests": tests, "module": PROGRAM_MODULE, "server": GRADER_SOURCE})
-        result = await self.pool().run_python(GRADER_SOURCE, files=workspace, stdin=payload, limits=self.limits)
+        result = await (await self.pool()).run_python(GRADER_SOURCE, files=workspace, stdin=payload, limits=self.limits)
         if result.status is SandboxStatus.SANDBOX_ERROR:
             raise RuntimeError(f"the sandbox failed to run the tests: {result.error}")
         # Only the grader knows the token, so only it can write a line that starts with it.
