@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -504,7 +505,7 @@ class _Proc:
     """One worker process: its pipes, a reader thread and a sender thread (a full pipe blocks
     only the sender, never the caller's event loop or the bookkeeping)."""
 
-    def __init__(self, pool: ProcessScorer, slot: _Slot):
+    def __init__(self, pool: _ProcessPool, slot: _Slot):
         from multiprocessing.connection import Connection
 
         self.pool, self.slot = pool, slot
@@ -576,7 +577,7 @@ class _Proc:
         self.outbox.put(None)
 
 
-class ProcessScorer(_PoolScorer):
+class _ProcessPool(_PoolScorer):
     """Rewards in `reward.workers` worker processes on this machine."""
 
     def __init__(self, specs: list[dict[str, Any]], cfg):
@@ -607,7 +608,7 @@ class ProcessScorer(_PoolScorer):
 
 
 # -- Ray reward actors -------------------------------------------------------------------------
-class RayScorer(_PoolScorer):
+class _RayPool(_PoolScorer):
     """Rewards in Ray actors (`RewardWorker`, placement.reward_workers). `actors` is
     placement's `RewardActors`: `spawn(i, specs, timeout_s)` starts the actor of slot i (in
     its placement-group bundle), also to replace one that was killed or died."""
@@ -694,3 +695,52 @@ def _ray_cause(e: BaseException) -> str:
         return str(cause) if isinstance(cause, ValueError) else f"{type(cause).__name__}({cause})"
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first}"
+
+
+# -- what build_scorer returns -----------------------------------------------------------------
+class _Scorer:
+    """The pool behind a handle that nothing inside the pool refers to: a scorer that is
+    dropped without `close()` (a run that ends without closing) still stops its workers once
+    it is collected, or at interpreter exit."""
+
+    def __init__(self, pool: _PoolScorer):
+        self._pool = pool
+        self._finalizer = weakref.finalize(self, pool.shutdown)
+        self.rewards, self.per_group = pool.rewards, pool.per_group
+
+    async def score(self, inputs: list[RewardInput]) -> list[RewardOutcome]:
+        return await self._pool.score(inputs)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        self._finalizer()  # runs pool.shutdown once
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers, by slot."""
+        return self._pool.pids()
+
+    @property
+    def served(self) -> list[int]:
+        """Calls answered, per worker slot."""
+        return self._pool.served
+
+    @property
+    def restarts(self) -> int:
+        """Workers replaced so far (killed for a hung call, or died)."""
+        return self._pool.restarts
+
+
+class ProcessScorer(_Scorer):
+    """Rewards in `reward.workers` worker processes on this machine."""
+
+    def __init__(self, specs: list[dict[str, Any]], cfg):
+        super().__init__(_ProcessPool(specs, cfg))
+
+
+class RayScorer(_Scorer):
+    """Rewards in Ray reward actors (placement.reward_workers), started through `actors`."""
+
+    def __init__(self, specs: list[dict[str, Any]], cfg, actors):
+        super().__init__(_RayPool(specs, cfg, actors))
