@@ -546,3 +546,11 @@ def test_judge_against_a_real_vllm_server(tmp_path):
         stop_process_group(proc)
         if proc.returncode not in (0, -15, None) and log_path.exists():
             print(tail(log_path))
+
+
+def test_api_key_from_a_named_environment_variable(srv, monkeypatch):
+    monkeypatch.setenv("TIDAL_TEST_JUDGE_KEY", "sk-from-env")
+    run(judge(srv, api_key_env="TIDAL_TEST_JUDGE_KEY")("case=key 4", answer="4"))
+    assert srv.requests[0]["auth"] == "Bearer sk-from-env"
+    with pytest.raises(ValueError, match="`TIDAL_TEST_JUDGE_UNSET`, which is not set"):
+        judge(srv, api_key_env="TIDAL_TEST_JUDGE_UNSET")

@@ -40,6 +40,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import re
 import secrets
@@ -674,6 +675,20 @@ def _completion_text(completion: Any) -> str:
     raise TypeError(f"a completion must be text or chat messages, got {type(completion).__name__}")
 
 
+def _api_key(api_key: str | None, api_key_env: str | None) -> str | None:
+    """The key itself, or the environment variable that `api_key_env` names, read once here:
+    a config is logged whole into the run directory, so a secret should not be in it."""
+    if api_key_env is None:
+        return api_key
+    if api_key is not None:
+        raise ValueError("judge: give api_key or api_key_env, not both")
+    key = os.environ.get(api_key_env)
+    if not key:
+        raise ValueError(f"judge: api_key_env names `{api_key_env}`, which is not set in the environment of the "
+                         f"process that builds the judge (a reward worker inherits the trainer's environment)")
+    return key
+
+
 # -- the rewards -----------------------------------------------------------------------------
 # Keyword arguments the rollout gives a per-sample reward besides the row's columns.
 _ROLLOUT_KEYS = ("prompt_messages", "completion_ids", "messages", "turns", "episode_id", "task_id", "group_id", "step")
@@ -703,6 +718,8 @@ class LLMJudge:
     parses a score on `scale` and normalizes it to [0, 1]; mode "choice" parses one of
     `choices`' labels and gives its value. The reward is `{"judge": s, "judge_injection": p}`,
     p = -injection_penalty when an injection was detected and on_injection is "penalize", else 0.
+    A remote API's key: `api_key_env` names the environment variable holding it (a config is
+    logged into the run directory, so the key itself is better kept out of it).
     """
 
     def __init__(self, base_url: str, model: str, api_key: str | None = None, rubric: str = "correctness",
@@ -711,7 +728,8 @@ class LLMJudge:
                  max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 8.0, max_concurrency: int = 8,
                  timeout_s: float = 30.0, cache: bool = True, cache_size: int = 100_000,
                  on_injection: OnInjection = "zero", injection_penalty: float = 1.0,
-                 reference_column: str = "answer", part: str = "judge", extra_body: dict[str, Any] | None = None):
+                 reference_column: str = "answer", part: str = "judge", extra_body: dict[str, Any] | None = None,
+                 api_key_env: str | None = None):
         if mode not in ("score", "choice"):
             raise ValueError(f"judge mode must be 'score' or 'choice', got {mode!r}")
         if on_injection not in ("zero", "penalize", "flag"):
@@ -730,8 +748,8 @@ class LLMJudge:
         self.injection_penalty = float(injection_penalty)
         self.reference_column = reference_column
         self.part = part
-        self.client = _Client(base_url, model, api_key, temperature, max_tokens, max_retries, backoff_s,
-                              max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
+        self.client = _Client(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
+                              backoff_s, max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
         self.__tidal_name__ = f"LLMJudge({model})"
 
     @property
@@ -825,7 +843,8 @@ class PairwiseJudge:
                  allow_tie: bool = True, temperature: float = 0.0, max_tokens: int = 512, max_retries: int = 3,
                  backoff_s: float = 0.5, max_backoff_s: float = 8.0, max_concurrency: int = 8, timeout_s: float = 30.0,
                  cache: bool = True, cache_size: int = 100_000, on_injection: Literal["zero", "flag"] = "zero",
-                 reference_column: str | None = None, extra_body: dict[str, Any] | None = None):
+                 reference_column: str | None = None, extra_body: dict[str, Any] | None = None,
+                 api_key_env: str | None = None):
         if schedule not in ("round_robin", "pivot"):
             raise ValueError(f"pairwise judge schedule must be 'round_robin' or 'pivot', got {schedule!r}")
         if on_injection not in ("zero", "flag"):
@@ -838,8 +857,8 @@ class PairwiseJudge:
         self.allow_tie = allow_tie
         self.on_injection = on_injection
         self.reference_column = reference_column
-        self.client = _Client(base_url, model, api_key, temperature, max_tokens, max_retries, backoff_s,
-                              max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
+        self.client = _Client(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
+                              backoff_s, max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
         self.__tidal_name__ = f"PairwiseJudge({model})"
 
     @property
