@@ -277,6 +277,19 @@ def test_code_grade_takes_the_original_tests_and_other_program_files(code_reward
     assert loop.run_until_complete(reward.grade(wrong, ADD_TESTS, files=files)) == {"correct": 0.0}
     with pytest.raises(ValueError, match="main.py"):
         loop.run_until_complete(reward.grade(program, ADD_TESTS, files={"main.py": ""}))
+    with pytest.raises(ValueError, match="tests are empty"):  # every program would pass
+        loop.run_until_complete(reward.grade(program, " \n"))
+
+
+def test_code_verifier_without_isolation_still_grades():
+    """isolation=unsafe_host (trusted code only): the grader keeps its standard library on
+    its import path even where its user (root here) may write to it."""
+    reward = CodeReward(SandboxConfig(isolation="unsafe_host", warm=0))
+
+    async def go():
+        return [await reward.grade(ADD, ADD_TESTS), await reward.grade("def add(a, b):\n    return 0\n", ADD_TESTS)]
+
+    assert asyncio.run(go()) == [{"correct": 1.0}, {"correct": 0.0}]
 
 
 # -- text -----------------------------------------------------------------------------------

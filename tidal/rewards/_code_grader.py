@@ -1,11 +1,13 @@
 """The two programs of a code grading inside the sandbox: the grader and the program's server.
 
-`tidal.rewards.code` runs this file as the sandbox's main script (the grader, G). G reads
-a per-run token and the tests from stdin, points stdin at /dev/null, makes itself
-non-dumpable (no process of its uid can then read its memory or its /proc files, nor
-ptrace it), drops every writable directory from its import path, imports all it will
-need, and only then starts the server (S): a new interpreter (exec'd, so it shares no
-memory with G) given this same source, which imports the program.
+`tidal.rewards.code` runs this file as the sandbox's main script: the grader, G. G reads a
+per-run token and the tests from stdin, drops every writable directory from its import
+path, and starts the server, S: a new interpreter (exec'd, so it shares no memory with G)
+running this same file, which reports ready before it imports anything of the program.
+Meanwhile G points its stdin at /dev/null and makes itself non-dumpable: no process of its
+uid can then read its memory or its /proc files (fd, environ, mem, maps) or ptrace it,
+which needs a capability the sandbox does not have. Only then does G ask S to import the
+program.
 
 The tests run in G. Each use of a program name crosses to S as a message, so the program
 sees the arguments of its calls and nothing else: not the tests' code or frames, not the
@@ -425,8 +427,17 @@ class HarnessError(Exception):
 
 def grader_main():
     workspace = os.getcwd()
-    # Nothing the program can write may be imported here: the workspace and /tmp go.
-    sys.path[:] = [p for p in sys.path if p and not os.access(p, os.W_OK)]
+    # Nothing the program can write may be imported here: the workspace, /tmp and (in the
+    # sandbox, where only those two are writable) any other writable directory go. Host
+    # root (isolation=unsafe_host, trusted code only) can write everywhere: that test would
+    # drop the standard library.
+    scratch = tuple(os.path.realpath(d) + "/" for d in (workspace, "/tmp"))
+
+    def importable(path):
+        real = os.path.realpath(path) + "/" if path else ""
+        return real and not real.startswith(scratch) and (os.geteuid() == 0 or not os.access(path, os.W_OK))
+
+    sys.path[:] = [p for p in sys.path if importable(p)]
     payload = json.loads(sys.stdin.buffer.read())
     token = payload["token"]
     server_pid = None

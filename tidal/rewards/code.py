@@ -121,6 +121,8 @@ class CodeReward:
         if not isinstance(program, str) or not isinstance(tests, str):
             raise TypeError(f"CodeReward grades a program and tests given as str, got {type(program).__name__} "
                             f"and {type(tests).__name__}")
+        if not tests.strip():
+            raise ValueError("CodeReward: the tests are empty, so every program would pass (check the `tests` column)")
         workspace = dict(files or {})
         if "main.py" in workspace:
             raise ValueError("CodeReward: the workspace file `main.py` is the grader's; rename the program's file")
