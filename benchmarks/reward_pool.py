@@ -26,8 +26,9 @@ def _inputs(n: int):
     from tidal.rewards.contract import RewardInput
 
     pm = [{"role": "user", "content": "What is 7 + 5? Answer as <answer>N</answer>."}]
+    done = [*pm, {"role": "assistant", "content": "<answer>12</answer>"}]
     return [RewardInput(f"e{i}", f"g{i // 8}", "arith", 1, "<|user|>What is 7 + 5?<|assistant|>", pm,
-                        "<answer>12</answer>", list(range(12)), [*pm, {"role": "assistant", "content": "<answer>12</answer>"}],
+                        "<answer>12</answer>", list(range(12)), done,
                         [{"index": 0, "text": "<answer>12</answer>", "finish_reason": "stop", "reward": 0.0,
                           "tool_calls": []}], {"answer": "12", "task_id": f"t{i}"}) for i in range(n)]
 

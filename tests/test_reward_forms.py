@@ -135,7 +135,8 @@ def test_raise_is_typed_named_and_its_traceback_logged(rewards_file, caplog):
     with caplog.at_level(logging.WARNING, logger="tidal.rewards"):
         out, = score([RewardSpec(fn=f"{rewards_file}:boom")], [make_input(1)])
     assert out.status == "reward_error" and math.isnan(out.reward)
-    assert out.error == f"reward function `{rewards_file}:boom` raised KeyError('answer') on episode e1 (task t0) of step 3"
+    assert out.error == (f"reward function `{rewards_file}:boom` raised KeyError('answer') "
+                         f"on episode e1 (task t0) of step 3")
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert out.error in logged and "Traceback" in logged and 'return {"x": 1}["answer"]' in logged
 
@@ -246,7 +247,8 @@ def test_verl_compute_score_on_verl_parquet(rewards_file, tmp_path):
 
 
 def test_verl_form_names_the_missing_column(rewards_file):
-    out, = score([RewardSpec(fn=f"{rewards_file}:compute_score", form="verl")], [make_input(0, columns={"answer": "1"})])
+    out, = score([RewardSpec(fn=f"{rewards_file}:compute_score", form="verl")],
+                 [make_input(0, columns={"answer": "1"})])
     assert out.status == "reward_error"
     assert out.error == (f"reward function `{rewards_file}:compute_score` needs the row's `reward_model.ground_truth` "
                          f"(veRL's format), and the row has no `reward_model` (columns: answer) on episode e0 "
@@ -288,8 +290,8 @@ def test_load_errors_name_the_key_and_what_failed(rewards_file, tmp_path, fn, ar
 def test_call_reward_still_calls_a_tidal_function():
     from tidal.rewards.arithmetic import score as arith
 
-    assert call_reward(arith, "<answer>12</answer>", {"answer": "12"}) == (pytest.approx(1.1), {"correct": 1.0,
-                                                                                             "format": pytest.approx(0.1)})
+    total, parts = call_reward(arith, "<answer>12</answer>", {"answer": "12"})
+    assert total == pytest.approx(1.1) and parts == {"correct": 1.0, "format": pytest.approx(0.1)}
 
 
 # -- combination -------------------------------------------------------------------------------

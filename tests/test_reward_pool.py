@@ -135,7 +135,8 @@ def test_typed_failures_in_workers_match_inline(sync_pool, rewards_file, caplog)
     assert [o.status for o in outs] == ["ok", "reward_error", "reward_error", "reward_error", "reward_error", "ok"]
     name = f"reward function `{rewards_file}:behave`"
     assert outs[1].error == f"{name} raised KeyError('answer') on episode e1 (task t0) of step 5"
-    assert outs[2].error == f"{name} returned a str ('abc'), expected a float or a dict of floats on episode e2 (task t0) of step 5"
+    assert outs[2].error == (f"{name} returned a str ('abc'), expected a float or a dict of floats "
+                             f"on episode e2 (task t0) of step 5")
     assert outs[3].error == f"{name} returned a non-finite reward nan on episode e3 (task t0) of step 5"
     assert outs[0].parts == {"correct": 1.0, "format": 0.1} and outs[0].reward == pytest.approx(1.1)
     # The traceback from inside the worker process reaches the driver's log.
@@ -250,10 +251,12 @@ def test_close_stops_every_worker_and_later_calls_are_typed(rewards_file):
 def test_per_sample_and_batched_rewards_combine_in_workers(rewards_file):
     specs = [RewardSpec(fn="tidal.rewards.arithmetic:score", weight=0.5),
              RewardSpec(fn=f"{rewards_file}:group_len", form="trl", weight=0.1, name="len")]
-    scorer = build_scorer(specs, RewardConfig(timeout_s=10, workers=2), keys=["task.rewards[0].fn", "task.rewards[1].fn"])
+    scorer = build_scorer(specs, RewardConfig(timeout_s=10, workers=2),
+                          keys=["task.rewards[0].fn", "task.rewards[1].fn"])
     try:
         assert scorer.per_group
-        group = [make_input(i, "", completion=c, answer="12") for i, c in enumerate(["<answer>12</answer>", "<answer>3</answer>"])]
+        group = [make_input(i, "", completion=c, answer="12")
+                 for i, c in enumerate(["<answer>12</answer>", "<answer>3</answer>"])]
         outs = asyncio.run(scorer.score(group))
     finally:
         scorer.shutdown()
@@ -292,7 +295,8 @@ def test_ray_actors_type_failures_and_replace_a_hung_actor(rewards_file, ray_loc
         (pid,) = ready(scorer, 1)
         outs, _ = run(scorer, ["ok", "raise", "nan", "pid"])
         assert [o.status for o in outs] == ["ok", "reward_error", "reward_error", "ok"]
-        assert outs[1].error == f"reward function `{rewards_file}:behave` raised KeyError('answer') on episode e1 (task t0) of step 5"
+        assert outs[1].error == (f"reward function `{rewards_file}:behave` raised KeyError('answer') "
+                                 f"on episode e1 (task t0) of step 5")
         assert int(outs[3].reward) == pid != os.getpid()
         first = actors.live[0]
         outs, elapsed = run(scorer, ["hang"])

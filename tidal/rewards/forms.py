@@ -223,7 +223,7 @@ def check_sample(reward: LoadedReward, out: Any) -> Scored:
                                 f"float or veRL's dict with `score`")
             value = _number(out["score"], " for `score`")
             metrics = {}
-            for k, v in out.items():  # veRL's extras: numbers become metrics, the rest (e.g. the parsed answer) is skipped
+            for k, v in out.items():  # veRL's extras: numbers become metrics, the rest (a parsed answer) is skipped
                 if k != "score" and isinstance(v, numbers.Real) and math.isfinite(float(v)):
                     metrics[str(k)] = float(v)
             return Scored(value, {}, metrics)
@@ -306,7 +306,8 @@ def bad_input(e: BadInput, n: int) -> list[Result]:
 # -- outcome -----------------------------------------------------------------------------------
 def error_text(reward: LoadedReward, failed: Failed, inp: RewardInput) -> str:
     """One readable line: function, what happened, the episode (the rollout's own wording)."""
-    text = f"reward function `{reward.label}` {failed.what} on episode {inp.episode_id} (task {inp.task_id}) of step {inp.step}"
+    where = f"on episode {inp.episode_id} (task {inp.task_id}) of step {inp.step}"
+    text = f"reward function `{reward.label}` {failed.what} {where}"
     return f"{text}: {failed.hint}" if failed.hint else text
 
 

@@ -304,7 +304,9 @@ class _PoolScorer:
                 continue
             if is_async and s.n_async >= self.max_async:
                 continue
-            if not is_async and (len(s.lane) >= self.sync_depth or (open_lanes is not None and s.generation not in open_lanes)):
+            if not is_async and len(s.lane) >= self.sync_depth:
+                continue
+            if not is_async and open_lanes is not None and s.generation not in open_lanes:
                 continue
             if best is None or len(s.inflight) < len(best.inflight):
                 best = s
