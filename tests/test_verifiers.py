@@ -189,17 +189,24 @@ else:
 assert root(4.0) == 2.0
 """
 PLAIN = """
-import collections
+import collections, decimal, fractions
 
 def f():
     Point = collections.namedtuple("Point", "x y")
     return {"t": (1, 2.5, None), "s": {1, 2}, "b": b"x", "c": 1j, "p": Point(1, 2), "big": 2 ** 100,
-            "nan": float("nan"), "f": frozenset([3])}
+            "nan": float("nan"), "f": frozenset([3]), "q": fractions.Fraction(1, 3), "d": decimal.Decimal("0.1")}
+
+def halve(q):
+    return q / 2
 """
 PLAIN_TESTS = """
+from decimal import Decimal
+from fractions import Fraction
 r = f()
 assert r["t"] == (1, 2.5, None) and r["s"] == {1, 2} and r["b"] == b"x" and r["c"] == 1j
 assert r["p"] == (1, 2) and r["big"] == 2 ** 100 and r["nan"] != r["nan"] and r["f"] == frozenset([3])
+assert r["q"] == Fraction(1, 3) and type(r["q"]) is Fraction and r["d"] == Decimal("0.1")
+assert halve(Fraction(1, 2)) == Fraction(1, 4)
 """
 UNITTEST_TESTS = """
 import unittest

@@ -12,8 +12,8 @@ program.
 The tests run in G. Each use of a program name crosses to S as a message, so the program
 sees the arguments of its calls and nothing else: not the tests' code or frames, not the
 expected values, not the token. Results come back as copies, and only of plain types
-(None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset), which G
-compares with its own operators. Any other object stays in S; G holds a handle to it whose
+(None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, and the
+standard library's Fraction and Decimal), which G compares with its own operators. Any other object stays in S; G holds a handle to it whose
 equality with a plain value is False (an object that "equals everything" equals nothing
 here), whose `in` iterates, and whose truth, length, items, attributes and calls are the
 program's answers, like a returned value. Lists, dicts and sets passed to the program are
@@ -124,6 +124,11 @@ def encode(value, ref, plain_only_exact=True, depth=0):
     if t is dict:
         return ["d", [[encode(k, ref, plain_only_exact, depth + 1), encode(v, ref, plain_only_exact, depth + 1)]
                       for k, v in value.items()]]
+    kind = (t.__module__, t.__qualname__)
+    if kind == ("fractions", "Fraction"):
+        return ["Q", hex(value.numerator), hex(value.denominator)]
+    if kind == ("decimal", "Decimal"):
+        return ["D", str(value)]
     if not plain_only_exact:
         plain = _plain_form(value)
         if plain is not None:
@@ -172,6 +177,14 @@ def decode(node, handle, depth=0):
             return PLAIN_SEQUENCES[tag](decode(v, handle, depth + 1) for v in node[1])
         if tag == "d" and type(node[1]) is list:
             return {decode(k, handle, depth + 1): decode(v, handle, depth + 1) for k, v in node[1]}
+        if tag == "Q" and type(node[1]) is str and type(node[2]) is str:
+            import fractions
+
+            return fractions.Fraction(int(node[1], 16), int(node[2], 16))
+        if tag == "D" and type(node[1]) is str and len(node[1]) < 10_000:
+            import decimal
+
+            return decimal.Decimal(node[1])
         if tag in ("h", "g"):
             return handle(tag, node)
     except ProtocolError:
