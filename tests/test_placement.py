@@ -60,7 +60,6 @@ def ray_local():
     (["placement.weight_sync=broadcast"], "placement.weight_sync"),
     (["placement.mode=cluster"], "placement.mode"),
     (["placement.env_workers=1"], "placement.env_workers"),
-    (["placement.mode=ray", "placement.env_workers=1", "placement.reward_workers=1"], "placement.reward_workers"),
 ])
 def test_bad_placement_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

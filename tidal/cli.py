@@ -21,8 +21,9 @@ from pathlib import Path
 from tidal.config import ConfigError, TidalConfig, load_config
 from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
+from tidal.rewards.pool import RewardLoadError
 
-USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, FileExistsError, FileNotFoundError)
+USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError)
 RUN_FAILED_EXIT = 3  # the run stopped itself (failure budget); its last checkpoint is intact
 
 
@@ -71,7 +72,8 @@ def _config_for_model(model: str, config: str | None, overrides: list[str]) -> T
 def cmd_eval(ns: argparse.Namespace) -> int:
     from tidal.engines.torch_engine import TorchEngine
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
-    from tidal.runtime.controller import build_scorer, make_rollout
+    from tidal.rewards.pool import build_scorer, spec_keys
+    from tidal.runtime.controller import make_rollout
     from tidal.runtime.evaluate import evaluate_engine
     from tidal.runtime.tasks import build_task
     from tidal.types import SamplingParams
@@ -84,7 +86,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     engine = TorchEngine(load_model(model_dir, cfg.model.dtype, cfg.model.resolved_device()), tokenizer.pad_token_id,
                          cfg.engine.max_batch_size)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    scorer = build_scorer(task.rewards, cfg.reward) if task.rewards else None
+    scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
     t0 = time.time()
     try:
         res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer), task.eval_rows[: cfg.eval.n],
@@ -186,10 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
     r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
     r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")
-    r.add_argument("--steps", type=int, default=300)
+    r.add_argument("--steps", type=int, default=400)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--batch-size", type=int, default=32, help="pairs per step")
-    r.add_argument("--lr", type=float, default=3e-4)
+    r.add_argument("--lr", type=float, default=1e-3)
     r.add_argument("--heldout-pairs", type=int, default=500, help="pairs from the held-out split, to measure only")
     r.add_argument("--init", default=None, help="initial weights and tokenizer (default: the embedded tiny model)")
     r.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")

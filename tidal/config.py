@@ -77,6 +77,8 @@ class RewardConfig(_Section):
     max_concurrency: int = Field(64, ge=1, description="Most calls in flight in one worker (async rewards overlap; synchronous ones run one at a time).")
     failure_budget: float = Field(0.5, ge=0.0, le=1.0, description="The run stops (checkpoint intact, exit code 3) when more than this fraction of a step's episodes fail (any non-trainable status) for `failure_steps` steps in a row; 1.0: never.")
     failure_steps: int = Field(3, ge=1, description="Consecutive steps over the failure budget that stop the run.")
+    monitors: bool = Field(True, description="Reward-hacking monitors (tidal/monitor/hacking.py): events in the metrics (`hacking/*`), the log and <run dir>/hacking_events.jsonl, each with example episodes.")
+    monitor_args: dict[str, Any] = Field(default_factory=dict, description="Bounds of the monitors: keyword arguments of tidal.monitor.hacking.HackingMonitor (e.g. length_corr_max, part_share_max, error_jump).")
 
 
 class RolloutConfig(_Section):
@@ -191,7 +193,7 @@ class PlacementConfig(_Section):
     engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
     reward_workers: int = Field(0, ge=0, description="ray: Ray actors that run the reward function (task.reward), least-loaded; 0: rewards run in the driver's rollout.")
     reward: RoleResources = Field(default_factory=RoleResources, description="Resources of one reward worker.")
-    env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step, and the reward the environment computes), least-loaded per episode; 0: environments run in the driver's rollout.")
+    env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step/close, tools, sandboxes, per-turn rewards), least-loaded per episode; 0: environments run in the driver's rollout. The task's reward functions score in the reward pool either way.")
     env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
     weight_sync: Literal["auto", "inprocess", "broadcast", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; disk = safetensors under weight_sync_dir (a filesystem every node sees).")
@@ -245,8 +247,6 @@ class TidalConfig(_Section):
             raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
         if pl.mode == "local" and pl.env_workers:
             raise ValueError(f"placement.env_workers={pl.env_workers} needs placement.mode=ray (local mode runs environments in the driver)")
-        if pl.env_workers and pl.reward_workers:
-            raise ValueError("placement.reward_workers with placement.env_workers: env workers score rewards themselves; set one of them")
         if pl.mode == "local" and pl.reward_workers:
             raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:

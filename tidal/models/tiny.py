@@ -101,7 +101,7 @@ def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
     from tidal.engines.torch_engine import TorchEngine
     from tidal.envs.single_turn import ArithmeticEnv
     from tidal.models import stop_token_ids
-    from tidal.runtime.controller import build_scorer
+    from tidal.rewards.pool import build_scorer
     from tidal.runtime.evaluate import evaluate_engine
     from tidal.runtime.rollout import Rollout
     from tidal.types import SamplingParams

@@ -27,6 +27,7 @@ from tidal.engines.factory import choose_engine_kind
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor.episodes import EpisodeWriter
+from tidal.monitor.hacking import HackingMonitor
 from tidal.monitor.progress import Progress
 from tidal.monitor.sinks import JsonlSink
 from tidal.runtime.batch import build_batch, informative, shape_rewards
@@ -34,10 +35,7 @@ from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout, group_specs
 
-try:
-    from tidal.rewards.pool import build_scorer
-except ImportError:  # INTERIM until the reward pool lands
-    from tidal.rewards._interim import build_scorer
+from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.tasks import Task, build_task
 from tidal.types import Episode, SamplingParams
 
@@ -158,6 +156,21 @@ class Controller:
             raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it or choose another run.dir")
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(cfg))
+        # The run's log (warnings of failed episodes with their tracebacks, hacking events, ...).
+        self._log_file = logging.FileHandler(run_dir / "tidal.log")
+        self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        tidal_log = logging.getLogger("tidal")
+        self._log_handlers: list[logging.Handler] = [self._log_file]
+        if not logging.getLogger().handlers and not tidal_log.handlers:
+            # Nobody configured logging: warnings still reach the console (as Python's last
+            # resort would print them, which a handler on "tidal" would otherwise silence).
+            console = logging.StreamHandler()
+            console.setLevel(logging.WARNING)
+            self._log_handlers.append(console)
+        for h in self._log_handlers:
+            tidal_log.addHandler(h)
+        if tidal_log.getEffectiveLevel() > logging.INFO:
+            tidal_log.setLevel(logging.INFO)
 
         self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
         device = cfg.model.resolved_device()
@@ -165,6 +178,9 @@ class Controller:
         kind, why = choose_engine_kind(cfg.engine.kind, device)
         log.info("engine: %s (%s)", kind, why)
         self.engine_choice = f"{kind} ({why})"
+        self.scorer = None
+        if self.task.rewards and not (cfg.placement.mode == "ray" and cfg.placement.reward_workers):
+            self.scorer = build_scorer(self.task.rewards, cfg.reward, keys=spec_keys(cfg.task))
         # Trainer ranks, engine replicas and the way weights reach them (placement.mode).
         self.roles = build_roles(cfg, self.model_dir, self.tokenizer.pad_token_id, kind, run_dir)
         self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
@@ -174,9 +190,11 @@ class Controller:
             max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
         )
-        # The task's rewards score in worker processes (or reward-worker actors) with hard timeouts.
-        self.scorer = build_scorer(self.task.rewards, cfg.reward, ray_handles=getattr(self.roles, "reward_handles", None)) \
-            if self.task.rewards else None
+        # The task's rewards score in worker processes (or reward-worker actors) with hard timeouts;
+        # local workers start (and a reward that cannot load is named) before the model loads.
+        if self.task.rewards and self.roles.reward_handles:
+            self.scorer = build_scorer(self.task.rewards, cfg.reward, ray_handles=self.roles.reward_handles,
+                                       keys=spec_keys(cfg.task))
         self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer)
         self._over_budget = 0  # consecutive steps over the failure budget
         self.step = 0
@@ -189,6 +207,7 @@ class Controller:
         if resume_from is not None:
             self._load(resume_from)
         self.metrics = JsonlSink(run_dir / "metrics.jsonl", truncate_after=self.step if resume else None)
+        self.monitor = HackingMonitor(**cfg.reward.monitor_args) if cfg.reward.monitors else None
         self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
 
     # -- the loop ---------------------------------------------------------------------------
@@ -252,13 +271,21 @@ class Controller:
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.task.eval_rows:
             metrics["eval/accuracy"] = evaluate_engine(self.engine, self.rollout, self.task.eval_rows[: cfg.eval.n],
                                                        self.make_env, k=0)["accuracy"]
+        if self.monitor is not None:
+            events = self.monitor.update(step, episodes, metrics)
+            metrics.update(self.monitor.metrics_of(events))
+            if events:
+                with (self.paths.root / "hacking_events.jsonl").open("a") as f:
+                    f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
         self.metrics.log(step, metrics)
         if self.episode_writer is not None:
             if cfg.algorithm.dynamic_sampling:
                 self.episode_writer.write(step, episodes)
             else:
                 self.episode_writer.end_step(step)
-        if (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps:
+        # A step over the failure budget is not checkpointed: the rotation would push out the
+        # checkpoints of good steps for one that learned (nearly) nothing.
+        if ((cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps) and not self._over_budget:
             self.save()
         return metrics
 
@@ -425,7 +452,8 @@ class Controller:
         finally:
             stop.set()
             producer.join(timeout=5.0)  # mid-rollout it ends when the engines close
-        self.metrics.close()
+            self.metrics.close()
+            self._close_log()
         return last
 
     def close(self) -> None:
@@ -436,6 +464,13 @@ class Controller:
             except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
                 log.warning("closing the reward workers raised %s(%s)", type(e).__name__, e)
         self.roles.close()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        for h in self._log_handlers:
+            logging.getLogger("tidal").removeHandler(h)
+            h.close()
+        self._log_handlers = []
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:

@@ -320,8 +320,10 @@ class Rollout:
             for k, v in outcome.parts.items():
                 ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
             ep.metrics.update(outcome.metrics)
-        correct = correct_part(ep.reward_parts)
-        ep.metrics["correct"] = correct if correct is not None else ep.metrics.get("correct", float(ep.reward > 0))
+        # Accuracy: the reward functions' unweighted `correct` (parts are stored weighted), else
+        # the `correct` part of the environment's rewards, else whether the reward is positive.
+        correct = ep.metrics.get("correct") if "correct" in ep.metrics else correct_part(ep.reward_parts)
+        ep.metrics["correct"] = correct if correct is not None else float(ep.reward > 0)
         ep.metrics["episode_s"] = time.perf_counter() - t0
         return ep
 
