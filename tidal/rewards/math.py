@@ -48,10 +48,11 @@ BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 # On the last non-empty line: "the (final) answer is X", "answer: X", "#### X" (GSM8K); the
 # last such phrase of the line counts ("Final Answer: the final answer is 5").
-FINAL_PHRASE_RE = re.compile(r"\banswer\b\s*(?:is\b|:|=)|^\s*####", re.IGNORECASE)
+# Markdown emphasis around the phrase or the answer ("**Final Answer:** 5") is not part of it.
+FINAL_PHRASE_RE = re.compile(r"\banswer\b[*_]*\s*(?:is\b|:|=)[*_]*|^\s*####", re.IGNORECASE)
 INTEGER_RE = re.compile(r"[+-]?\d+")
-# After a final answer the completion may close its math and end its sentence.
-TRAILER_RE = re.compile(r"(?:\s|\$|\\\]|\\\)|\.)*")
+# After a final answer the completion may close its math and emphasis, and end its sentence.
+TRAILER_RE = re.compile(r"(?:\s|\$|\\\]|\\\)|\.|\*|_)*")
 # Beyond these the comparison (sympy evaluating the number) is what hangs.
 MAX_NUMERIC_EXPONENT = 10**6
 MAX_SYMBOLIC_EXPONENT = 1000
@@ -108,6 +109,9 @@ def find_answers(completion: str, extract: Sequence[str] = EXTRACTORS) -> list[A
             rest = line[phrases[-1].end():]
             start = line_start + phrases[-1].end() + len(rest) - len(rest.lstrip())
             text = re.split(r"\.\s", rest.strip(), maxsplit=1)[0]  # the sentence that gives it
+            emphasis = len(text) - len(text.lstrip("*_"))
+            start += emphasis
+            text = text.strip("*_").rstrip(".").strip("*_")
             found.append(Answer("final_line", text, start, start + len(text)))
     return sorted(found, key=lambda a: a.start)
 
@@ -214,9 +218,12 @@ class MathReward:
                          f"(columns: {', '.join(sorted(columns)) or 'none'}); set answer_column")
 
     def well_formatted(self, completion: str, answers: list[Answer]) -> bool:
-        """Exactly one final answer, non-empty, and nothing after it but closing math and a period."""
+        """Exactly one final answer, non-empty, and nothing after it (after a box or a final
+        line, closing math or emphasis and a period may follow)."""
         if len(answers) != 1 or not _unwrap(answers[0].text):
             return False
+        if answers[0].kind == "answer_tag":  # as the arithmetic reward: nothing after the tag
+            return not completion[answers[0].end:].strip()
         return TRAILER_RE.fullmatch(completion, answers[0].end) is not None
 
     def equal(self, reference: str, given: str) -> bool:
