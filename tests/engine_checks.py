@@ -10,6 +10,7 @@ on randomly perturbed weights. The bound leaves ~4× for other kernels.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import torch
 
@@ -73,6 +74,15 @@ def trainer_logprobs(weights, results, reqs, temperature) -> list[list[float]]:
     return out
 
 
+def first_stop_end(tokenizer, generated, stop) -> int | None:
+    """Tokens up to and including the one that first completes a stop string in the text of
+    `generated` (special tokens skipped), by whole-text search: the stop-string contract."""
+    for k in range(1, len(generated) + 1):
+        if any(s in tokenizer.decode(list(generated[:k]), skip_special_tokens=True) for s in stop):
+            return k
+    return None
+
+
 def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v, strict=True))
 
@@ -133,3 +143,32 @@ def check_same_seed_same_sample(engine, prompts, tok) -> None:
     assert batch[0].token_ids == batch[1].token_ids == alone.token_ids
     assert batch[0].logprobs == alone.logprobs
     assert len({tuple(r.token_ids) for r in batch}) > 1, "different seeds gave one sample"
+
+
+# Stop strings for the default model's greedy answers ("<answer>34</answer>"): a digit, a piece
+# that ends inside one token ("ans" of the token "answer"), one across tokens ("wer>"), a
+# closing-tag prefix, two at once, and one that never occurs.
+STOP_STRINGS = [("3",), ("ans",), ("wer>",), ("</",), ("7", "9"), ("no such text",)]
+
+
+def check_stop_strings(engine, reference, prompts, tok) -> None:
+    """Greedy with stop strings: the engine stops where the reference stops (same tokens,
+    finish reasons, log-probs), and both keep the contract on the reference's free run —
+    cut right after the token that first completes a stop string, the token kept."""
+    free = run(reference.generate(requests(prompts, tok)))
+    reqs = [replace(r, params=replace(r.params, stop=STOP_STRINGS[i % len(STOP_STRINGS)]))
+            for i, r in enumerate(requests(prompts, tok))]
+    ours, ref = run(engine.generate(reqs)), run(reference.generate(reqs))
+    assert [a.token_ids for a in ours] == [b.token_ids for b in ref]
+    assert [a.finish_reason for a in ours] == [b.finish_reason for b in ref]
+    assert all(len(a.logprobs) == len(a.token_ids) for a in ours)
+    assert max_diff([a.logprobs for a in ours], [b.logprobs for b in ref]) < LOGPROB_TOL
+    cut_by_string = 0
+    for r, f, a in zip(reqs, free, ours):
+        k = first_stop_end(tok, f.token_ids, r.params.stop)
+        if k is None:
+            assert a.token_ids == f.token_ids and a.finish_reason == f.finish_reason
+        else:
+            assert a.token_ids == f.token_ids[:k] and a.finish_reason == "stop"
+            cut_by_string += k < len(f.token_ids)
+    assert cut_by_string >= len(reqs) // 2, f"only {cut_by_string} of {len(reqs)} requests ended at a stop string"

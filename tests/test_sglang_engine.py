@@ -19,6 +19,7 @@ from engine_checks import (
     check_greedy_equals_reference,
     check_same_seed_same_sample,
     check_sampled_logprobs_match_trainer,
+    check_stop_strings,
     check_update_follows_new_weights,
     held_out_prompt_ids,
     requests,
@@ -84,25 +85,42 @@ def test_model_eos_ids_read_config_and_generation_config(tmp_path):
     assert model_eos_ids(tmp_path) == {2, 9}
 
 
-def test_server_command_binds_loopback_and_skips_the_tokenizer(tmp_path):
+def test_model_eos_ids_add_the_tokenizers_stop_tokens(tmp_path):
+    # With its tokenizer on, SGLang also stops at the tokenizer's EOS and at the turn-final
+    # tokens its loader attaches (schedule_batch.Req._check_token_based_finish).
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert model_eos_ids(tmp_path, tok) == {9, tok.eos_token_id}
+
+
+def test_stop_strings_go_as_sglangs_stop():
+    fields = sampling_fields(SamplingParams(stop_token_ids=(2,), stop=("</tool_call>", "\n\n")), EOS)
+    assert fields["stop"] == ["</tool_call>", "\n\n"] and fields["stop_token_ids"] == [2]
+    assert "stop" not in sampling_fields(SamplingParams(stop_token_ids=(2,)), EOS)
+
+
+def test_server_command_binds_loopback_and_keeps_the_tokenizer(tmp_path):
     cmd = server_command(tmp_path, "127.0.0.1", 4321, dtype="float32", seed=1, max_batch_size=8,
                          mem_fraction_static=0.5)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     flags = " ".join(cmd[3:])
-    for flag in ("--host 127.0.0.1", "--port 4321", "--skip-tokenizer-init", "--dtype float32",
+    for flag in ("--host 127.0.0.1", "--port 4321", "--dtype float32",
                  "--enable-deterministic-inference", "--weight-version 0", "--max-running-requests 8"):
         assert flag in flags
+    # sglang refuses `stop` without its tokenizer (sampling_params.raise_if_tokenizer_required)
+    assert "--skip-tokenizer-init" not in flags
 
 
 # -- response parsing --------------------------------------------------------------------------
 def sglang_output(rid, output_ids, logprobs, finish_reason, weight_version="0"):
-    """One element of `/generate`'s answer for a finished non-streamed request with
-    --skip-tokenizer-init, as sglang 0.5.23 builds it: tokenizer_manager._handle_batch_output
-    (BatchTokenIDOutput: {"output_ids", "meta_info"}; meta_info "id", "finish_reason" from
+    """One element of `/generate`'s answer for a finished non-streamed request, as sglang
+    0.5.23 builds it: tokenizer_manager._handle_batch_output (BatchStrOutput: {"text",
+    "output_ids", "meta_info"}; meta_info "id", "finish_reason" from
     schedule_batch FINISH_*.to_json(), "weight_version", "prompt_tokens", ...) and
     add_logprob_to_meta_info / detokenize_logprob_tokens ("output_token_logprobs" as
     (logprob, token_id, None) tuples, lists once JSON-encoded)."""
     return {
+        "text": "(decoded by SGLang; unused)",
         "output_ids": list(output_ids),
         "meta_info": {
             "id": rid, "finish_reason": finish_reason, "prompt_tokens": 3, "weight_version": weight_version,
@@ -119,6 +137,17 @@ def test_parse_stop_and_length():
     assert parse_output(req(), "0:r0", stop, 0) == ([9, 4, 2], [-0.1, -0.2, -0.3], "stop")
     length = sglang_output("1:r0", [9, 4], [-0.1, -0.2], {"type": "length", "length": 2})
     assert parse_output(req(max_new_tokens=2), "1:r0", length, 0) == ([9, 4], [-0.1, -0.2], "length")
+
+
+def test_parse_a_stop_string_finish_keeps_the_completing_token():
+    # FINISH_MATCHED_STR.to_json(); output_ids run through the token that completed it
+    # (Req.output_ids_through_stop), only the text is trimmed.
+    r = req(stops=(2,), stop=("wer>",))
+    out = sglang_output("0:r0", [30, 271, 32], [-0.1, -0.2, -0.3], {"type": "stop", "matched": "wer>"})
+    assert parse_output(r, "0:r0", out, 0) == ([30, 271, 32], [-0.1, -0.2, -0.3], "stop")
+    other = sglang_output("0:r0", [30, 271], [-0.1, -0.2], {"type": "stop", "matched": "zzz"})
+    with pytest.raises(SGLangEngineError, match="not among the request's stop tokens .* or stop strings"):
+        parse_output(r, "0:r0", other, 0)
 
 
 def test_parse_cuts_at_the_requests_stop_token_under_ignore_eos():
@@ -190,7 +219,7 @@ def engine():
 def torch_engine(tok):
     from tidal.engines.torch_engine import TorchEngine
 
-    return TorchEngine(load_model(DEFAULT_MODEL_DIR, device="cuda"), tok.pad_token_id)
+    return TorchEngine(load_model(DEFAULT_MODEL_DIR, device="cuda"), tok.pad_token_id, tokenizer=tok)
 
 
 # The same checks as the vLLM engine's (tests/engine_checks.py).
@@ -198,6 +227,13 @@ def torch_engine(tok):
 @gpu_test
 def test_gpu_greedy_equals_torch_engine(engine, torch_engine, prompts, tok):
     check_greedy_equals_reference(engine, torch_engine, prompts, tok)
+
+
+@pytest.mark.gpu
+@gpu_test
+def test_gpu_stop_strings_end_where_the_torch_engine_ends(engine, torch_engine, prompts, tok):
+    """SGLang's `stop` keeps the completing token and stops where the torch engine stops."""
+    check_stop_strings(engine, torch_engine, prompts, tok)
 
 
 @pytest.mark.gpu

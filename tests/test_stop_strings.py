@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from engine_checks import first_stop_end
 
 from tidal.config import EngineConfig
 from tidal.engines.factory import build_engine
@@ -27,14 +28,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def first_stop_end(tokenizer, generated, stop) -> int | None:
-    """Tokens up to and including the one that first completes a stop string (whole-text search)."""
-    for k in range(1, len(generated) + 1):
-        if any(s in tokenizer.decode(generated[:k], skip_special_tokens=True) for s in stop):
-            return k
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +154,7 @@ def test_stop_strings_without_a_tokenizer_are_a_clear_error(tiny_model_dir, toke
         bare.generate_sync([req])
     with pytest.raises(ValueError, match="request e: stop strings must be non-empty"):
         engine.generate_sync([GenerationRequest("e", [5, 6], SamplingParams(stop=("",)))])
-    with pytest.raises(ValueError, match="must be a tuple of strings"):
+    with pytest.raises(TypeError, match="must be a tuple of strings"):
         engine.generate_sync([GenerationRequest("s", [5, 6], SamplingParams(stop="abc"))])
 
 
@@ -175,3 +168,16 @@ def test_factory_gives_the_torch_engine_its_tokenizer(tiny_model_dir, tokenizer)
     stop = (text[len(text) // 2: len(text) // 2 + 2],)
     res = engine.generate_sync([_with_stop(req, stop)])[0]
     assert res.finish_reason == "stop" and res.token_ids == free[:first_stop_end(tokenizer, free, stop)]
+
+
+def test_default_model_stop_string_check_holds_for_the_torch_engine():
+    """The check the vLLM and SGLang tests run (engine_checks.check_stop_strings), with the
+    torch engine on both sides: on the default model's greedy answers the stop strings cut
+    at least half of the requests, each right after the completing token."""
+    from engine_checks import check_stop_strings, held_out_prompt_ids
+
+    from tidal.models import DEFAULT_MODEL_DIR, load_tokenizer
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    engine = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, tokenizer=tok)
+    check_stop_strings(engine, engine, held_out_prompt_ids(tok), tok)

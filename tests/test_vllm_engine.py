@@ -19,6 +19,7 @@ from engine_checks import (
     check_greedy_equals_reference,
     check_same_seed_same_sample,
     check_sampled_logprobs_match_trainer,
+    check_stop_strings,
     check_update_follows_new_weights,
     held_out_prompt_ids,
     max_diff,
@@ -63,11 +64,18 @@ def engine():
 def torch_engine(tok):
     from tidal.engines.torch_engine import TorchEngine
 
-    return TorchEngine(load_model(MODEL), tok.pad_token_id)
+    return TorchEngine(load_model(MODEL), tok.pad_token_id, tokenizer=tok)
 
 
 def test_greedy_equals_torch_engine(engine, torch_engine, prompts, tok):
     check_greedy_equals_reference(engine, torch_engine, prompts, tok)
+
+
+def test_stop_strings_end_where_the_torch_engine_ends(engine, torch_engine, prompts, tok):
+    """vLLM keeps the token that completes a stop string (measured: with and without
+    include_stop_str_in_output its token_ids end with it; only the text differs), one
+    log-prob per token, finish_reason "stop"; greedy, it stops where the torch engine stops."""
+    check_stop_strings(engine, torch_engine, prompts, tok)
 
 
 def test_weight_update_follows_new_weights(engine, torch_engine, prompts, tok):
@@ -131,6 +139,8 @@ def test_server_mode(engine, prompts, tok, tmp_path):
         # Same seeds, same engine arithmetic: the server samples what the in-process engine samples.
         in_process = run(engine.generate(sampled))
         assert [r.token_ids for r in run(server.generate(sampled))] == [r.token_ids for r in in_process]
+        # Stop strings over HTTP: the same contract (check_stop_strings against the in-process engine).
+        check_stop_strings(server, engine, prompts[:12], tok)
 
         new = perturbed_weights(seed=3)
         server.update_weights(3, new)

@@ -13,8 +13,7 @@ sampling keys are refused), `sglang/srt/sampling/sampling_params.py`,
 `sglang/srt/arg_groups/fields/*.py` (server flags). docs/engines.md lists what a GPU
 session must check (tests/test_sglang_engine.py, marked `gpu`, does it).
 
-The server: `python -m sglang.launch_server --skip-tokenizer-init` bound to 127.0.0.1 on a
-free port, in its own process group, health-checked at start, killed with its group on
+The server: `python -m sglang.launch_server` bound to 127.0.0.1 on a free port, in its own process group, health-checked at start, killed with its group on
 close and at interpreter exit (the helpers of the vLLM server mode). One `generate` call is
 one `POST /generate` with a batch: `input_ids` (one token-id list per request),
 `sampling_params` (one dict each), `return_logprob: true`. Weights: tidal writes
@@ -38,6 +37,19 @@ Stop tokens: SGLang ends a request at its `stop_token_ids` *and* at the model's 
 (`Req._check_token_based_finish`). tidal's contract is "only the request's own stop
 tokens": when they include the model's EOS ids, they are sent as they are; otherwise the
 request runs with `ignore_eos` and tidal cuts the answer at the first of its stop tokens.
+
+Stop strings (`SamplingParams.stop`) go as SGLang's `stop`. SGLang matches them in its
+scheduler by decoding the request's last tokens (`Req._check_str_based_finish`, a window
+of the longest stop string's token count + 1), which needs its tokenizer: with
+`--skip-tokenizer-init` it refuses any request with `stop` (`raise_if_tokenizer_required`
+in sampling_params.py), so the server starts with its tokenizer (input ids still go in as
+ids; the answer then carries `text` too, unused). `output_ids` run through the token that
+completed the string (`Req.output_ids_through_stop`; only the text is trimmed), and
+`finish_reason` is `{"type": "stop", "matched": "<the string>"}`. One difference from the
+torch engine and vLLM: SGLang decodes that window with special tokens kept
+(`tokenizer.decode` defaults), so a special token between the characters of a stop string
+breaks the match there and not in the other engines. `ignore_eos` does not switch stop
+strings off.
 
 Versions: as in the vLLM engine, an update waits for the generate calls in flight and holds
 new ones back. The server is started with `--weight-version 0` and each update sets
@@ -66,6 +78,7 @@ import torch
 
 from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
+from tidal.engines.stop_strings import check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -83,15 +96,27 @@ def sglang_available() -> bool:
 
 
 # -- pure mapping between tidal and SGLang's /generate ------------------------------------------
-def model_eos_ids(model_dir: str | Path) -> frozenset[int]:
+# Turn-final tokens SGLang's tokenizer loader adds to every request's stop set when the
+# vocabulary has them (utils/hf_transformers/common.py, attach_additional_stop_token_ids).
+SGLANG_EXTRA_STOP_TEXTS = ("<|eom_id|>", "<|content_model_end_sampling|>", "<|ifm|im_end|>")
+
+
+def model_eos_ids(model_dir: str | Path, tokenizer=None) -> frozenset[int]:
     """The token ids at which SGLang ends every request unless `ignore_eos`: config.json's
-    eos_token_id ∪ generation_config.json's (ModelConfig._get_hf_eos_token_id)."""
+    eos_token_id ∪ generation_config.json's (ModelConfig._get_hf_eos_token_id) and, since the
+    server runs with its tokenizer, the tokenizer's EOS and its additional stop tokens
+    (Req._check_token_based_finish)."""
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
         path = Path(model_dir) / name
         if path.exists():
             eos = json.loads(path.read_text()).get("eos_token_id")
             ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    if tokenizer is not None:
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        added = tokenizer.get_added_vocab()
+        ids |= {added[t] for t in SGLANG_EXTRA_STOP_TEXTS if t in added}
     return frozenset(ids)
 
 
@@ -110,6 +135,8 @@ def sampling_fields(p: SamplingParams, model_eos: frozenset[int]) -> dict[str, A
     }
     if exact:
         fields["stop_token_ids"] = sorted(stops)
+    if p.stop:
+        fields["stop"] = list(p.stop)
     return fields
 
 
@@ -127,7 +154,7 @@ def generate_payload(requests: list[GenerationRequest], rids: list[str], model_e
 def parse_output(r: GenerationRequest, rid: str, out: dict[str, Any], version: int) -> Completion:
     """One element of `/generate`'s answer → (token ids, log-probs, "stop" | "length").
 
-    `out` is tokenizer_manager's dict for a finished request with --skip-tokenizer-init:
+    `out` is tokenizer_manager's dict for a finished request (`text` too, unused):
     {"output_ids": [...], "meta_info": {"id": rid, "finish_reason": {"type": ..., ...},
     "weight_version": "...", "output_token_logprobs": [[logprob, token_id, None], ...], ...}}.
     """
@@ -154,16 +181,19 @@ def parse_output(r: GenerationRequest, rid: str, out: dict[str, Any], version: i
         return toks[:cut + 1], lps[:cut + 1], "stop"
     if kind == "length":
         return toks, lps, "length"
+    matched = reason.get("matched") if isinstance(reason, dict) else None
+    if kind == "stop" and isinstance(matched, str) and matched in r.params.stop:
+        return toks, lps, "stop"  # output_ids end with the token that completed the string
     raise SGLangEngineError(f"{where}: SGLang finished it with {reason!r} on token {toks[-1] if toks else None}, "
-                            f"which is not among the request's stop tokens {sorted(stops)}")
+                            f"which is not among the request's stop tokens {sorted(stops)} "
+                            f"or stop strings {list(r.params.stop)}")
 
 
 def server_command(model_dir: str | Path, host: str, port: int, *, dtype: str, seed: int, max_batch_size: int,
                    mem_fraction_static: float) -> list[str]:
     """`python -m sglang.launch_server` with tidal's flags (arg_groups/fields/*.py spell them)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
-            "--host", host, "--port", str(port),
-            "--skip-tokenizer-init",  # token ids in and out; answers carry output_ids
+            "--host", host, "--port", str(port),  # with its tokenizer: stop strings need it
             "--dtype", dtype, "--random-seed", str(seed),
             "--max-running-requests", str(max_batch_size),
             "--mem-fraction-static", f"{mem_fraction_static:g}",
@@ -197,7 +227,9 @@ class SGLangEngine:
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.max_model_len = int(cfg.get("max_position_embeddings") or 0)  # 0: unknown, not checked
-        self._eos = model_eos_ids(self.model_dir)
+        from tidal.models import load_tokenizer
+
+        self._eos = model_eos_ids(self.model_dir, load_tokenizer(self.model_dir))
         self._ids = itertools.count()
         self._gate = UpdateGate()  # between generate calls and weight updates
 
@@ -344,6 +376,11 @@ class SGLangEngine:
     def _validate(self, r: GenerationRequest) -> None:
         if not r.prompt_ids:
             raise SGLangEngineError(f"{self.name}: request {r.request_id} has an empty prompt")
+        if r.params.stop:
+            try:
+                check_stop_strings(r.params.stop, f"request {r.request_id}")
+            except (TypeError, ValueError) as e:
+                raise SGLangEngineError(f"{self.name}: {e}") from None
         total = len(r.prompt_ids) + r.params.max_new_tokens
         if self.max_model_len and total > self.max_model_len:
             raise SGLangEngineError(

@@ -28,9 +28,9 @@ _EDGE_SLACK = 4
 
 
 def check_stop_strings(stop: Sequence[str], where: str) -> None:
-    """Raise ValueError for stop strings that cannot work (`where` names the request)."""
+    """Raise TypeError or ValueError for stop strings that cannot work (`where` names the request)."""
     if isinstance(stop, str):
-        raise ValueError(f"{where}: SamplingParams.stop must be a tuple of strings, got the string {stop!r}")
+        raise TypeError(f"{where}: SamplingParams.stop must be a tuple of strings, got the string {stop!r}")
     bad = [s for s in stop if not isinstance(s, str) or not s]
     if bad:
         raise ValueError(f"{where}: stop strings must be non-empty strings, got {bad!r}")

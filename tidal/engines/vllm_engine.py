@@ -59,6 +59,7 @@ import torch
 
 from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
+from tidal.engines.stop_strings import check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -87,9 +88,12 @@ def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
 
 def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
     """tidal SamplingParams → vLLM's. Only the request's own stop tokens end it (`ignore_eos`:
-    the model's EOS is in stop_token_ids when the caller wants it, as with the torch engine)."""
+    the model's EOS is in stop_token_ids when the caller wants it, as with the torch engine).
+    Stop strings: vLLM matches them in the text of the generated tokens with special tokens
+    skipped (as tidal does) and keeps the token that completes one (`include_stop_str_in_output`;
+    without it vLLM still returns that token but cuts the text)."""
     greedy = p.temperature <= 0
-    return {
+    fields = {
         "max_tokens": p.max_new_tokens,
         "temperature": 0.0 if greedy else p.temperature,
         "top_p": 1.0 if greedy else p.top_p,
@@ -98,7 +102,12 @@ def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own log-prob only
+        "skip_special_tokens": True,  # the text stop strings are matched in
     }
+    if p.stop:
+        fields["stop"] = list(p.stop)
+        fields["include_stop_str_in_output"] = True
+    return fields
 
 
 def _finish_reason(reason: str | None, where: str) -> str:
@@ -236,6 +245,11 @@ class VLLMEngine:
         p = r.params
         if not r.prompt_ids:
             raise VLLMEngineError(f"{self.name}: request {r.request_id} has an empty prompt")
+        if p.stop:
+            try:
+                check_stop_strings(p.stop, f"request {r.request_id}")
+            except (TypeError, ValueError) as e:
+                raise VLLMEngineError(f"{self.name}: {e}") from None
         if len(r.prompt_ids) + p.max_new_tokens > self.max_model_len:
             raise VLLMEngineError(
                 f"{self.name}: request {r.request_id}: prompt of {len(r.prompt_ids)} tokens + max_new_tokens "
@@ -354,8 +368,9 @@ class _InProcess:
         from vllm.sampling_params import RequestOutputKind
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
-        params = [VParams(**_sampling_fields(r.params), detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
-                  for r in requests]
+        # Text only where stop strings need it (vLLM matches them in its detokenizer).
+        params = [VParams(**_sampling_fields(r.params), detokenize=bool(r.params.stop),
+                          output_kind=RequestOutputKind.FINAL_ONLY) for r in requests]
         results = [concurrent.futures.Future() for _ in requests]
         ids: list[str] = []
 
@@ -382,6 +397,9 @@ class _InProcess:
         for r, out in zip(requests, outs):
             c = out.outputs[0]
             toks = list(c.token_ids)
+            if c.logprobs is None or len(c.logprobs) != len(toks):
+                raise VLLMEngineError(f"request {r.request_id}: {len(toks)} tokens but "
+                                      f"{len(c.logprobs or ())} log-probs in vLLM's output")
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
             parsed.append((toks, lps, _finish_reason(c.finish_reason, f"request {r.request_id}")))
         return parsed
@@ -476,8 +494,7 @@ class _Server:
     async def _complete(self, session, r: GenerationRequest) -> Completion:
         import aiohttp
 
-        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params),
-                "return_token_ids": True, "skip_special_tokens": False}
+        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params), "return_token_ids": True}
         where = f"request {r.request_id}"
         try:
             async with session.post(self.url + "/v1/completions", json=body) as resp:
