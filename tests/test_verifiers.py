@@ -331,14 +331,15 @@ def test_length_penalty_formula():
 
 def test_repetition_penalty_formula():
     assert repetition_ratio(["a", "b", "c", "d"], 2) == 0.0
-    assert repetition_ratio(list("ababab"), 2) == pytest.approx(1 - 2 / 5)  # ab, ba of 5 bigrams
+    # Exact float equalities: the reward computes the same expressions.
+    assert repetition_ratio(list("ababab"), 2) == 1 - 2 / 5  # ab, ba of 5 bigrams
     assert repetition_ratio(["a"], 3) == 0.0
     penalty = RepetitionPenalty(n=3, weight=2.0)
     assert penalty("the cat sat on the mat") == 0.0
     line = "we will keep saying the same thing "
     # One 7-word line said k=10 times: ratio = 1 - distinct/total = 1 - 7/68 (exact), near 1 - 1/k.
-    assert penalty(line * 10) == pytest.approx(-2.0 * (1 - 7 / 68))
-    assert RepetitionPenalty(n=2, unit="auto")("x", completion_ids=[1, 2, 1, 2]) == pytest.approx(-(1 - 2 / 3))
+    assert penalty(line * 10) == -2.0 * (1 - 7 / 68)
+    assert RepetitionPenalty(n=2, unit="auto")("x", completion_ids=[1, 2, 1, 2]) == -(1 - 2 / 3)
 
 
 def test_text_rewards_through_the_reward_contract():
