@@ -318,3 +318,18 @@ def test_part_names_must_differ():
                                          r"`task.rewards\[0\].fn`; give one of them a `name`"):
         build_scorer([RewardSpec(fn="tidal.rewards.arithmetic:score"), RewardSpec(fn="tidal.rewards.code:score")],
                      RewardConfig(isolation="inline"))
+
+
+def test_parts_with_metrics_reach_the_episode_metrics_not_the_reward():
+    from tidal.config import RewardConfig, RewardSpec
+
+    scorer = build_scorer([RewardSpec(fn="test_reward_forms:judged")], RewardConfig(isolation="inline"))
+    (out,) = asyncio.run(scorer.score([make_input(0)]))
+    assert out.status == "ok" and out.reward == 0.5 and out.parts == {"judge": 0.5}
+    assert out.metrics.get("judge/injection") == 1.0
+
+
+def judged(completion):
+    from tidal.rewards.contract import RewardParts
+
+    return RewardParts({"judge": 0.5}, {"judge/injection": 1.0})

@@ -28,6 +28,19 @@ Form = Literal["tidal", "trl", "verl"]
 OutcomeStatus = Literal["ok", "reward_error", "timeout"]
 
 
+class RewardParts(dict):
+    """A reward's parts (a dict, as a plain reward returns) that also carries `metrics`: how
+    the reward was reached (a judge's injection flag, a cache hit). The metrics reach the
+    episode's metrics; only the parts add up to the reward."""
+
+    def __init__(self, parts: dict[str, float], metrics: dict[str, float] | None = None):
+        super().__init__(parts)
+        self.metrics = dict(metrics or {})
+
+    def __reduce__(self):  # crosses process boundaries with its metrics
+        return (RewardParts, (dict(self), self.metrics))
+
+
 @dataclass
 class RewardInput:
     """Everything a reward may look at, for one episode. Plain data: crosses processes."""

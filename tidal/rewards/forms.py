@@ -26,7 +26,7 @@ import traceback as tb_module
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.rewards.contract import RewardInput, RewardOutcome
+from tidal.rewards.contract import RewardInput, RewardOutcome, RewardParts
 
 log = logging.getLogger("tidal.rewards")
 
@@ -214,6 +214,13 @@ def check_sample(reward: LoadedReward, out: Any) -> Scored:
     """The answer of a per-sample call (`tidal`, `verl`) as a Scored, or BadReturn."""
     if out is None:
         raise BadReturn("returned None, expected a float or a dict of floats")
+    if isinstance(out, RewardParts) and out:
+        # Parts with metrics (e.g. the judge's): the parts are the reward, the metrics (how it
+        # was reached: an injection flag, a cache hit) reach the episode's metrics.
+        checked = {str(k): _number(v, f" for `{k}`") for k, v in out.items()}
+        extra = {str(k): float(v) for k, v in out.metrics.items()
+                 if isinstance(v, numbers.Real) and math.isfinite(float(v))}
+        return Scored(sum(checked.values()), checked, extra)
     if isinstance(out, dict):
         if not out:
             raise BadReturn("returned an empty dict, expected a float or a dict of floats")

@@ -52,6 +52,8 @@ from typing import Any, Literal
 
 import httpx
 
+from tidal.rewards.contract import RewardParts
+
 log = logging.getLogger("tidal")
 
 OnInjection = Literal["zero", "penalize", "flag"]
@@ -762,8 +764,11 @@ class LLMJudge:
         """The longest one call can take; `reward.timeout_s` should be above it."""
         return self.client.worst_case_s()
 
-    async def __call__(self, completion: str, prompt: Any = "", **columns: Any) -> dict[str, float]:
-        return (await self.evaluate(completion, prompt=prompt, **columns)).parts
+    async def __call__(self, completion: str, prompt: Any = "", **columns: Any) -> RewardParts:
+        """The judgement's parts (the reward), carrying its metrics (judge/injection,
+        judge/cached) to the episode's metrics."""
+        result = await self.evaluate(completion, prompt=prompt, **columns)
+        return RewardParts(result.parts, result.metrics)
 
     async def evaluate(self, completion: str, prompt: Any = "", **columns: Any) -> JudgeResult:
         """The judgement with how it was reached (`__call__` returns its `parts`)."""

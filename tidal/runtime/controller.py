@@ -50,7 +50,7 @@ def write_json(path: Path, obj) -> None:
 
 
 # Episode metrics summed over a step's episodes (counts), not averaged.
-SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors")
+SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors", "judge/injection")
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
