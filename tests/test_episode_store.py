@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from engine_checks import first_stop_end
 
 from tidal.engines.scripted import ScriptedEngine, ScriptExhausted
 from tidal.envs.base import StepResult
@@ -215,9 +216,11 @@ def test_scripted_engine_policy_function_and_stop_strings(tok):
     ids = tok(text, add_special_tokens=False)["input_ids"]
     with pytest.raises(ValueError, match="request r asks for stop strings .* no tokenizer"):
         asyncio.run(ScriptedEngine([ids]).generate([req("r", stop=("</tool_call>",))]))
-    res = asyncio.run(ScriptedEngine([ids], tokenizer=tok).generate([req("r", max_new=64, stop=("</tool_call>",))]))[0]
-    assert tok.decode(res.token_ids).endswith("</tool_call>") and res.finish_reason == "stop"
-    assert len(res.token_ids) < len(ids)
+    for stop in [("</tool_call>",), ('"a"', "no such text"), ("no such text",)]:
+        res = asyncio.run(ScriptedEngine([ids], tokenizer=tok).generate([req("r", max_new=64, stop=stop)]))[0]
+        k = first_stop_end(tok, ids, stop)  # the contract every engine is held to (tests/engine_checks.py)
+        assert res.token_ids == ids[:k or len(ids)] and res.finish_reason == ("stop" if k else "length")
+    assert first_stop_end(tok, ids, ("</tool_call>",)) < len(ids)  # the cut happened inside the script's turn
 
 
 def test_scripted_engine_pause_holds_calls_until_resume():

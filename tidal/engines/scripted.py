@@ -16,8 +16,8 @@ goes first: an episode that ended before the script did) and `max_sessions` fini
 recognise a session that asks again).
 
 Like every engine it honours the request's sampling limits: a turn ends at its first stop
-token (kept; finish "stop"), at the token that completes a stop string (`SamplingParams.stop`;
-needs `tokenizer`, and a request with stop strings but no tokenizer is refused rather than
+token (kept; finish "stop"), at the token that completes a stop string (`SamplingParams.stop`,
+searched in the text with special tokens skipped; needs `tokenizer`, and a request with stop strings but no tokenizer is refused rather than
 silently ignored), or after `max_new_tokens` (finish "length"). A script turn that ends on
 none of them finishes "length" too: the policy stopped without a stop token. Every token
 carries the engine's `version`, which `update_weights` sets (the tensors are not used: the
@@ -114,7 +114,7 @@ class ScriptedEngine:
             raise ValueError(f"scripted engine: request {r.request_id} asks for stop strings {list(p.stop)} "
                              "but the engine has no tokenizer to find them (ScriptedEngine(..., tokenizer=))")
         tokens = _cut(self._script_turn(r), p, self.tokenizer)
-        stopped = bool(tokens) and (tokens[-1] in p.stop_token_ids or _ends_stop_string(tokens, p, self.tokenizer))
+        stopped = bool(tokens) and (tokens[-1] in p.stop_token_ids or _has_stop_string(tokens, p, self.tokenizer))
         return GenerationResult(r.request_id, tokens, [0.0] * len(tokens), "stop" if stopped else "length",
                                 self._version)
 
@@ -133,12 +133,16 @@ def _cut(tokens: list[int], p: SamplingParams, tokenizer) -> list[int]:
         if t in p.stop_token_ids:
             tokens = tokens[: i + 1]
             break
-    if p.stop and any(s in tokenizer.decode(tokens) for s in p.stop):
+    if p.stop and _has_stop_string(tokens, p, tokenizer):
         for i in range(1, len(tokens) + 1):  # the shortest prefix that completes a stop string
-            if any(s in tokenizer.decode(tokens[:i]) for s in p.stop):
+            if _has_stop_string(tokens[:i], p, tokenizer):
                 return tokens[:i]
     return tokens
 
 
-def _ends_stop_string(tokens: list[int], p: SamplingParams, tokenizer) -> bool:
-    return bool(p.stop) and any(s in tokenizer.decode(tokens) for s in p.stop)
+def _has_stop_string(tokens: list[int], p: SamplingParams, tokenizer) -> bool:
+    """A stop string in the text of `tokens`, special tokens skipped (every engine's contract)."""
+    if not p.stop:
+        return False
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return any(s in text for s in p.stop)
