@@ -256,3 +256,63 @@ def test_a_bad_call_fails_alone_and_close_fails_calls_in_flight(tiny_model_dir, 
     assert not tb.is_alive() and isinstance(box.get("error"), EngineClosed)
     with pytest.raises(EngineClosed, match="generate .* after close"):
         eng.generate_sync(good)
+
+
+# -- prefix cache across turns ------------------------------------------------------------------
+def _turn2(tokenizer, reqs, results, seed0=300):
+    """The next turn of each session: prompt + generation + a tool answer of some length."""
+    out = []
+    for i, (r, res) in enumerate(zip(reqs, results)):
+        obs = tokenizer("<|im_start|>tool\n" + "result 42 " * (1 + i % 3) + "<|im_end|>\n<|im_start|>assistant\n",
+                        add_special_tokens=False)["input_ids"]
+        out.append(GenerationRequest(f"t2-{i}", r.prompt_ids + res.token_ids + obs,
+                                     SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed0 + i),
+                                     session_id=r.session_id))
+    return out
+
+
+def test_prefix_cache_next_turn_prefills_only_what_is_new(tiny_model_dir, tokenizer):
+    """A session's next turn starts from the KV cache its last turn left: only the new tokens
+    are prefilled, and the tokens are those a cold engine samples (log-probs to float
+    rounding: cached KV vs recomputed, fp32). A prompt that does not extend the cached
+    tokens, a request without a session, and every request after a weight update miss."""
+    cached = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    cold = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, prefix_cache_bytes=0)
+    first = [GenerationRequest(r.request_id, r.prompt_ids, SamplingParams(max_new_tokens=4 + 3 * i, seed=i),
+                               session_id=f"ep{i}")
+             for i, r in enumerate(_requests(tokenizer, SamplingParams(), PROMPTS * 2))]
+    res1 = cached.generate_sync(first)
+    assert [r.token_ids for r in res1] == [r.token_ids for r in cold.generate_sync(first)]
+    assert len(cached.prefixes) == len(first) and cold.prefixes.bytes == 0
+    second = _turn2(tokenizer, first, res1)
+    second[1].prompt_ids[3] += 1  # no longer extends session ep1's tokens: a miss
+    second[2].session_id = ""  # no session: a miss (ep2's entry stays)
+    before = cached.prefill_tokens
+    got, want = cached.generate_sync(second), cold.generate_sync(second)
+    assert cached.prefixes.hits == len(second) - 2
+    # One join: the two cold rows feed their whole prompts; the warm ones, apart, each feed the
+    # longest new part among them (the rest of their prompt comes from the cache).
+    warm = [i for i in range(len(second)) if i not in (1, 2)]
+    new = max(len(second[i].prompt_ids) - (len(first[i].prompt_ids) + len(res1[i].token_ids) - 1) for i in warm)
+    assert cached.prefill_tokens - before == len(second[1].prompt_ids) + len(second[2].prompt_ids) + len(warm) * new
+    assert len(warm) * new < 0.7 * sum(len(second[i].prompt_ids) for i in warm)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+
+    cached.update_weights(1, dict(cached.model.named_parameters()))
+    assert len(cached.prefixes) == 0  # kept KV came from the old weights
+    hits = cached.prefixes.hits
+    cached.generate_sync(_turn2(tokenizer, second, got))
+    assert cached.prefixes.hits == hits
+
+
+def test_prefix_cache_stays_within_its_budget(tiny_model_dir, tokenizer):
+    probe = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    reqs = [GenerationRequest(f"r{i}", [5 + i, 17, 30, 31, 32], SamplingParams(max_new_tokens=6, seed=i),
+                              session_id=f"s{i}") for i in range(12)]
+    probe.generate_sync(reqs)
+    one = probe.prefixes.bytes // 12  # every entry holds the same number of tokens
+    small = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, prefix_cache_bytes=3 * one + one // 2)
+    small.generate_sync(reqs)
+    assert len(small.prefixes) == 3 and small.prefixes.bytes <= small.prefixes.max_bytes

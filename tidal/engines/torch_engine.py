@@ -29,6 +29,16 @@ hold the lock until the last of them finishes: an update waits for them, and req
 queued while it waits start after it (what vLLM and SGLang do), so each result has one
 version.
 
+Prefix cache across turns. When a request with a `session_id` (the rollout sets the episode
+id) finishes, the KV cache of its prompt and generation is kept, bounded by
+`prefix_cache_bytes` (least recently used first out); the session's next request, whose
+prompt extends those tokens, prefills only the rest (the environment's answer and the next
+generation prompt) on top of it. Rows that join together with different cached lengths
+re-feed up to the longest new part of the group, so every row's cache stays one contiguous
+run after its left padding. A weight update (and `sleep`) empties it: a kept cache is only
+used with the weights that computed it. Without it every turn re-prefills the whole
+conversation, which costs more than its decoding once conversations grow.
+
 Stop strings (`SamplingParams.stop`) need the tokenizer (`TorchEngine(..., tokenizer=)`):
 the row's newest tokens are decoded in a short window after each step
 (`stop_strings.py`); the token that completes a stop string ends the request and is kept.
@@ -40,7 +50,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -50,6 +60,8 @@ from transformers import DynamicCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult
+
+DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # KV kept for sessions' next turns (1 GiB)
 
 # Most generate calls waiting on the scheduler at once, each on its own thread (the default
 # executor has min(32, cores + 4) threads: too few for an agent's concurrent turns).
@@ -66,7 +78,8 @@ class WeightUpdateTimeout(TimeoutError):
 
 class TorchEngine:
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
-                 update_timeout_s: float = 600.0, tokenizer=None, cross_call_batching: bool = True):
+                 update_timeout_s: float = 600.0, tokenizer=None, cross_call_batching: bool = True,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
         self.model = model.eval()
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
@@ -77,6 +90,8 @@ class TorchEngine:
         self._stops = StopStringMatcher(tokenizer) if tokenizer is not None else None
         self.decode_steps = 0  # sampling steps run so far (all calls): lets a watcher see progress
         self.sampled_tokens = 0  # tokens sampled so far: sampled_tokens / decode_steps is the mean batch
+        self.prefill_tokens = 0  # prompt tokens fed through the model (a prefix-cache hit feeds only the rest)
+        self.prefixes = _PrefixCache(prefix_cache_bytes)
         self._weights = _WeightsLock()
         self._version = 0
         self._running = threading.Event()
@@ -114,6 +129,7 @@ class TorchEngine:
             with self._weights.exclusive(self.update_timeout_s, lambda n: WeightUpdateTimeout(
                     f"torch engine: sleep waited {self.update_timeout_s:g} s for {n} generate steps")):
                 self._awake.clear()
+                self.prefixes.clear()
                 self._home = self.device
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
@@ -152,6 +168,7 @@ class TorchEngine:
             f"torch engine: update_weights v{version} waited {self.update_timeout_s:g} s for {waits_for} to finish "
             f"({n} holding the weights; is update_weights called from the thread that runs generate?)")
         with self._weights.exclusive(self.update_timeout_s, too_slow), torch.no_grad():
+            self.prefixes.clear()  # computed by the old weights
             for name, t in tensors.items():
                 params[name].copy_(t)
             self._version = version
@@ -182,7 +199,9 @@ class TorchEngine:
             self._check_open(f"generate ({len(requests)} requests)")
             self._queue.append(call)
             if self._scheduler is None:
-                self._scheduler = threading.Thread(target=self._schedule, name="tidal-torch-engine", daemon=True)
+                # Not a daemon: at interpreter exit Python joins it (it ends once idle) instead of
+                # freezing it inside torch, which can abort the process.
+                self._scheduler = threading.Thread(target=self._schedule, name="tidal-torch-engine")
                 self._scheduler.start()
             else:
                 self._cv.notify_all()
@@ -311,6 +330,8 @@ class TorchEngine:
             params = seq.request.params
             stop = t in params.stop_token_ids or (bool(params.stop) and self._stops.completes(seq.tokens, params.stop))
             if stop or len(seq.tokens) >= params.max_new_tokens:
+                if self.prefixes.max_bytes > 0:  # kept before the caller hears: its next turn finds it
+                    self._keep_prefix(rows, row)
                 seq.finish("stop" if stop else "length")
             else:
                 keep.append(row)
@@ -327,18 +348,63 @@ class TorchEngine:
     def _join_at(self) -> int:
         return max(1, self.max_batch_size // 8)
 
+    def _keep_prefix(self, rows: _Rows, row: int) -> None:
+        """Keep a finished row's KV cache (prompt + generation but its last token, which was
+        never fed) for its session's next request, if all of it came from today's weights."""
+        seq = rows.seqs[row]
+        req = seq.request
+        if not req.session_id or any(v != self._version for v in seq.versions):
+            return
+        tokens = list(req.prompt_ids) + seq.tokens[:-1]
+        n = int(rows.attn[row].sum())
+        if n != len(tokens):  # never expected: the row's cache is its tokens after its left padding
+            return
+        layers = rows.cache.layers
+        self.prefixes.put(req.session_id, _Prefix(tokens, [la.keys[row:row + 1, :, -n:].clone() for la in layers],
+                                                  [la.values[row:row + 1, :, -n:].clone() for la in layers]))
+
     def _prefill(self, seqs: list[_Seq]) -> _Rows:
+        """Prefill joining requests; those that found their session's cache apart from the
+        others (a cold row in their group would make them all re-feed its whole prompt)."""
+        found = [self.prefixes.take(s.request.session_id, s.request.prompt_ids) for s in seqs]
+        cold = [s for s, h in zip(seqs, found) if h is None]
+        warm = [(s, h) for s, h in zip(seqs, found) if h is not None]
+        rows = self._prefill_group(cold, [None] * len(cold)) if cold else None
+        if warm:
+            new = self._prefill_group([s for s, _ in warm], [h for _, h in warm])
+            rows = new if rows is None else rows.merge(new)
+        return rows
+
+    def _prefill_group(self, seqs: list[_Seq], hits: list[_Prefix | None]) -> _Rows:
         reqs = [s.request for s in seqs]
         dev, B = self.device, len(reqs)
-        L = max(len(r.prompt_ids) for r in reqs)
-        input_ids = torch.full((B, L), self.pad_token_id, dtype=torch.long)
-        attn = torch.zeros((B, L), dtype=torch.long)
+        lens = [len(r.prompt_ids) for r in reqs]
+        # Tokens each row has cached (at least one prompt token is fed: its logits are needed).
+        cached = [min(len(h.tokens), n - 1) if h is not None else 0 for h, n in zip(hits, lens)]
+        S = max(n - c for n, c in zip(lens, cached))  # new tokens fed per row, left-padded
+        fed = [min(S, n) for n in lens]  # a row re-feeds cached tokens up to S: its cache stays contiguous
+        past = [n - f for n, f in zip(lens, fed)]  # cached tokens used as they are (<= cached)
+        P = max(past)
+        input_ids = torch.full((B, S), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((B, P + S), dtype=torch.long)
         for i, r in enumerate(reqs):
-            input_ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            attn[i, L - len(r.prompt_ids) :] = 1
+            input_ids[i, S - fed[i]:] = torch.tensor(r.prompt_ids[past[i]:])
+            attn[i, P - past[i]:P] = 1
+            attn[i, P + S - fed[i]:] = 1
         input_ids, attn = input_ids.to(dev), attn.to(dev)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, P:]
         cache = DynamicCache()
+        if P > 0:
+            ref = next(h for h, p in zip(hits, past) if p > 0)
+            for layer in range(len(ref.keys)):
+                k = ref.keys[layer].new_zeros((B, *ref.keys[layer].shape[1:2], P, ref.keys[layer].shape[3]))
+                v = ref.values[layer].new_zeros((B, *ref.values[layer].shape[1:2], P, ref.values[layer].shape[3]))
+                for i, (h, p) in enumerate(zip(hits, past)):
+                    if p:
+                        k[i, :, P - p:] = h.keys[layer][0, :, :p]
+                        v[i, :, P - p:] = h.values[layer][0, :, :p]
+                cache.update(k, v, layer)
+        self.prefill_tokens += sum(fed)
         logits = self.model(
             input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
@@ -352,6 +418,69 @@ class TorchEngine:
             steps=torch.zeros(B, dtype=torch.long, device=dev),
             versions=torch.full((B,), self._version, dtype=torch.long, device=dev),
         )
+
+
+@dataclass(eq=False)
+class _Prefix:
+    """A finished request's KV cache: `tokens` (its prompt and generation but the last) and
+    per layer keys and values [1, heads, len(tokens), head_dim]."""
+
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+class _PrefixCache:
+    """Sessions' kept KV caches, least recently used first out, at most `max_bytes` (0: off)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0  # requests that found their session's prefix
+        self._entries: OrderedDict[str, _Prefix] = OrderedDict()
+        self._lock = threading.Lock()  # loops of several calls (cross_call_batching=False) share it
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, session: str, prompt: list[int]) -> _Prefix | None:
+        """The session's entry if `prompt` extends its tokens (removed either way: the request
+        will keep its own, longer one)."""
+        if not session or self.max_bytes <= 0:
+            return None
+        with self._lock:
+            entry = self._entries.pop(session, None)
+            if entry is None:
+                return None
+            self.bytes -= entry.nbytes
+        n = len(entry.tokens)
+        if n > len(prompt) or list(prompt[:n]) != entry.tokens:
+            return None
+        self.hits += 1
+        return entry
+
+    def put(self, session: str, entry: _Prefix) -> None:
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(session, None)
+            if old is not None:
+                self.bytes -= old.nbytes
+            self._entries[session] = entry
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                _, out = self._entries.popitem(last=False)
+                self.bytes -= out.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
 
 
 class _Call:
