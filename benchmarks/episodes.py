@@ -3,6 +3,7 @@ bounded memory.
 
     python benchmarks/episodes.py [--episodes 1000000] [--chunk 2000] [--episodes-per-step 10000]
                                   [--no-text] [--out benchmarks/results/episodes.json]
+    python benchmarks/episodes.py --store-only [--store-sample 20000] --out benchmarks/results/episodes_store.json
 
 The environment is cheap and multi-turn (3 policy turns): it asks a sum, the policy answers,
 the env asks for a check with its calculator tool, the policy calls it (`calc(a*b)`, executed
@@ -19,7 +20,9 @@ chunk boundary (reported every 100k) and at the end, plus the kernel's peak (VmH
 max RSS seen - RSS after warm-up. One torch/tokenizer thread (the machine is shared).
 
 A second, side-by-side measurement times the store alone on the same episodes: text decoding
-off, batched per row group (the store's way), and one decode call per episode.
+off, batched per row group (the store's way), and one decode call per episode, alternating,
+best of `--rounds`. `--store-only` runs only that, plus random 4096-token episodes (nothing
+to compress: the disk cost per token of long agentic episodes).
 """
 
 from __future__ import annotations
@@ -112,8 +115,10 @@ async def run_chunk(rollout: Rollout, engine, chunk: list[EpisodeSpec], step: in
     return eps
 
 
-def store_side_by_side(episodes: list, tokenizer, workdir: Path, repeats: int) -> dict:
-    """Episodes/s of the store alone on the same episodes: text off, batched, per episode."""
+def store_side_by_side(episodes: list, tokenizer, workdir: Path, rounds: int) -> dict:
+    """Episodes/s of the store alone on the same episodes: text off, batched (the store's way),
+    one decode call per episode. The modes alternate round by round; the best round counts
+    (the machine is shared)."""
 
     class PerEpisodeDecode:  # the tokenizer seen through `decode` only: one call per episode (the old way)
         def __init__(self, tok):
@@ -121,19 +126,75 @@ def store_side_by_side(episodes: list, tokenizer, workdir: Path, repeats: int) -
 
     modes = {"no_text": {"decode_text": False}, "text_batched": {"tokenizer": tokenizer},
              "text_per_episode": {"tokenizer": PerEpisodeDecode(tokenizer), "decode_text": True}}
-    out = {}
-    for name, kw in modes.items():
-        best = float("inf")
-        for r in range(repeats):
+    best = dict.fromkeys(modes, float("inf"))
+    size = {}
+    for r in range(rounds):
+        for name, kw in modes.items():
             d = workdir / f"{name}-{r}"
             t0 = time.perf_counter()
             with EpisodeWriter(d, **kw) as w:
                 w.add_many(episodes)
-            best = min(best, time.perf_counter() - t0)
-            size = sum(f.stat().st_size for f in episode_files(d))
+            best[name] = min(best[name], time.perf_counter() - t0)
+            size[name] = sum(f.stat().st_size for f in episode_files(d))
             shutil.rmtree(d)
-        out[name] = {"episodes_per_s": len(episodes) / best, "bytes_per_episode": size / len(episodes)}
+    return {name: {"episodes_per_s": len(episodes) / best[name], "bytes_per_episode": size[name] / len(episodes)}
+            for name in modes}
+
+
+def long_episodes(n: int, length: int, seed: int = 0) -> list:
+    """Incompressible stand-ins for long agentic episodes: random tokens and float32 log-probs
+    over a 150k vocabulary, half the tokens the policy's, four turns with one tool call each."""
+    import random
+    import struct
+
+    from tidal.types import Episode, Turn
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        mask = [k >= length // 8 and (k // 64) % 2 == 1 for k in range(length)]
+        lp = [struct.unpack("f", struct.pack("f", -rng.expovariate(2.0)))[0] if m else 0.0 for m in mask]
+        q = length // 4
+        turns = [Turn(t, t * q, t * q + q // 2, (t + 1) * q, "x" * 40, "stop", 0.1 * t,
+                      [ToolCallRecord("shell", '{"cmd": "ls -la"}', f"c{t}", "ok", "", 300, 0.01)], 3)
+                 for t in range(4)]
+        out.append(Episode(f"e{i}", f"g{i // 8}", str(i // 8), "long", tokens=[rng.randrange(150_000)
+                                                                             for _ in range(length)],
+                           loss_mask=mask, logprobs=lp, versions=[3 if m else -1 for m in mask], reward=1.0,
+                           metrics={"turns": 4.0}, prompt_len=length // 8, step=1, seed=i, turns=turns))
     return out
+
+
+def store_only(args, tok, tmp: Path) -> None:
+    torch.set_num_threads(1)
+    eos = stop_token_ids(tok)[0]
+    engine = ScriptedEngine.from_texts(tok, ["7", "calc(3*4)", "12"], stop_token_id=eos)
+    rollout = Rollout(tok, SamplingParams(max_new_tokens=16, stop_token_ids=(eos,)), max_turns=3)
+    eps = asyncio.run(run_chunk(rollout, engine, specs(0, args.chunk, 1), 1, lambda e: None))
+    sample = (eps * (args.store_sample // len(eps) + 1))[: args.store_sample]
+    res = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "rounds": args.rounds,
+           "checked_sum": {"episodes": len(sample), "tokens_per_episode": len(eps[0].tokens),
+                           **store_side_by_side(sample, tok, tmp, args.rounds)}}
+    long = long_episodes(args.store_sample // 10, 4096)
+    d = tmp / "long"
+    t0 = time.perf_counter()
+    with EpisodeWriter(d, decode_text=False) as w:
+        w.add_many(long)
+    dt = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in episode_files(d))
+    res["long_random"] = {"episodes": len(long), "tokens_per_episode": 4096, "episodes_per_s": len(long) / dt,
+                          "bytes_per_episode": size / len(long), "bytes_per_token": size / len(long) / 4096}
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    shutil.rmtree(tmp)
+    print("| store alone | episodes | tokens/episode | episodes/s | bytes/episode |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name in ("no_text", "text_batched", "text_per_episode"):
+        v = res["checked_sum"][name]
+        print(f"| checked_sum, {name} | {len(sample):,} | {len(eps[0].tokens)} | {v['episodes_per_s']:,.0f} | "
+              f"{v['bytes_per_episode']:.0f} |")
+    v = res["long_random"]
+    print(f"| random 4096-token episodes, no_text | {len(long):,} | 4096 | {v['episodes_per_s']:,.0f} | "
+          f"{v['bytes_per_episode']:,.0f} ({v['bytes_per_token']:.2f}/token) |")
 
 
 def main() -> None:
@@ -143,6 +204,9 @@ def main() -> None:
     ap.add_argument("--episodes-per-step", type=int, default=10_000)
     ap.add_argument("--no-text", action="store_true", help="do not decode the `text` column")
     ap.add_argument("--store-sample", type=int, default=10_000, help="episodes for the store-alone comparison")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the store-alone comparison (best counts)")
+    ap.add_argument("--store-only", action="store_true", help="only the store-alone comparison (and random long "
+                    "episodes); writes --out")
     ap.add_argument("--dir", default=None, help="where the store goes (default: a temporary folder, removed)")
     ap.add_argument("--out", default="benchmarks/results/episodes.json")
     args = ap.parse_args()
@@ -154,6 +218,8 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=tuple(stop_token_ids(tok)))
     rollout = Rollout(tok, params, max_turns=3)
     tmp = Path(tempfile.mkdtemp(prefix="tidal-episodes-"))
+    if args.store_only:
+        return store_only(args, tok, tmp)
     store = Path(args.dir) if args.dir else tmp / "episodes"
 
     # Warm-up: one chunk, thrown away (imports, template compilation, allocator pools).
@@ -161,7 +227,7 @@ def main() -> None:
     sample = warm[: args.store_sample]
     while len(sample) < args.store_sample:
         sample += warm[: args.store_sample - len(sample)]
-    side = store_side_by_side(sample, tok, tmp, repeats=2)
+    side = store_side_by_side(sample, tok, tmp, args.rounds)
     del warm, sample
 
     writer = EpisodeWriter(store, tok, decode_text=not args.no_text)
