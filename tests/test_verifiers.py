@@ -66,6 +66,12 @@ def test_math_finds_every_final_answer_in_text_order():
     assert [a.kind for a in find_answers(text, ("answer_tag",))] == ["answer_tag"]
 
 
+def test_math_metrics_count_missing_and_several_answers():
+    assert score("\\boxed{1}", answer="1").metrics == {"math/no_answer": 0.0, "math/several_answers": 0.0}
+    assert score("1", answer="1").metrics == {"math/no_answer": 1.0, "math/several_answers": 0.0}
+    assert score("\\boxed{1} \\boxed{1}", answer="1").metrics == {"math/no_answer": 0.0, "math/several_answers": 1.0}
+
+
 def test_math_reference_from_a_solution_column_and_a_configured_column():
     solution = "Since $x=2$, we get $\\boxed{4}$."
     assert score("\\boxed{4}", solution=solution)["correct"] == 1.0  # no `answer`: the solution's last box
@@ -276,6 +282,11 @@ def test_code_verifier_passes_and_fails(code_reward):
     assert verdicts["raises"].reason == "ValueError: no"
     assert verdicts["syntax error"].reason.startswith("SyntaxError")
     assert verdicts["loops"].result.status.value == "timeout"
+    program, tests, _ = CODE_CASES["loops"]
+    assert loop.run_until_complete(reward.grade(program, tests)).metrics == {"code/program_exited": 0.0,
+                                                                            "code/timeout": 1.0}
+    exits = loop.run_until_complete(reward.grade("import os\nos._exit(0)\n", ADD_TESTS))
+    assert (exits, exits.metrics) == ({"correct": 0.0}, {"code/program_exited": 1.0, "code/timeout": 0.0})
 
 
 def test_code_grade_takes_the_original_tests_and_other_program_files(code_reward):

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.rewards.contract import RewardParts
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult, SandboxStatus
 
 FENCE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -105,16 +106,19 @@ class CodeReward:
         if entry is not None:
             await entry[1].aclose()
 
-    async def __call__(self, completion: str, tests: str) -> dict[str, float]:
+    async def __call__(self, completion: str, tests: str) -> RewardParts:
         """correct: 1 when the completion's program passes `tests`; 0 for any failure of the
         code (wrong answer, exception, timeout, memory, output flood, early exit, tampering)."""
         return await self.grade(extract_program(completion), tests)
 
-    async def grade(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> dict[str, float]:
+    async def grade(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> RewardParts:
         """Grade `program` (the source of module `solution`, with `files` beside it in the
-        workspace) against `tests` in a fresh sandbox: {"correct": 0 or 1}."""
+        workspace) against `tests` in a fresh sandbox: {"correct": 0 or 1}, with the metrics
+        `code/program_exited` (it exited or crashed before the tests ended) and `code/timeout`."""
         verdict = await self.verdict(program, tests, files)
-        return {"correct": float(verdict.passed)}
+        return RewardParts({"correct": float(verdict.passed)}, {
+            "code/program_exited": float("ProgramExited" in verdict.reason),
+            "code/timeout": float(verdict.result.status is SandboxStatus.TIMEOUT)})
 
     async def verdict(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> CodeVerdict:
         """`grade` with the reason: what failed, and the sandbox's result (stdout, stderr)."""

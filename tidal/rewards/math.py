@@ -16,7 +16,8 @@ check.
 
 Parts: `correct` (1 or 0) and `format` (`format_weight`, 0.1 by default, as the
 arithmetic task's exact-match reward gives: the comparison of the two on that task is
-fair): the completion has exactly one final answer, non-empty, and ends with it.
+fair): the completion has exactly one final answer, non-empty, and ends with it. Metrics
+(not reward): `math/no_answer`, `math/several_answers`.
 
 Timeouts: math-verify bounds its parse and its comparison with SIGALRM, which works only in
 a process's main thread. There `timeout_s` applies (an answer that runs out of it is
@@ -39,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from math import isfinite  # noqa: F401 — see below
 from typing import Any
+
+from tidal.rewards.contract import RewardParts
 
 # Importing this module binds it as the attribute `math` of the package `tidal.rewards`,
 # which is also the global namespace of tidal/rewards/__init__.py: there `math.isfinite`
@@ -192,7 +195,7 @@ class MathReward:
         self.max_answer_chars = max_answer_chars
         self.max_nesting = max_nesting
 
-    def __call__(self, completion: str, **columns: Any) -> dict[str, float]:
+    def __call__(self, completion: str, **columns: Any) -> RewardParts:
         reference = self.reference(columns)
         answers = find_answers(completion, self.extract)
         correct = (0 < len(answers) <= self.max_answers
@@ -200,7 +203,9 @@ class MathReward:
         parts = {"correct": float(correct)}
         if self.format_weight:
             parts["format"] = self.format_weight * float(self.well_formatted(completion, answers))
-        return parts
+        # Per episode, summed into the step's metrics: how often completions give no answer
+        # or several (a policy drifting towards hedging shows here first).
+        return RewardParts(parts, {"math/no_answer": float(not answers), "math/several_answers": float(len(answers) > 1)})
 
     def reference(self, columns: dict[str, Any]) -> str:
         """The row's reference answer text (raises naming the columns when there is none)."""
