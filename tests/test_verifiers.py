@@ -25,6 +25,7 @@ MATH_CASES = {
     "arithmetic task tag": ("40+30+7+8=70+15=<answer>85</answer>", "85", 1, 0.1),
     "negative tag": ("<answer>-36</answer>", "-36", 1, 0.1),
     "wrong tag": ("<answer>-35</answer>", "-36", 0, 0.1),
+    "unparseable tag": ("<answer>></answer>", "-36", 0, 0.0),
     "boxed integer": ("So the sum is $\\boxed{12}$.", "12", 1, 0.1),
     "boxed nested braces": ("\\boxed{\\frac{\\sqrt{2}}{2}}", "\\frac{1}{\\sqrt{2}}", 1, 0.1),
     "box in a box": ("\\boxed{\\boxed{7}}", "7", 1, 0.1),
@@ -113,7 +114,8 @@ def test_math_agrees_with_the_arithmetic_reward_on_the_arithmetic_task():
         a, b = int(a), int(b)
         completions += [(worked_answer(a, op, b), row["answer"]), (f"<answer>{buggy_answer(a, op, b)}</answer>",
                                                                    row["answer"]),
-                        (f"I think {row['answer']}", row["answer"]), (f"<answer>{row['answer']}</answer> ok", row["answer"])]
+                        (f"I think {row['answer']}", row["answer"]), (f"<answer>{row['answer']}</answer> ok", row["answer"]),
+                        ("<answer>></answer>", row["answer"])]  # sampled at step 10 of a default run
     scored = [(score(c, answer=ans), arithmetic.score(c, answer=ans)) for c, ans in completions]
     assert all(ours == theirs for ours, theirs in scored), [s for s in scored if s[0] != s[1]][:3]
     assert {ours["correct"] for ours, _ in scored} == {0.0, 1.0}  # both outcomes occur

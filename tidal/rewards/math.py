@@ -16,7 +16,8 @@ check.
 
 Parts: `correct` (1 or 0) and `format` (`format_weight`, 0.1 by default, as the
 arithmetic task's exact-match reward gives: the comparison of the two on that task is
-fair): the completion has exactly one final answer, non-empty, and ends with it. Metrics
+fair): the completion has exactly one final answer, math-verify can parse it, and the
+completion ends with it. Metrics
 (not reward): `math/no_answer`, `math/several_answers`.
 
 Timeouts: math-verify bounds its parse and its comparison with SIGALRM, which works only in
@@ -198,11 +199,11 @@ class MathReward:
     def __call__(self, completion: str, **columns: Any) -> RewardParts:
         reference = self.reference(columns)
         answers = find_answers(completion, self.extract)
-        correct = (0 < len(answers) <= self.max_answers
-                   and all(self.equal(reference, a.text) for a in answers))
-        parts = {"correct": float(correct)}
+        checks = [self.check(reference, a.text) for a in answers] if len(answers) <= self.max_answers else []
+        parts = {"correct": float(bool(checks) and all(equal for equal, _ in checks))}
         if self.format_weight:
-            parts["format"] = self.format_weight * float(self.well_formatted(completion, answers))
+            well_formed = self.well_formatted(completion, answers) and checks[0][1]
+            parts["format"] = self.format_weight * float(well_formed)
         # Per episode, summed into the step's metrics: how often completions give no answer
         # or several (a policy drifting towards hedging shows here first).
         return RewardParts(parts, {"math/no_answer": float(not answers), "math/several_answers": float(len(answers) > 1)})
@@ -224,7 +225,8 @@ class MathReward:
 
     def well_formatted(self, completion: str, answers: list[Answer]) -> bool:
         """Exactly one final answer, non-empty, and nothing after it (after a box or a final
-        line, closing math or emphasis and a period may follow)."""
+        line, closing math or emphasis and a period may follow). The format part also needs
+        the answer to parse (`check`)."""
         if len(answers) != 1 or not _unwrap(answers[0].text):
             return False
         if answers[0].kind == "answer_tag":  # as the arithmetic reward: nothing after the tag
@@ -233,18 +235,25 @@ class MathReward:
 
     def equal(self, reference: str, given: str) -> bool:
         """Whether the answer text `given` is math-verify-equal to `reference`."""
+        return self.check(reference, given)[0]
+
+    def check(self, reference: str, given: str) -> tuple[bool, bool]:
+        """(equal to `reference`, parsed at all) for the answer text `given`. Not parsed: empty,
+        too long or too deeply nested, unparseable (`>`), or too costly to compare."""
         given = _unwrap(given)
         if not given or len(given) > self.max_answer_chars or _nesting(given) > self.max_nesting:
-            return False
+            return False, False
         if INTEGER_RE.fullmatch(given) and INTEGER_RE.fullmatch(reference.strip()):
-            return int(given) == int(reference.strip())  # the arithmetic task's case, without sympy
+            return int(given) == int(reference.strip()), True  # the arithmetic task's case, without sympy
         from math_verify import verify
 
         gold = self._parse_reference(reference)
         target = self._parse(given)
         if not target or _too_costly(target):
-            return False
-        return bool(verify(gold, target, timeout_seconds=self._timeout()))
+            return False, False
+        equal = bool(verify(gold, target, timeout_seconds=self._timeout()))
+        # Only math-verify's string fallback (`>`): not a formula, unless it is the reference.
+        return equal, equal or any(not isinstance(t, str) for t in target)
 
     def _timeout(self) -> int | None:
         # math-verify's timeout is SIGALRM: only the main thread may set it.
