@@ -81,6 +81,23 @@ def test_length_correlation_quiet_when_reward_ignores_length():
     assert abs(mon.stats["hacking/length_corr"]) < 0.5
 
 
+def test_length_correlation_ignores_what_the_verifier_pays_for():
+    """Longer (careful) answers are the right ones: the verifier's `correct` pays them, so the
+    monitor is quiet; the same lengths paid by a judge part are reported."""
+    rng = random.Random(3)
+    verified, judged = [], []
+    for i in range(32):
+        length = rng.randint(5, 60)
+        right = float(length > 30)
+        verified.append(ep(i, f"g{i // 8}", reward=right + 0.1, length=length, parts={"correct": right, "format": 0.1}))
+        judged.append(ep(i, f"g{i // 8}", reward=right + 0.1, length=length, parts={"judge": right, "format": 0.1}))
+    kinds = lambda events: [e.kind for e in events]
+    assert "length_correlation" not in kinds(quiet().update(1, verified, {}))
+    assert "length_correlation" in kinds(quiet().update(1, judged, {}))
+    # with the verifier's share counted too (length_corr_unverified=False), the first fires as well
+    assert "length_correlation" in kinds(HackingMonitor(log_events=False, length_corr_unverified=False).update(1, verified, {}))
+
+
 def test_group_scope_ignores_a_confound_between_prompts():
     """Harder prompts have longer answers and (here) higher rewards, but within each prompt the
     reward does not follow the length: the batch-level correlation is a confound, and only the

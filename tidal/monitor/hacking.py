@@ -8,9 +8,10 @@ step, message, example episode ids); `monitor.metrics_of(events)` gives the numb
 - `divergence`: the training reward rises while the held-out reward or accuracy falls, over
   the last `divergence_window` evaluations (least-squares trends, so one noisy eval does
   not fire it);
-- `length_correlation`: the reward correlates with the response length beyond a bound
+- `length_correlation`: the reward no verifier vouches for (the reward less the parts in
+  `part_exempt`, a verifier's `correct`) correlates with the response length beyond a bound
   (Spearman by default, within groups by default: GRPO compares samples of one prompt, so
-  that is the correlation the policy gradient sees);
+  that is the correlation the policy gradient sees); a right answer may be long;
 - `part_dominance`: one reward part carries more than `part_share_max` of the reward's
   magnitude (sum over episodes of |part| / sum of |parts|). Parts in `part_exempt` (the
   verifier's `correct`, by default) may dominate: that is what they are for;
@@ -136,7 +137,8 @@ class HackingMonitor:
                  divergence_window: int = 3, divergence_min_rise: float = 0.05, divergence_min_drop: float = 0.05,
                  length_corr_max: float = 0.5, length_corr_method: Literal["spearman", "pearson"] = "spearman",
                  length_corr_scope: Literal["group", "batch"] = "group", length_corr_abs: bool = False,
-                 length_window: int = 1, part_share_max: float = 0.8, part_exempt: tuple[str, ...] = ("correct",),
+                 length_window: int = 1, length_corr_unverified: bool = True, part_share_max: float = 0.8,
+                 part_exempt: tuple[str, ...] = ("correct",),
                  error_jump: float = 0.1, error_baseline_steps: int = 10, error_min_history: int = 3,
                  judge_part: str = "judge", judge_weight: float = 1.0, judge_high: float = 0.7, judge_low: float = 0.3,
                  disagree_max: float = 0.2, verifier_part: str = "correct", min_episodes: int = 8,
@@ -158,6 +160,7 @@ class HackingMonitor:
         self.length_corr_max = length_corr_max
         self.length_corr_method = length_corr_method
         self.length_corr_scope = length_corr_scope
+        self.length_corr_unverified = length_corr_unverified
         self.length_corr_abs = length_corr_abs
         self.part_share_max = part_share_max
         self.part_exempt = tuple(part_exempt)
@@ -252,7 +255,13 @@ class HackingMonitor:
         if len(pool) < self.min_episodes:
             return []
         lengths = [float(e.num_policy_tokens) for e in pool]
-        rewards = [e.reward for e in pool]
+        # The reward no verifier vouches for: a verifier's `correct` pays a right answer of any
+        # length (careful, longer answers that are right are what RL should find); what is left
+        # (a judge, a reward model, format parts) is where length can be gamed.
+        # (rounded: 1.1 - 1.0 and 0.1 - 0.0 differ in the last bits, and ranks would see it)
+        rewards = [round(e.reward - sum(v for k, v in e.reward_parts.items()
+                                        if any(_is_part(k, p) for p in self.part_exempt)), 9)
+                   if self.length_corr_unverified else e.reward for e in pool]
         if self.length_corr_scope == "group":
             groups: dict[str, list[int]] = defaultdict(list)
             for i, e in enumerate(pool):

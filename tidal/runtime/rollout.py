@@ -111,10 +111,11 @@ class _GroupScoring:
         self.size = size
         self.arrived: list[tuple[RewardInput, asyncio.Future]] = []
         self.left = 0
+        self.task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to tasks
 
     def _maybe_start(self, scorer) -> None:
         if len(self.arrived) + self.left == self.size and self.arrived:
-            asyncio.get_running_loop().create_task(self._score(scorer, list(self.arrived)))
+            self.task = asyncio.get_running_loop().create_task(self._score(scorer, list(self.arrived)))
             self.arrived = []
 
     async def _score(self, scorer, members) -> None:
