@@ -89,6 +89,24 @@ def test_streaming_round_trip_with_turns_and_tool_calls(tmp_path, tok):
     assert pc.struct_field(calls, "status").to_pylist().count("args") == sum(1 for i in range(17) if i % 2 == 0)
 
 
+def test_a_row_is_the_episode_as_it_was_added(tmp_path):
+    # the controller shapes rewards and marks `trained` after the rollout; rows already written
+    # and rows still buffered must agree on what they record
+    w = EpisodeWriter(tmp_path, row_group_episodes=2)
+    eps = [make_episode(i) for i in (1, 2, 3)]
+    for e in eps:
+        w.add(e)
+    for e in eps:  # episodes 1 and 2 are written by now, 3 is buffered
+        e.reward -= 0.5
+        e.metrics["trained"] = 0.0
+        e.reward_parts["penalty"] = -0.5
+    w.end_step(1)
+    back = read_episodes(tmp_path)
+    assert back.column("reward").to_pylist() == [2.0, 3.0, 4.0]
+    assert all("trained" not in dict(m) and "penalty" not in dict(p)
+               for m, p in zip(back.column("metrics").to_pylist(), back.column("reward_parts").to_pylist()))
+
+
 def test_text_column_is_optional(tmp_path, tok):
     with EpisodeWriter(tmp_path, tok, decode_text=False) as w:
         w.add_many(make_episode(i) for i in range(3))

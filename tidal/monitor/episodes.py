@@ -24,6 +24,7 @@ exactly (`iter_episodes`).
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
 import re
@@ -138,6 +139,14 @@ def _batch_decoder(tokenizer):
     return lambda seqs: [tokenizer.decode(s) for s in seqs]
 
 
+def _snapshot(ep: Episode) -> Episode:
+    if not isinstance(ep, Episode):
+        return ep  # _check names it
+    snap = copy.copy(ep)
+    snap.metrics, snap.reward_parts = dict(ep.metrics), dict(ep.reward_parts)
+    return snap
+
+
 def _check(ep: Episode) -> None:
     if not isinstance(ep, Episode):
         raise TypeError(f"episode store: expected an Episode, got {type(ep).__name__}")
@@ -199,9 +208,13 @@ class EpisodeWriter:
         return sum(len(f.buffer) for f in self._open.values())
 
     def add(self, episode: Episode) -> None:
-        """Buffer one finished episode in the file of its step (`episode.step`)."""
+        """Buffer one finished episode in the file of its step (`episode.step`). The row records
+        the episode as it is now: later changes to its scalars or its `metrics`/`reward_parts`
+        (reward shaping, a `trained` flag) do not reach the store, whether or not its row group
+        was written yet (its token lists and turns are not copied: they do not change once an
+        episode has finished)."""
         with self._lock:
-            self._add(episode.step if isinstance(episode, Episode) else None, episode)
+            self._add(episode.step if isinstance(episode, Episode) else None, _snapshot(episode))
 
     def add_many(self, episodes: Iterable[Episode]) -> None:
         for ep in episodes:
@@ -219,7 +232,7 @@ class EpisodeWriter:
         """All of a step's episodes at once (rows carry `step`); returns the step's first file."""
         with self._lock:
             for ep in episodes:
-                self._add(step, ep)
+                self._add(step, _snapshot(ep))
             f = self._open.pop(step, None) or _OpenFile(step)
             self._ended.add(step)
             return self._close_step(f)[0]
