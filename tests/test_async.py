@@ -28,7 +28,9 @@ def metrics(run: Path) -> list[dict]:
 
 
 def episodes(run: Path, step: int) -> list[dict]:
-    return pq.read_table(run / "episodes" / f"step_{step:06d}.parquet").to_pylist()
+    """A step's episodes by id (the store keeps them in the order they finished)."""
+    rows = pq.read_table(run / "episodes" / f"step_{step:06d}.parquet").to_pylist()
+    return sorted(rows, key=lambda r: r["episode_id"])
 
 
 def test_k0_loop_gives_the_sync_loop_batches(tmp_path):

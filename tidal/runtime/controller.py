@@ -279,7 +279,7 @@ class Controller:
                     f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
         self.metrics.log(step, metrics)
         if self.episode_writer is not None:
-            if cfg.algorithm.dynamic_sampling:
+            if self._writes_whole_steps:
                 self.episode_writer.write(step, episodes)
             else:
                 self.episode_writer.end_step(step)
@@ -310,9 +310,10 @@ class Controller:
         baselines: dict[str, float] = {}
         kept: list[str] = []  # group ids to train on, in sampling order
         rounds = 0
-        # Episodes stream to the store as they finish, unless dynamic sampling decides only at
-        # the end which of them are trained (then the step is written whole).
-        stream = self._stream if self.episode_writer is not None and not algo.dynamic_sampling else None
+        # Episodes stream to the store as they finish, unless the step changes them afterwards:
+        # dynamic sampling decides at the end which are trained, DAPO's overlong shaping changes
+        # rewards, ReMax drops groups without a baseline (then the step is written whole).
+        stream = self._stream if self.episode_writer is not None and not self._writes_whole_steps else None
         while True:
             rows = self.source.take(want)
             specs = group_specs(rows, self.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
@@ -369,6 +370,11 @@ class Controller:
                 f"reward.failure_budget={rc.failure_budget:g} for {self._over_budget} steps in a row "
                 f"(reward.failure_steps={rc.failure_steps}). First error: {first}. Nothing of step {step} was "
                 f"trained on; the last checkpoint is {last or 'none (no step was saved yet)'}.")
+
+    @property
+    def _writes_whole_steps(self) -> bool:
+        algo = self.cfg.algorithm
+        return algo.dynamic_sampling or algo.overlong_buffer > 0 or algo.advantage == "remax"
 
     def _stream(self, e: Episode) -> None:
         if e.episode_id.endswith("-greedy"):  # a ReMax baseline: not a sample
