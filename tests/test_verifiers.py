@@ -256,7 +256,6 @@ CODE_CASES = {
     "plain types round-trip": (PLAIN, PLAIN_TESTS, True),
     "unittest": (ADD, UNITTEST_TESTS, True),
     "unittest, failing": ("def add(a, b):\n    return a * b\n", UNITTEST_TESTS, False),
-    "loops": ("def add(a, b):\n    while True:\n        pass\n", ADD_TESTS, False),
 }
 
 
@@ -283,12 +282,29 @@ def test_code_verifier_passes_and_fails(code_reward):
     assert verdicts["wrong"].reason.startswith("AssertionError")
     assert verdicts["raises"].reason == "ValueError: no"
     assert verdicts["syntax error"].reason.startswith("SyntaxError")
-    assert verdicts["loops"].result.status.value == "timeout"
-    program, tests, _ = CODE_CASES["loops"]
-    assert loop.run_until_complete(reward.grade(program, tests)).metrics == {"code/program_exited": 0.0,
-                                                                            "code/timeout": 1.0}
     exits = loop.run_until_complete(reward.grade("import os\nos._exit(0)\n", ADD_TESTS))
     assert (exits, exits.metrics) == ({"correct": 0.0}, {"code/program_exited": 1.0, "code/timeout": 0.0})
+
+
+def test_code_verifier_reports_cpu_and_wall_limits(code_reward):
+    """A spinning program's process ends at its CPU limit (the grader names it: a wall clock
+    of 60 s leaves 1 CPU second room even on a loaded machine); a sleeping one's sandbox at
+    the wall clock. Both are timeouts in the metrics."""
+    _, loop = code_reward
+    spinning = CodeReward(SandboxConfig(warm=0), limits={"cpu_s": 1, "wall_s": 60})
+    sleeping = CodeReward(SandboxConfig(warm=0), limits={"cpu_s": 5, "wall_s": 2})
+
+    async def go():
+        try:
+            return (await spinning.verdict("def add(a, b):\n    while True:\n        pass\n", ADD_TESTS),
+                    await sleeping.grade("import time\ndef add(a, b):\n    time.sleep(60)\n", ADD_TESTS))
+        finally:
+            await spinning.close()
+            await sleeping.close()
+
+    spun, slept = loop.run_until_complete(go())
+    assert not spun.passed and spun.reason.endswith("(killed at its CPU time limit (SIGXCPU))"), spun.reason
+    assert slept == {"correct": 0.0} and slept.metrics == {"code/program_exited": 0.0, "code/timeout": 1.0}
 
 
 def test_code_grade_takes_the_original_tests_and_other_program_files(code_reward):

@@ -466,7 +466,9 @@ def grader_main():
         sys.stdout.write(f"\n{token} error: {e}\n")
         return
     failure = run_tests(grader, payload["tests"], payload["module"])
-    stop(server_pid)
+    ended = stop(server_pid)
+    if failure is not None and "ProgramExited" in failure:
+        failure += f" ({ended})"
     verdict = "pass" if failure is None else "fail: " + failure.replace("\n", " ")
     sys.stdout.write(f"\n{token} {verdict}\n")
 
@@ -518,15 +520,25 @@ def wait_until_ready(grader):
         raise HarnessError(f"the program's interpreter did not start (it said {ready!r})")
 
 
+SIGKILL, SIGXCPU, SIGXFSZ = 9, 24, 25  # Linux numbers (`signal` imports enum)
+
+
 def stop(pid):
+    """Kill the program's process group and reap it; how its process had ended, if it had:
+    a zombie keeps the status of its own death, SIGKILL here does not replace it."""
     try:
-        os.killpg(pid, 9)  # the program's process group (SIGKILL; `signal` imports enum)
+        os.killpg(pid, SIGKILL)
     except OSError:
         pass
     try:
-        os.waitpid(pid, 0)
+        _, status = os.waitpid(pid, 0)
     except ChildProcessError:
-        pass
+        return "unknown"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        return {SIGXCPU: "killed at its CPU time limit (SIGXCPU)", SIGXFSZ: "killed at its file size limit (SIGXFSZ)",
+                SIGKILL: "killed (SIGKILL)"}.get(sig, f"killed by signal {sig}")
+    return f"exit code {os.WEXITSTATUS(status)}"
 
 
 def run_tests(grader, tests, module_name):

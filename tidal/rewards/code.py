@@ -114,11 +114,12 @@ class CodeReward:
     async def grade(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> RewardParts:
         """Grade `program` (the source of module `solution`, with `files` beside it in the
         workspace) against `tests` in a fresh sandbox: {"correct": 0 or 1}, with the metrics
-        `code/program_exited` (it exited or crashed before the tests ended) and `code/timeout`."""
+        `code/program_exited` (it exited or crashed before the tests ended) and `code/timeout`
+        (the wall clock, or the program's CPU time limit)."""
         verdict = await self.verdict(program, tests, files)
         return RewardParts({"correct": float(verdict.passed)}, {
             "code/program_exited": float("ProgramExited" in verdict.reason),
-            "code/timeout": float(verdict.result.status is SandboxStatus.TIMEOUT)})
+            "code/timeout": float(verdict.result.status is SandboxStatus.TIMEOUT or "CPU time limit" in verdict.reason)})
 
     async def verdict(self, program: str, tests: str, files: Mapping[str, str | bytes] | None = None) -> CodeVerdict:
         """`grade` with the reason: what failed, and the sandbox's result (stdout, stderr)."""
