@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+import torch
 
 from tidal.cli import main as cli_main
 from tidal.envs.arithmetic import ArithmeticConfig, make_problems
@@ -31,8 +32,19 @@ BATCH_TOL = 1e-4
 TOKEN = "s3cret-token"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread(tiny_model_dir):
+    """One torch thread here (after conftest built the tiny model with two): two threads on two
+    cores that other processes share spin, and slow a tiny model's passes by an order of
+    magnitude. Restored for the other modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def rm_dir(tiny_model_dir, tmp_path_factory):
+def rm_dir(one_thread, tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm") / "model"
     train_reward_model(out, init=tiny_model_dir, pairs=64, steps=4, batch_size=8, heldout_pairs=16, seed=1,
                        log=lambda m: None)

@@ -3,6 +3,7 @@
     tidal train [CONFIG.yaml] [section.key=value ...] [--resume]
     tidal eval MODEL_OR_CHECKPOINT [CONFIG.yaml] [section.key=value ...] [--json]
     tidal build-default-model [--out DIR] [--seed N]
+    tidal build-tool-model [--out DIR] [--seed N] [--threads N]
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
 
@@ -114,6 +115,18 @@ def cmd_build(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_tool(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.models.tool_model import build_tool_model
+
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build_tool_model(ns.out, seed=ns.seed)
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return 0
+
+
 def _no_extra_args(ns: argparse.Namespace) -> None:
     if ns.args:
         raise ConfigError(f"tidal {ns.command}: unexpected arguments {' '.join(ns.args)}")
@@ -185,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
+    bt = sub.add_parser("build-tool-model", help="rebuild the tiny tool-calling model (tool_arith) deterministically")
+    bt.add_argument("--out", default=str(DEFAULT_MODEL_DIR.parent / "tiny-tool"))  # tool_model.TOOL_MODEL_DIR
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
+    bt.set_defaults(fn=cmd_build_tool, args=[])
     r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
     r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
     r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")

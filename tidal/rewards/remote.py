@@ -4,7 +4,7 @@
 one query, concurrent calls of one event loop are gathered (up to `max_batch_size`, waiting
 at most `max_wait_ms`) into one `POST {url}` with `{"query": [prompt + completion, ...],
 "prompts": [...], "labels": [...]}`, and each caller gets its own entry of the answer's
-`rewards`. That is the request OpenRLHF's trainer sends to `--remote_rm_url`, so the source
+`rewards`. That is the request OpenRLHF's trainer sends to `--reward.remote_url`, so the source
 can be `tidal serve-rm` (its `/get_reward`) or any server written for OpenRLHF.
 
 Every request is bounded by `timeout_s` (retries of a refused connection included); every
@@ -52,7 +52,7 @@ class RemoteRewardModel:
     url: the server (its `/get_reward` is used) or the full endpoint. token: sent as
     `Authorization: Bearer`; token_env: the name of an environment variable holding it
     (read once, here, so the token need not be written into a config). label_column: the
-    dataset column sent as the query's label (OpenRLHF's `--label_key`); None sends null.
+    dataset column sent as the query's label (OpenRLHF's `--data.label_key`); None sends null.
     tokenizer: a tokenizer directory to render `prompt_messages` when no rendered `prompt`
     is given. Returns `{part: reward}`.
     """

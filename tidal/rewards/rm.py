@@ -289,13 +289,14 @@ class RewardModelReward:
     the text scored is `prompt + completion` (prompt rendered by the chat template when
     only `prompt_messages` is given). `transform`: raw (the logit, default), sigmoid, or
     standard (see `transform_scores`). The pool is built on the first call, in that
-    process; concurrent calls of one process share forward passes. `actor`: the name of a
+    process; concurrent calls of one process share forward passes; `threads`: torch threads
+    of that process (None: leave them as they are). `actor`: the name of a
     `RewardModelActor` (a Ray actor) to score with instead of a pool of this process's own.
     """
 
     def __init__(self, path: str, max_batch_size: int = 32, max_wait_ms: float = 5.0, device: str = "cpu",
                  dtype: str = "float32", transform: Transform = "raw", part: str = "rm", actor: str | None = None,
-                 actor_namespace: str | None = None, max_length: int | None = None):
+                 actor_namespace: str | None = None, max_length: int | None = None, threads: int | None = None):
         if transform not in ("raw", "sigmoid", "standard"):
             raise ValueError(f"RewardModelReward: transform must be raw, sigmoid or standard, got {transform!r}")
         if actor is None and not (Path(path) / "config.json").is_file():
@@ -304,7 +305,7 @@ class RewardModelReward:
         self.path, self.transform, self.part = str(path), transform, part
         self.actor, self.actor_namespace = actor, actor_namespace
         self.pool_args = {"max_batch_size": max_batch_size, "max_wait_ms": max_wait_ms, "device": device,
-                          "dtype": dtype, "max_length": max_length}
+                          "dtype": dtype, "max_length": max_length, "threads": threads}
         self.__tidal_name__ = f"RewardModelReward({self.path})"
         self._init_runtime()
 

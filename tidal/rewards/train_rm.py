@@ -144,8 +144,8 @@ def _load_init(init: str | Path, seed: int):
     return model, tokenizer
 
 
-def train_reward_model(out: str | Path, init: str | Path | None = None, pairs: int = 4000, steps: int = 300,
-                       batch_size: int = 32, lr: float = 3e-4, warmup: int = 20, seed: int = 0,
+def train_reward_model(out: str | Path, init: str | Path | None = None, pairs: int = 4000, steps: int = 400,
+                       batch_size: int = 32, lr: float = 1e-3, warmup: int = 20, seed: int = 0,
                        heldout_pairs: int = 500, eval_every: int = 100, threads: int | None = None,
                        task: ArithmeticConfig | None = None, log=print) -> dict[str, Any]:
     """Train, measure on held-out pairs, save an HF directory with `tidal_rm.json`; return the summary."""
