@@ -138,7 +138,8 @@ def test_code_that_edits_or_deletes_the_tests(grade):
     """)
     verdict = grade(attack)
     caught(verdict, "AssertionError")
-    assert "REMOVED ['/workspace/main.py']" in verdict.result.stderr  # it did delete the grader's own file
+    removed = report(verdict, "REMOVED")
+    assert "'/workspace/main.py'" in removed and "'/workspace/_tidal_grader.bin'" in removed  # the grader's own files
     # The code environment grades with the dataset's tests, whatever the policy left in its workspace.
     caught(grade(WRONG, files={"tests.py": "pass\n", "test_solution.py": "pass\n"}), "AssertionError")
     assert grade(HONEST, files={"tests.py": "assert False\n"}).passed

@@ -13,8 +13,8 @@ The choice: the tests and the program run in two processes, and only the tests' 
 can vouch for a pass. Each grading is a new sandbox (bubblewrap, no network, rlimits)
 holding two interpreters. The grader reads a per-run token and the tests from stdin,
 empties stdin, makes itself non-dumpable (the program, the same uid, can then neither
-read its memory or /proc files nor ptrace it), and only then starts a fresh interpreter
-that imports the program. The tests run in the grader; every use of a program name is a
+read its memory or /proc files nor ptrace it), and only then has a fresh interpreter
+(exec'd meanwhile, sharing no memory with it) import the program. The tests run in the grader; every use of a program name is a
 message to the program's process, which sees its call's arguments and nothing else, and
 returns plain values by copy (an object that claims to equal everything stays in its own
 process, where no test compares with it). The grader prints the token with its verdict
@@ -34,22 +34,44 @@ ends `reward_error`, never scored 0).
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import re
 import secrets
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.rewards._code_grader import COMPILED_NAME
 from tidal.rewards.contract import RewardParts
-from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult, SandboxStatus
+from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult, SandboxStatus, SandboxUnavailable
+from tidal.sandbox.launch import resolve_python
 
 FENCE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 GRADER_SOURCE = Path(__file__).with_name("_code_grader.py").read_text()
+# The sandbox's main script: it runs the grader compiled by the host (the sandbox's
+# interpreter compiles it once per process: each grading would spend two compiles on it).
+GRADER_MAIN = ("import marshal\n"
+               f"with open({COMPILED_NAME!r}, 'rb') as f:\n"
+               "    exec(marshal.loads(f.read()))\n")
 PROGRAM_MODULE = "solution"
 # Two interpreters share these: each process gets cpu_s and memory_bytes of its own.
 DEFAULT_LIMITS = {"wall_s": 10.0, "cpu_s": 5}
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_grader(executable: str) -> bytes:
+    """The grader's code object, compiled and marshalled by `executable` (the sandbox's
+    interpreter: marshal's format is that of one Python version)."""
+    script = ("import marshal,sys\nsys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.read(),"
+              "'<tidal-code-grader>','exec')))")
+    out = subprocess.run([executable, "-I", "-S", "-c", script], input=GRADER_SOURCE.encode(), capture_output=True,
+                         timeout=60, check=False)
+    if out.returncode != 0:
+        raise SandboxUnavailable(f"the sandbox interpreter {executable} cannot compile the code grader: "
+                                 f"{out.stderr.decode(errors='replace').strip()[-500:]}")
+    return out.stdout
 
 
 def extract_program(completion: str) -> str:
@@ -76,6 +98,7 @@ class CodeReward:
         # A mapping is what `task.rewards[].args` gives from YAML.
         self.config = SandboxConfig.model_validate(config) if isinstance(config, Mapping) else config or SandboxConfig()
         self.limits = {**DEFAULT_LIMITS, **(limits or {})}
+        self._grader_code: bytes | None = None
         # Not weak: a pool's semaphore refers to its loop once contended, so a weak key would
         # never go; the pool's lifetime generator removes the entry instead.
         self._pools: dict[asyncio.AbstractEventLoop, tuple[SandboxPool, Any]] = {}
@@ -129,12 +152,17 @@ class CodeReward:
         if not tests.strip():
             raise ValueError("CodeReward: the tests are empty, so every program would pass (check the `tests` column)")
         workspace = dict(files or {})
-        if "main.py" in workspace:
-            raise ValueError("CodeReward: the workspace file `main.py` is the grader's; rename the program's file")
+        for reserved in ("main.py", COMPILED_NAME):
+            if reserved in workspace:
+                raise ValueError(f"CodeReward: the workspace file `{reserved}` is the grader's; rename the program's file")
         workspace[f"{PROGRAM_MODULE}.py"] = program
+        if self._grader_code is None:  # once: a subprocess of the sandbox's interpreter, off the loop
+            executable = resolve_python(self.config).executable
+            self._grader_code = await asyncio.to_thread(compiled_grader, executable)
+        workspace[COMPILED_NAME] = self._grader_code
         token = secrets.token_hex(16)
-        payload = json.dumps({"token": token, "tests": tests, "module": PROGRAM_MODULE, "server": GRADER_SOURCE})
-        result = await (await self.pool()).run_python(GRADER_SOURCE, files=workspace, stdin=payload, limits=self.limits)
+        payload = f"{token}\n{PROGRAM_MODULE}\n{tests}".encode("utf-8", "surrogatepass")
+        result = await (await self.pool()).run_python(GRADER_MAIN, files=workspace, stdin=payload, limits=self.limits)
         if result.status is SandboxStatus.SANDBOX_ERROR:
             raise RuntimeError(f"the sandbox failed to run the tests: {result.error}")
         # Only the grader knows the token, so only it can write a line that starts with it.
