@@ -492,6 +492,39 @@ def test_code_that_shadows_modules_the_grader_imports(grade):
     assert grade(SHADOWS_MODULES.replace(WRONG, HONEST), UNITTEST_TESTS).passed  # and unittest too
 
 
+# Python expressions, evaluated in the program, of what it writes on the pipe.
+FORGED_FRAMES = {
+    "garbage": 'b"\\x00\\x00\\x00\\x05XXXXX"',
+    "more items than bytes": 'b"\\x00\\x00\\x00\\x05L\\xff\\xff\\xff\\xff"',
+    "nested a million deep": 'len(b"L\\x00\\x00\\x00\\x01" * 10**6 + b"N").to_bytes(4, "big") + b"L\\x00\\x00\\x00\\x01" * 10**6 + b"N"',
+    "a frame larger than allowed": '(1 << 31).to_bytes(4, "big")',
+    # ["ok", ["b", True]] in the grader's framing, where the program's names were asked for.
+    "a well-formed answer of its own": 'b"\\x00\\x00\\x00\\x18L\\x00\\x00\\x00\\x02S\\x00\\x00\\x00\\x02okL\\x00\\x00\\x00\\x02S\\x00\\x00\\x00\\x01bT"',
+}
+
+
+@pytest.mark.parametrize("name", FORGED_FRAMES)
+def test_code_that_writes_its_own_frames_to_the_grader(grade, name):
+    """The program can find the pipe to the grader (its server's argv) and write anything on
+    it: whatever it writes is read as untrusted, and nothing but a well-formed answer can
+    come of it, no more than the program could return."""
+    attack = program(f"""
+        import os, sys
+        os.write(int(sys.argv[3]), {FORGED_FRAMES[name]})
+    """, HONEST)
+    caught(grade(attack), "the conversation with the program broke")
+
+
+def test_the_forged_answer_is_well_formed():
+    from tidal.rewards._code_grader import _Reader, dumps
+
+    out = [b""]
+    dumps(["ok", ["b", True]], out)
+    frame = b"".join(out)
+    assert eval(FORGED_FRAMES["a well-formed answer of its own"]) == len(frame).to_bytes(4, "big") + frame
+    assert _Reader(frame).value() == ["ok", ["b", True]]
+
+
 def test_code_that_kills_the_grader(grade):
     attack = program("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", HONEST)
     caught(grade(attack), "the grader did not finish")
