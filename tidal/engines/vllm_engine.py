@@ -102,11 +102,11 @@ def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
         "stop_token_ids": list(p.stop_token_ids),
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own log-prob only
-        "skip_special_tokens": True,  # the text stop strings are matched in
     }
     if p.stop:
         fields["stop"] = list(p.stop)
         fields["include_stop_str_in_output"] = True
+        fields["skip_special_tokens"] = True  # the text they are matched in (tidal's convention)
     return fields
 
 
