@@ -12,8 +12,8 @@ scripts): a dict gives named parts whose sum is the reward.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
+from math import isfinite
 from typing import Any
 
 RewardFn = Callable[..., Any]
@@ -101,6 +101,6 @@ def _total_and_parts(out: Any) -> tuple[float, dict[str, float]]:
     else:
         total = float(out)
         parts = {}
-    if not math.isfinite(total):
+    if not isfinite(total):
         raise ValueError(f"returned a non-finite reward {out!r}")
     return total, parts

@@ -39,14 +39,12 @@ import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import isfinite  # noqa: F401 — see below
 from typing import Any
 
 from tidal.rewards.contract import RewardParts
 
-# Importing this module binds it as the attribute `math` of the package `tidal.rewards`,
-# which is also the global namespace of tidal/rewards/__init__.py: there `math.isfinite`
-# then means this module's. It is the standard one, so that code keeps working.
+# (Importing this module binds it as `tidal.rewards.math`: the package's __init__ imports no
+# `math` of its own, so nothing there is shadowed.)
 EXTRACTORS = ("boxed", "answer_tag", "final_line")
 BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)

@@ -30,12 +30,11 @@ from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.hacking import HackingMonitor
 from tidal.monitor.progress import Progress
 from tidal.monitor.sinks import JsonlSink
+from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout, group_specs
-
-from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.tasks import Task, build_task
 from tidal.types import Episode, SamplingParams
 
@@ -50,7 +49,8 @@ def write_json(path: Path, obj) -> None:
 
 
 # Episode metrics summed over a step's episodes (counts), not averaged.
-SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors", "judge/injection")
+SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors", "judge/injection",
+                   "math/no_answer", "math/several_answers")
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -67,10 +67,15 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         parts = {k for e in ok for k in e.reward_parts}
         for k in sorted(parts):
             m[f"reward/{k}"] = sum(e.reward_parts.get(k, 0.0) for e in ok) / len(ok)
+    means: dict[str, list[float]] = {}
     for e in episodes:
         for k, v in e.metrics.items():
             if k.startswith(SUMMED_PREFIXES):
                 m[k] = m.get(k, 0.0) + v
+            elif "/" in k:  # an environment's or a reward's own metric (code/runs, shell/checks_passed, ...)
+                means.setdefault(k, []).append(v)
+    for k, vs in means.items():  # the mean over the episodes that report it
+        m.setdefault(k, sum(vs) / len(vs))
     if m.get("tools/calls"):
         m["tools/error_rate"] = sum(v for k, v in m.items() if k.startswith("tools/errors/")) / m["tools/calls"]
     m["episodes"] = float(n if episodes else 0)
