@@ -71,6 +71,7 @@ def _config_for_model(model: str, config: str | None, overrides: list[str]) -> T
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
+    from tidal.config import RewardSpec
     from tidal.engines.torch_engine import TorchEngine
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
     from tidal.rewards.pool import build_scorer, spec_keys
@@ -87,7 +88,10 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     engine = TorchEngine(load_model(model_dir, cfg.model.dtype, cfg.model.resolved_device()), tokenizer.pad_token_id,
                          cfg.engine.max_batch_size)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
+    if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
+        scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
+    else:
+        scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
     t0 = time.time()
     try:
         res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer), task.eval_rows[: cfg.eval.n],
@@ -98,6 +102,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     res = {"model": str(model_dir), **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
+    elif res["accuracy"] is None:
+        print(f"{model_dir}: no reward of this task says what is correct (its rewards have no `correct` part): "
+              f"set eval.reward to a verifier, e.g. eval.reward=tidal.rewards.arithmetic:score")
     else:
         failed = ", ".join(f"{n} {s}" for s, n in sorted(res["failed_by_status"].items())) or "none"
         tools = f"  tool-call error rate {res['tool_error_rate']:.3f}" if "tool_error_rate" in res else ""

@@ -222,6 +222,7 @@ class EvalConfig(_Section):
     n: int = Field(500, ge=1, description="Held-out problems evaluated.")
     k: int = Field(8, ge=1, description="Samples per problem for pass@k.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the pass@k samples.")
+    reward: str | None = Field(None, description="The reward held-out evaluation measures accuracy with (its `correct` part), as a dotted or file path, e.g. the task's verifier when training on a reward model or a judge; None: the task's own rewards.")
 
 
 class TidalConfig(_Section):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tidal.algorithms import AdaptiveKLController
-from tidal.config import TidalConfig, dump_config
+from tidal.config import RewardSpec, TidalConfig, dump_config
 from tidal.engines.factory import choose_engine_kind
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
@@ -59,9 +59,11 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     m: dict[str, float] = {f"episodes/{s}": 0.0 for s in ("ok", "truncated", "env_error", "reward_error", "engine_error", "timeout")}
     for e in episodes:
         m[f"episodes/{e.status.value}"] += 1
+    judged = [e for e in ok if "correct" in e.metrics]  # a reward model alone says nothing of correctness
+    if judged:
+        m["accuracy"] = sum(e.metrics["correct"] for e in judged) / len(judged)
     if ok:
         m["reward"] = sum(e.reward for e in ok) / len(ok)
-        m["accuracy"] = sum(e.metrics.get("correct", 0.0) for e in ok) / len(ok)
         m["response_tokens"] = sum(e.num_policy_tokens for e in ok) / len(ok)
         m["turns"] = sum(len(e.turns) for e in ok) / len(ok)
         parts = {k for e in ok for k in e.reward_parts}
@@ -201,6 +203,10 @@ class Controller:
             self.scorer = build_scorer(self.task.rewards, cfg.reward, ray_handles=self.roles.reward_handles,
                                        keys=spec_keys(cfg.task))
         self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer)
+        self.eval_scorer, self.eval_rollout = self.scorer, self.rollout
+        if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
+            self.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
+            self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer)
         self._over_budget = 0  # consecutive steps over the failure budget
         self.step = 0
         self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
@@ -274,8 +280,10 @@ class Controller:
                         "time/elapsed_s": t1 - self._t_start,  # wall clock since the controller started
                         "time/overlap": self._overlap(t0, t1)})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.task.eval_rows:
-            metrics["eval/accuracy"] = evaluate_engine(self.engine, self.rollout, self.task.eval_rows[: cfg.eval.n],
-                                                       self.make_env, k=0)["accuracy"]
+            acc = evaluate_engine(self.engine, self.eval_rollout, self.task.eval_rows[: cfg.eval.n], self.make_env,
+                                  k=0)["accuracy"]
+            if acc is not None:
+                metrics["eval/accuracy"] = acc
         if self.monitor is not None:
             events = self.monitor.update(step, episodes, metrics)
             metrics.update(self.monitor.metrics_of(events))
@@ -469,9 +477,9 @@ class Controller:
 
     def close(self) -> None:
         """Stop the reward workers, the engines (a vLLM server process ends with its engine) and the actors."""
-        if self.scorer is not None:
+        for scorer in {id(s): s for s in (self.scorer, self.eval_scorer) if s is not None}.values():
             try:
-                asyncio.run(self.scorer.close())
+                asyncio.run(scorer.close())
             except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
                 log.warning("closing the reward workers raised %s(%s)", type(e).__name__, e)
         self.roles.close()

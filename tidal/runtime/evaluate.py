@@ -33,8 +33,10 @@ def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_e
     episodes = asyncio.run(greedy.run(group_specs(rows, make_env, 1, seed, 0), engine, step=0))
     correct = [_correct(e) for e in episodes]
     failed = Counter(e.status.value for e in episodes if not e.status.trainable)
-    out: dict[str, Any] = {"n": len(rows), "accuracy": sum(correct) / len(rows), "failed": sum(failed.values()),
-                           "failed_by_status": dict(failed)}
+    judged = any("correct" in e.metrics for e in episodes)
+    # No reward said what is correct (a reward model alone): accuracy is unknown, not 0 (eval.reward).
+    out: dict[str, Any] = {"n": len(rows), "accuracy": sum(correct) / len(rows) if judged or failed else None,
+                           "failed": sum(failed.values()), "failed_by_status": dict(failed)}
     tool_calls = sum(e.metrics.get("tools/calls", 0.0) for e in episodes)
     if tool_calls:
         errors = sum(v for e in episodes for key, v in e.metrics.items() if key.startswith("tools/errors/"))
@@ -43,7 +45,8 @@ def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_e
         sampled = rollout.with_params(temperature=temperature)
         eps = asyncio.run(sampled.run(group_specs(rows, make_env, k, seed, 1), engine, step=0))
         per_row = [sum(_correct(e) for e in eps[i * k : (i + 1) * k]) for i in range(len(rows))]
+        known = out["accuracy"] is not None
         out.update({"k": k, "temperature": temperature,
-                    "pass_at_k": sum(pass_at_k(k, int(c), k) for c in per_row) / len(rows),
-                    "pass_at_1": sum(c / k for c in per_row) / len(rows)})
+                    "pass_at_k": sum(pass_at_k(k, int(c), k) for c in per_row) / len(rows) if known else None,
+                    "pass_at_1": sum(c / k for c in per_row) / len(rows) if known else None})
     return out

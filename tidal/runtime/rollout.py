@@ -322,9 +322,14 @@ class Rollout:
                 ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
             ep.metrics.update(outcome.metrics)
         # Accuracy: the reward functions' unweighted `correct` (parts are stored weighted), else
-        # the `correct` part of the environment's rewards, else whether the reward is positive.
+        # the `correct` part of the environment's rewards, else, for an environment that is its
+        # own reward, whether the reward is positive. Rewards without a `correct` part (a reward
+        # model, a judge) say nothing of correctness: the episode has no `correct` then.
         correct = ep.metrics.get("correct") if "correct" in ep.metrics else correct_part(ep.reward_parts)
-        ep.metrics["correct"] = correct if correct is not None else float(ep.reward > 0)
+        if correct is None and self.scorer is None:
+            correct = float(ep.reward > 0)
+        if correct is not None:
+            ep.metrics["correct"] = correct
         ep.metrics["episode_s"] = time.perf_counter() - t0
         return ep
 
