@@ -6,7 +6,8 @@ without a call is the final answer and ends the episode — the task's reward sc
 (`default_reward`, or `task.reward`), and a subclass may add a per-turn reward by overriding
 `final_turn`. Every turn carries the same tool metrics (`tools/calls`, `tools/errors/*`, 0 when
 none), its `ToolCallRecord`s, and the turn in OpenAI shape (`assistant_message`, with
-`tool_calls`), which is how the chat template renders it in the history.
+`tool_calls`), which is how the rewards see the conversation (the chat template renders the
+turn as generated).
 
 Subclass it and list the tools (`tools = [fn, ...]` as a class attribute, or pass `tools=` to
 the constructor); `env_args` configure it: `tool_timeout_s`, `max_tool_output_chars`,
