@@ -22,7 +22,7 @@ EXAMPLE = ROOT / "examples" / "envs" / "guess.py"
 
 def test_docs_show_the_example_file_as_it_is():
     page = (ROOT / "docs" / "agents.md").read_text()
-    block = re.search(r"<!-- guess.py -->\n```python\n(.*?)```\n<!-- /guess.py -->", page, re.S)
+    block = re.search(r"<!-- guess.py -->\n```python\n(.*?)```\n<!-- /guess.py -->", page, re.DOTALL)
     assert block is not None and block.group(1) == EXAMPLE.read_text()
     assert len(EXAMPLE.read_text().splitlines()) < 60
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+from typing import ClassVar
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ class Conversation:
     calls and whether it was closed."""
 
     name = "conversation"
-    closed: list = []
+    closed: ClassVar[list] = []
 
     def __init__(self, row, seed=0, replies=(), rewards=(), fail_at=None, hang_at=None):
         self.row, self.seed, self.replies, self.rewards = row, seed, list(replies), list(rewards)
@@ -189,7 +190,7 @@ def test_prefix_preserving_templates_keep_one_segment_with_tools(which, tokenize
                [{"role": "tool", "tool_call_id": "c1", "name": "calculator", "content": "392"}]]
 
     class WithTools(Conversation):
-        tools = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+        tools: ClassVar[list] = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
                                                    "parameters": {"type": "object", "properties": {
                                                        "expression": {"type": "string"}}, "required": ["expression"]}}}]
 
@@ -233,7 +234,7 @@ def test_reasoning_stripping_template_breaks_the_prefix(policy, qwen3_tok):
     # training: one sequence per segment with trained tokens, the episode's advantage on each
     other = eps[1]
     other.reward = 0.0  # a group with different rewards: non-zero advantages
-    batch, metrics = build_batch(eps, AlgorithmConfig(), trainer=None, kl_coef=0.0)
+    batch, _ = build_batch(eps, AlgorithmConfig(), trainer=None, kl_coef=0.0)
     assert len(batch) == (4 if policy == "split" else 2)
     assert batch.tokens[0] == (ep.tokens[:seg2] if policy == "split" else ep.tokens[seg2:])
     adv = {round(a, 5) for r in range(len(batch) // 2) for a, m in zip(batch.advantages[r], batch.loss_mask[r][1:]) if m}

@@ -7,6 +7,7 @@ process or a Ray actor boundary cheaply and can be written to Parquet as they ar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -150,7 +151,7 @@ class Episode:
     def segment_spans(self) -> list[tuple[int, int]]:
         """(start, end) of each separately trained token sequence."""
         bounds = [*self.segments, len(self.tokens)]
-        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
+        return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
