@@ -204,7 +204,7 @@ def test_without_partial_rollout_the_update_waits_for_calls_in_flight(tokenizer,
     _wait_for(lambda: engine.decode_steps >= 3)
     update_done: dict = {}
     updater = threading.Thread(target=lambda: (engine.update_weights(1, perturbed),
-                                               update_done.setdefault("at", time.perf_counter())), daemon=True)
+                                               update_done.setdefault("steps", engine.decode_steps)), daemon=True)
     updater.start()
     _wait_for(lambda: engine._weights.updates_waiting == 1)
     second, second_box = _generate_in_thread(engine, reqs[:3])  # starts while the update waits
@@ -214,7 +214,10 @@ def test_without_partial_rollout_the_update_waits_for_calls_in_flight(tokenizer,
         t.join(60)
     assert "error" not in first_box and "error" not in second_box
     assert all(r.version == 0 and r.token_versions == [0] * 40 for r in first_box["results"])
-    assert update_done["at"] >= first_box["done_at"]
+    # The update landed after every sampling step of the call in flight (40 tokens: 40 steps),
+    # and before any of the second call's (it holds the version-1 tokens). Compared in engine
+    # steps, not clock times: the caller of the first call wakes after the engine released it.
+    assert 40 <= update_done["steps"] < 80
     assert all(r.version == 1 and r.token_versions == [1] * 40 for r in second_box["results"])
     fresh = _engine(tokenizer)
     fresh.update_weights(1, perturbed)
