@@ -87,7 +87,8 @@ class GenerationResult:
 @dataclass
 class ToolCallRecord:
     """One tool call of a policy turn and its outcome. `status`: ok | parse (malformed call)
-    | unknown (no such tool) | args (bad arguments) | timeout | raised (the tool raised)."""
+    | unknown (no such tool) | args (bad arguments) | timeout | raised (the tool raised) |
+    limit (past the turn's max_calls_per_turn: not run)."""
 
     name: str
     arguments: str  # as the policy wrote them (JSON text)
