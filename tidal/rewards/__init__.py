@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from math import isfinite
 from typing import Any
 
 RewardFn = Callable[..., Any]
@@ -69,7 +68,8 @@ def reward_name(fn: RewardFn) -> str:
 
 
 def call_reward(fn: RewardFn, completion: str, columns: dict[str, Any]) -> tuple[float, dict[str, float]]:
-    """Call `fn` with the columns it accepts; return (total, parts). Raises on bad output."""
+    """Call `fn` with the columns it accepts; return (total, parts). Raises on bad output
+    (the same checks as the reward pool's, `tidal.rewards.forms`)."""
     out = fn(completion, **_accepted_columns(fn, columns))
     if inspect.isawaitable(out):
         if inspect.iscoroutine(out):
@@ -88,19 +88,14 @@ async def call_reward_async(fn: RewardFn, completion: str, columns: dict[str, An
 
 
 def _accepted_columns(fn: RewardFn, columns: dict[str, Any]) -> dict[str, Any]:
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return columns
-    return {k: v for k, v in columns.items() if k in params}
+    from tidal.rewards.forms import accepted_keywords
+
+    accepted = accepted_keywords(fn)
+    return columns if accepted is None else {k: v for k, v in columns.items() if k in accepted}
 
 
 def _total_and_parts(out: Any) -> tuple[float, dict[str, float]]:
-    if isinstance(out, dict):
-        parts = {str(k): float(v) for k, v in out.items()}
-        total = sum(parts.values())
-    else:
-        total = float(out)
-        parts = {}
-    if not isfinite(total):
-        raise ValueError(f"returned a non-finite reward {out!r}")
-    return total, parts
+    from tidal.rewards.forms import TIDAL_FORM, check_sample
+
+    scored = check_sample(TIDAL_FORM, out)
+    return scored.value, scored.parts

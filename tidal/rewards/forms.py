@@ -72,6 +72,10 @@ class LoadedReward:
     accepted: frozenset[str] | None  # keyword names its signature takes; None: any (**kwargs)
 
 
+# A tidal-form reward as `check_sample` needs it, for callers outside the pool (call_reward).
+TIDAL_FORM = LoadedReward(None, "tidal", "", "", 1.0, "", False, None)
+
+
 def spec_data(spec: Any, key: str) -> dict[str, Any]:
     """A RewardSpec as plain data for a worker (which need not import the config models)."""
     return {"fn": spec.fn, "form": spec.form, "weight": float(spec.weight), "name": spec.name,
