@@ -293,11 +293,3 @@ class CodeEnv(ToolEnv):
             _GRADERS[key] = CodeReward(self.sandbox, limits=self.grade_limits or None)
         return _GRADERS[key]
 
-    async def _close_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    async def close(self) -> None:
-        await self._close_session()
-        await super().close()

@@ -252,11 +252,3 @@ class ShellEnv(ToolEnv):
                    "shell/verifier_failed": float(why == "verifier_failed"), "shell/out_of_turns": 0.0}
         return StepResult(reward=correct, reward_parts={"correct": correct}, done=True, metrics=metrics)
 
-    async def _close_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    async def close(self) -> None:
-        await self._close_session()
-        await super().close()

@@ -76,6 +76,14 @@ class ToolEnv:
         (the task's reward functions score the answer either way)."""
         return StepResult(done=True)
 
+    _session = None  # a sandbox session a subclass opens (code, shell): closed with the env
+
+    async def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
     async def close(self) -> None:
-        """Release what the env holds; the base holds nothing. Idempotent."""
+        """Release what the env holds: its sandbox session, if it opened one. Idempotent."""
+        await self._close_session()
         self.closed = True
