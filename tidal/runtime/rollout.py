@@ -284,12 +284,7 @@ class Rollout:
             if new_seg:
                 seg = len(ep.tokens)
                 ep.segments.append(seg)
-                if self.prefix_policy == "continue":  # earlier policy tokens stay untrained
-                    for i in range(seg):
-                        ep.loss_mask[i] = False
-                context_text = after
-            else:
-                context_text = after
+            context_text = after
             ep.tokens += new
             ep.loss_mask += [False] * len(new)
             ep.logprobs += [0.0] * len(new)
@@ -302,8 +297,8 @@ class Rollout:
         ep.metrics["generate_s"] = gen_time
         ep.metrics["env_s"] = env_time
         if self.prefix_policy == "continue" and breaks:
-            for i in range(seg):  # masked afterwards: logprobs 0.0 and version -1 off the mask
-                ep.logprobs[i], ep.versions[i] = 0.0, -1
+            for i in range(seg):  # earlier segments stay untrained: off the mask, logprob 0.0, version -1
+                ep.loss_mask[i], ep.logprobs[i], ep.versions[i] = False, 0.0, -1
         if self.scorer is not None:
             t3 = time.perf_counter()
             inp = self._reward_input(ep, spec, prompt_text, prompt_messages, conversation, last_text)
