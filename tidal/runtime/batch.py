@@ -56,6 +56,8 @@ def token_rewards(episodes: list[Episode], mask_BT: torch.Tensor) -> torch.Tenso
     left (a masked segment) moves to the next trained token, so the total is kept."""
     out_BT = terminal_rewards(torch.tensor([e.reward - sum(t.reward for t in e.turns) for e in episodes]), mask_BT)
     for b, e in enumerate(episodes):
+        if not any(t.reward for t in e.turns):  # single-turn and outcome-only episodes: nothing to place
+            continue
         trained = mask_BT[b].nonzero().squeeze(-1).tolist()
         for t in e.turns:
             if not t.reward or not trained:
