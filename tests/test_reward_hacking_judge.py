@@ -17,7 +17,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from tidal.engines.served import free_port
-from tidal.rewards.judge import LLMJudge, PairwiseJudge, detect_injection, neutralize
+from tidal.rewards.injection import detect_injection
+from tidal.rewards.judge import LLMJudge, PairwiseJudge, neutralize
 
 # id: (completion, the categories that must catch it)
 ATTACKS: dict[str, tuple[str, set[str]]] = {
