@@ -50,13 +50,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from tidal.engines.prefix_cache import Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult
@@ -91,7 +92,7 @@ class TorchEngine:
         self.decode_steps = 0  # sampling steps run so far (all calls): lets a watcher see progress
         self.sampled_tokens = 0  # tokens sampled so far: sampled_tokens / decode_steps is the mean batch
         self.prefill_tokens = 0  # prompt tokens fed through the model (a prefix-cache hit feeds only the rest)
-        self.prefixes = _PrefixCache(prefix_cache_bytes)
+        self.prefixes = PrefixCache(prefix_cache_bytes)
         self._weights = _WeightsLock()
         self._version = 0
         self._running = threading.Event()
@@ -360,7 +361,7 @@ class TorchEngine:
         if n != len(tokens):  # never expected: the row's cache is its tokens after its left padding
             return
         layers = rows.cache.layers
-        self.prefixes.put(req.session_id, _Prefix(tokens, [la.keys[row:row + 1, :, -n:].clone() for la in layers],
+        self.prefixes.put(req.session_id, Prefix(tokens, [la.keys[row:row + 1, :, -n:].clone() for la in layers],
                                                   [la.values[row:row + 1, :, -n:].clone() for la in layers]))
 
     def _prefill(self, seqs: list[_Seq]) -> _Rows:
@@ -375,7 +376,7 @@ class TorchEngine:
             rows = new if rows is None else rows.merge(new)
         return rows
 
-    def _prefill_group(self, seqs: list[_Seq], hits: list[_Prefix | None]) -> _Rows:
+    def _prefill_group(self, seqs: list[_Seq], hits: list[Prefix | None]) -> _Rows:
         reqs = [s.request for s in seqs]
         dev, B = self.device, len(reqs)
         lens = [len(r.prompt_ids) for r in reqs]
@@ -418,69 +419,6 @@ class TorchEngine:
             steps=torch.zeros(B, dtype=torch.long, device=dev),
             versions=torch.full((B,), self._version, dtype=torch.long, device=dev),
         )
-
-
-@dataclass(eq=False)
-class _Prefix:
-    """A finished request's KV cache: `tokens` (its prompt and generation but the last) and
-    per layer keys and values [1, heads, len(tokens), head_dim]."""
-
-    tokens: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-
-class _PrefixCache:
-    """Sessions' kept KV caches, least recently used first out, at most `max_bytes` (0: off)."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = 0  # requests that found their session's prefix
-        self._entries: OrderedDict[str, _Prefix] = OrderedDict()
-        self._lock = threading.Lock()  # loops of several calls (cross_call_batching=False) share it
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def take(self, session: str, prompt: list[int]) -> _Prefix | None:
-        """The session's entry if `prompt` extends its tokens (removed either way: the request
-        will keep its own, longer one)."""
-        if not session or self.max_bytes <= 0:
-            return None
-        with self._lock:
-            entry = self._entries.pop(session, None)
-            if entry is None:
-                return None
-            self.bytes -= entry.nbytes
-        n = len(entry.tokens)
-        if n > len(prompt) or list(prompt[:n]) != entry.tokens:
-            return None
-        self.hits += 1
-        return entry
-
-    def put(self, session: str, entry: _Prefix) -> None:
-        size = entry.nbytes
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            old = self._entries.pop(session, None)
-            if old is not None:
-                self.bytes -= old.nbytes
-            self._entries[session] = entry
-            self.bytes += size
-            while self.bytes > self.max_bytes:
-                _, out = self._entries.popitem(last=False)
-                self.bytes -= out.nbytes
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.bytes = 0
 
 
 class _Call:
