@@ -390,8 +390,8 @@ class Controller:
         return algo.dynamic_sampling or algo.overlong_buffer > 0 or algo.advantage == "remax"
 
     def _stream(self, e: Episode) -> None:
-        if e.episode_id.endswith("-greedy"):  # a ReMax baseline: not a sample
-            return
+        # Streaming happens only without dynamic sampling or ReMax (see `_writes_whole_steps`):
+        # every trainable episode is trained, and there are no greedy baselines to leave out.
         e.metrics["trained"] = float(e.status.trainable)
         self.episode_writer.add(e)
 
