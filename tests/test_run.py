@@ -73,7 +73,9 @@ def test_crashing_reward_is_typed_named_and_not_trained_on(tiny_model_dir, tmp_p
     rows = pq.read_table(run / "episodes" / "step_000001.parquet").to_pylist()
     assert {r["status"] for r in rows} == {"reward_error"}
     assert "reward function `test_run:broken_reward` raised KeyError('solution')" in rows[0]["error"]
-    assert "on episode s1-p0-e0" in rows[0]["error"] and "of step 1" in rows[0]["error"]
+    # every row names its own episode (the store's row order follows completion, not episode id)
+    assert all(f"on episode {r['episode_id']} " in r["error"] and "of step 1" in r["error"] for r in rows)
+    assert "s1-p0-e0" in {r["episode_id"] for r in rows}
     assert "ended reward_error" in caplog.text
     assert ctl.trainer.version == 0  # nothing trained on failed episodes
 
