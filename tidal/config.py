@@ -42,10 +42,15 @@ class RewardSpec(_Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for a class or factory named by `fn` (e.g. a reward model's path).")
 
 
+AGENT_ENVS = ("openai_agent", "tidal.envs.openai_agent", "tidal.envs.openai_agent:OpenAIAgentEnv")
+
+
 class TaskConfig(_Section):
     name: str | None = Field(None, description="Task name recorded on every episode (Episode.env); None: the environment's name (arithmetic for the default task).")
     env: str = Field("single_turn", description="Environment class: a built-in name (single_turn, tool_arith, code, shell) or a dotted path `my_pkg.envs:MyEnv` or a file path `path/to/envs.py:MyEnv`; built as `Env(row, seed=..., **env_args)`.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
+    agent: str | None = Field(None, description="With task.env=openai_agent: the agent, `solve(row, client)` (sync or async) as a dotted path `my_pkg.agents:solve` or a file path; `client` is an `openai.OpenAI` (sync) or `openai.AsyncOpenAI` (async) client pointed at the gateway's session of the episode.")
+    agent_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the agent: `solve(row, client, **agent_args)`.")
     dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: the environment's own generated task (the arithmetic task for single_turn).")
     eval_dataset: str | None = Field(None, description="Held-out prompt dataset; None with `dataset` None: the generated task's held-out split.")
     reward: str | None = Field(None, description="Reward function as a dotted path `pkg.module:function` or a file path `path/to/rewards.py:function`; None: the environment's default (tidal.rewards.arithmetic:score for the arithmetic task).")
@@ -60,6 +65,11 @@ class TaskConfig(_Section):
     def _one_reward_list(self) -> TaskConfig:
         if self.reward is not None and self.rewards:
             raise ValueError("set task.reward or task.rewards, not both")
+        agent_env = self.env in AGENT_ENVS
+        if agent_env and not self.agent:
+            raise ValueError(f"task.env={self.env} runs an agent: name it in task.agent (e.g. my_pkg.agents:solve)")
+        if self.agent and not agent_env:
+            raise ValueError(f"task.agent is set but task.env={self.env} does not run agents: use task.env=openai_agent")
         return self
 
     def reward_specs(self, env_default: str | None) -> list[RewardSpec]:
@@ -206,6 +216,15 @@ class PlacementConfig(_Section):
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
 
 
+class GatewayConfig(_Section):
+    enabled: bool | None = Field(None, description="Serve the policy being trained through the OpenAI-compatible gateway during the run (tidal/runtime/gateway.py). None: only when the task runs agents (task.env=openai_agent).")
+    host: str = Field("127.0.0.1", description="Address the gateway binds. Off loopback every call needs the token (gateway.token, or a random one written to <run dir>/gateway.json, readable by the owner only).")
+    port: int = Field(0, ge=0, le=65535, description="Port (0: a free one; the URL is logged and written to <run dir>/gateway.json).")
+    token: str | None = Field(None, description="Bearer token every call must carry; None: none on loopback, a random one elsewhere. Agents of the run are given it as their API key.")
+    model_name: str | None = Field(None, description="Model name served at /v1/models; None: the model directory's name. Calls under a session (an agent episode) may name any model.")
+    max_tokens: int = Field(256, ge=1, description="max_tokens of a call outside a session that gives none (in a session: rollout.max_new_tokens).")
+
+
 class RunConfig(_Section):
     dir: str | None = Field(None, description="Run directory; default runs/<name>-<time>.")
     name: str = Field("arith-grpo", description="Run name.")
@@ -236,6 +255,7 @@ class TidalConfig(_Section):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     run: RunConfig = Field(default_factory=RunConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @model_validator(mode="after")
     def _derived(self) -> TidalConfig:

@@ -9,12 +9,17 @@ callers wait for room. A replica that raises or times out is marked down and ski
 and the requests it held are re-sent to the others, so every request is answered
 exactly once (with tidal's counter-based sampling noise the re-sent request even
 produces the same tokens). `mark_up` brings a restarted replica back.
+
+Callers may sit on different event loops at once (the rollout's, and the gateway's server
+thread): the router's state is guarded by a thread lock and waiting for room wakes each
+waiter on its own loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
@@ -45,8 +50,8 @@ class Router:
         self.resent = 0  # requests re-sent after a replica failed
         self.sessions: OrderedDict[str, int] = OrderedDict()  # session → replica, least recently used first
         self.max_sessions = max_sessions
-        self._room: asyncio.Condition | None = None
-        self._room_loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # guards inflight, sessions and the waiters
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
     # -- the Engine protocol -----------------------------------------------------------------
     @property
@@ -104,6 +109,7 @@ class Router:
         if self.up[i]:
             log.warning("router: %s marked down: %s", self.names[i], reason)
         self.up[i], self.down_reason[i] = False, reason
+        self._wake_all()  # requests waiting for this replica's room learn that it is gone
 
     def mark_up(self, i: int) -> None:
         """A restarted replica (holding current weights) takes requests again."""
@@ -114,6 +120,10 @@ class Router:
 
     # -- dispatch ----------------------------------------------------------------------------
     def _assign(self, requests: list[GenerationRequest]) -> dict[int, list[GenerationRequest]]:
+        with self._lock:
+            return self._assign_locked(requests)
+
+    def _assign_locked(self, requests: list[GenerationRequest]) -> dict[int, list[GenerationRequest]]:
         live = [i for i, up in enumerate(self.up) if up]
         if not live:
             raise RouterError(f"every replica is down ({self._down_summary()})")
@@ -132,33 +142,52 @@ class Router:
             self.sessions.popitem(last=False)
         return plan
 
-    def _condition(self) -> asyncio.Condition:
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_settle, fut)
+            except RuntimeError:  # that loop is closed: its waiter is gone with it
+                pass
+
+    async def _take_room(self, i: int, need: int) -> None:
+        """Wait until replica i has room for `need` more requests, then count them in."""
         loop = asyncio.get_running_loop()
-        if self._room is None or self._room_loop is not loop:  # each asyncio.run has its own loop
-            self._room, self._room_loop = asyncio.Condition(), loop
-        return self._room
+        while True:
+            with self._lock:
+                if not self.up[i]:
+                    raise RouterError(f"{self.names[i]} went down while requests waited for it")
+                if self.inflight[i] + need <= self.max_inflight:
+                    self.inflight[i] += need
+                    return
+                fut = loop.create_future()
+                self._waiters.append((loop, fut))
+            await fut
+
+    def _give_room(self, i: int, n: int) -> None:
+        with self._lock:
+            self.inflight[i] -= n
+        self._wake_all()
 
     async def _send(self, i: int, reqs: list[GenerationRequest]) -> list[GenerationResult]:
         """Send in chunks that fit the replica's room, waiting for room (back-pressure)."""
-        room = self._condition()
         out: list[GenerationResult] = []
         for start in range(0, len(reqs), self.max_inflight):
             chunk = reqs[start : start + self.max_inflight]
-            async with room:
-                need = len(chunk)
-                await room.wait_for(lambda: self.inflight[i] + need <= self.max_inflight or not self.up[i])
-                if not self.up[i]:
-                    raise RouterError(f"{self.names[i]} went down while requests waited for it")
-                self.inflight[i] += len(chunk)
+            await self._take_room(i, len(chunk))
             try:
                 res = await asyncio.wait_for(self.replicas[i].generate(chunk), self.timeout_s)
             except TimeoutError:
                 raise RouterError(f"{self.names[i]} did not answer {len(chunk)} requests within {self.timeout_s:g} s") from None
             finally:
-                async with room:
-                    self.inflight[i] -= len(chunk)
-                    room.notify_all()
+                self._give_room(i, len(chunk))
             if len(res) != len(chunk):
                 raise RouterError(f"{self.names[i]} returned {len(res)} results for {len(chunk)} requests")
             out += res
         return out
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

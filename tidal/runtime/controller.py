@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from tidal.algorithms import AdaptiveKLController
-from tidal.config import RewardSpec, TidalConfig, dump_config
+from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
 from tidal.engines.factory import choose_engine_kind
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
@@ -89,10 +89,23 @@ class RunFailed(RuntimeError):
     """The run stopped itself (the failure budget): its last checkpoint is intact."""
 
 
-def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer) -> Rollout:
+def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None) -> Rollout:
     r = cfg.rollout
     return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
-                   max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer)
+                   max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer,
+                   gateway=gateway)
+
+
+def start_run_gateway(cfg: TidalConfig, task: Task, engine, tokenizer, model_dir: Path, run_dir: Path | None):
+    """The gateway of a run (or of an evaluation): when the task runs agents, or gateway.enabled."""
+    agent_task = bool(getattr(task.env_cls, "agent", False))
+    if cfg.gateway.enabled is False and agent_task:
+        raise ConfigError(f"task.env={cfg.task.env} runs its agent through the gateway: gateway.enabled must not be false")
+    if not (cfg.gateway.enabled or agent_task):
+        return None
+    from tidal.runtime.gateway_http import start_gateway
+
+    return start_gateway(engine, tokenizer, model_dir, cfg.gateway, run_dir=run_dir)
 
 
 @dataclass
@@ -202,11 +215,14 @@ class Controller:
         if self.task.rewards and self.roles.reward_handles:
             self.scorer = build_scorer(self.task.rewards, cfg.reward, ray_handles=self.roles.reward_handles,
                                        keys=spec_keys(cfg.task))
-        self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer)
+        # The OpenAI-compatible gateway over the engines: agent tasks call it (and so may tools
+        # outside the run, with gateway.enabled).
+        self.gateway = start_run_gateway(cfg, self.task, self.engine, self.tokenizer, self.model_dir, run_dir)
+        self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer, self.gateway)
         self.eval_scorer, self.eval_rollout = self.scorer, self.rollout
         if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
             self.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-            self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer)
+            self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer, self.gateway)
         self._over_budget = 0  # consecutive steps over the failure budget
         self.step = 0
         self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
@@ -482,6 +498,8 @@ class Controller:
                 asyncio.run(scorer.close())
             except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
                 log.warning("closing the reward workers raised %s(%s)", type(e).__name__, e)
+        if self.gateway is not None:
+            self.gateway.close()
         self.roles.close()
         self._close_log()
 

@@ -209,4 +209,5 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
                  reward_handles=rewards, env_handles=envs,
-                 envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s) if envs else None)
+                 envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s,
+                                           agent=cfg.task.agent) if envs else None)

@@ -141,7 +141,7 @@ class _GroupScoring:
 class Rollout:
     def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0, *,
                  max_total_tokens: int | None = None, prefix_policy: str = "split", scorer=None,
-                 close_timeout_s: float = 60.0):
+                 close_timeout_s: float = 60.0, gateway=None):
         if prefix_policy not in ("split", "continue"):
             raise ValueError(f"prefix_policy must be 'split' or 'continue', got {prefix_policy!r}")
         self.tokenizer = tokenizer
@@ -152,6 +152,7 @@ class Rollout:
         self.prefix_policy = prefix_policy
         self.scorer = scorer  # None: the environment's own rewards are the whole reward
         self.close_timeout_s = close_timeout_s
+        self.gateway = gateway  # a GatewayServer: agent environments (task.env=openai_agent) call it
 
     def with_params(self, **changes: Any) -> Rollout:
         """A copy of this rollout whose sampling differs (e.g. greedy evaluation)."""
@@ -187,6 +188,8 @@ class Rollout:
         ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
         group = (groups or {}).get(spec.group_id)
         try:
+            if getattr(spec.env, "agent", False):
+                return await self._run_agent_episode(spec, ep, group)
             return await self._run_episode(spec, ep, client, group)
         finally:
             if group is not None and not getattr(ep, "_scored", False):
@@ -299,6 +302,11 @@ class Rollout:
         if self.prefix_policy == "continue" and breaks:
             for i in range(seg):  # earlier segments stay untrained: off the mask, logprob 0.0, version -1
                 ep.loss_mask[i], ep.logprobs[i], ep.versions[i] = False, 0.0, -1
+        return await self._score(ep, spec, group, prompt_text, prompt_messages, conversation, last_text, t0)
+
+    async def _score(self, ep: Episode, spec: EpisodeSpec, group: _GroupScoring | None, prompt_text: str,
+                     prompt_messages: list[Message], conversation: list[Message], last_text: str, t0: float) -> Episode:
+        """The task's rewards on a finished episode, then its accuracy."""
         if self.scorer is not None:
             t3 = time.perf_counter()
             inp = self._reward_input(ep, spec, prompt_text, prompt_messages, conversation, last_text)
@@ -327,6 +335,47 @@ class Rollout:
             ep.metrics["correct"] = correct
         ep.metrics["episode_s"] = time.perf_counter() - t0
         return ep
+
+    async def _run_agent_episode(self, spec: EpisodeSpec, ep: Episode, group: _GroupScoring | None) -> Episode:
+        """An agent environment (tidal/envs/openai_agent.py): the agent calls the gateway under
+        the episode's session; its recorded calls become the episode's tokens and turns."""
+        env, name, t0 = spec.env, spec.env.name, time.perf_counter()
+        who = getattr(env, "agent_path", name)
+        if self.gateway is None:
+            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` runs an agent, but this rollout has no gateway")
+        params = replace(self.params, temperature=0.0) if spec.greedy else self.params
+        session = self.gateway.gateway.open_session(spec.episode_id, params, seed=spec.seed, max_calls=self.max_turns,
+                                                    max_total_tokens=self.max_total_tokens)
+        error, result = "", None
+        try:
+            result = await env.run_agent(self.gateway.session_url(spec.episode_id), self.gateway.api_key)
+        except Exception as e:  # noqa: BLE001 - the agent's failure types its episode, never the run
+            error = f"agent `{who}` raised {type(e).__name__}({_short(e)})"
+        finally:
+            self.gateway.gateway.close_session(spec.episode_id)  # also on timeout: later calls fail at once
+        session.fill(ep, self.prefix_policy)
+        ep.metrics["env_s"] = time.perf_counter() - t0 - session.generate_s
+        if error:
+            if not session.limit_hit:
+                return self._fail(ep, Status.ENV_ERROR, f"{error} after {len(session.calls)} calls")
+            ep.metrics[f"rollout/out_of_{session.limit_hit}"] = 1.0  # the budget refused a call: truncated
+        if not ep.turns:
+            return self._fail(ep, Status.ENV_ERROR, f"agent `{who}` made no call through the gateway")
+        final = session.nodes[session.final_completion()]
+        status = Status.TRUNCATED if error or final.finish_reason == "length" else Status.OK
+        if result is not None and result.reward is not None:  # the agent's own reward: on its last turn
+            last = max(ep.turns, key=lambda t: t.end)
+            last.reward += result.reward
+            ep.reward += result.reward
+            for k, v in (result.parts or {"agent": result.reward}).items():
+                ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
+        answer = result.answer if result is not None and result.answer is not None else final.content
+        first = session.calls[0]
+        last_call = session.calls[-1]
+        prompt_messages = list(first.messages or [{"role": "user", "content": first.prompt_text}])
+        conversation = [*(last_call.messages or prompt_messages), {"role": "assistant", "content": final.content}]
+        ep.status = status
+        return await self._score(ep, spec, group, first.prompt_text, prompt_messages, conversation, answer, t0)
 
     def _reward_input(self, ep: Episode, spec: EpisodeSpec, prompt_text: str, prompt_messages: list[Message],
                       history: list[Message], last_text: str) -> RewardInput:
@@ -383,6 +432,11 @@ class Rollout:
             return ep
 
         return list(await asyncio.gather(*(one(s) for s in specs)))
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    text = str(e)
+    return text if len(text) <= n else text[:n] + "..."
 
 
 def correct_part(parts: dict[str, float]) -> float | None:

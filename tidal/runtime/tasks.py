@@ -21,6 +21,8 @@ BUILTIN_ENVS = {
     "tool_arith": "tidal.envs.tool_arith:ToolArithEnv",
     "code": "tidal.envs.code:CodeEnv",
     "shell": "tidal.envs.shell:ShellEnv",
+    "openai_agent": "tidal.envs.openai_agent:OpenAIAgentEnv",
+    "tidal.envs.openai_agent": "tidal.envs.openai_agent:OpenAIAgentEnv",
 }
 
 
@@ -70,12 +72,16 @@ def build_task(cfg: TaskConfig) -> Task:
         train = load_prompts(cfg.dataset)
         held_out = load_prompts(cfg.eval_dataset) if cfg.eval_dataset else []
     env_args = {} if cfg.env == "single_turn" else dict(cfg.env_args)
+    if cfg.agent:  # an agent environment (task.env=openai_agent) runs task.agent
+        env_args = {**env_args, "agent": cfg.agent, "agent_args": dict(cfg.agent_args)}
     name = cfg.name or getattr(env_cls, "name", None) or cfg.env
     task = Task(name if isinstance(name, str) else cfg.env, train, held_out, env_cls, env_args)
     try:
         task.make_env(train[0], 0)
     except TypeError as e:
         raise ConfigError(f"invalid config: `task.env_args`: env `{cfg.env}` cannot be built with {env_args}: {e}") from None
+    except ValueError as e:  # e.g. task.agent names nothing importable
+        raise ConfigError(f"invalid config: {e}") from None
     task.rewards = cfg.reward_specs(getattr(env_cls, "default_reward", None))
     if not task.rewards and getattr(env_cls, "default_reward", "none") is None and cfg.env == "single_turn":
         raise ConfigError("invalid config: `task.reward`: a dataset task needs a reward function (task.reward or task.rewards)")

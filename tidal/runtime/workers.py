@@ -391,6 +391,12 @@ class EnvWorker:
     async def step(self, key: str, action):
         return await self.envs[key].step(action)
 
+    async def run_agent(self, key: str, row: dict, seed: int, base_url: str, api_key: str):
+        """An agent environment's whole episode, here: the agent calls the driver's gateway."""
+        env = self.task.make_env(row, seed)
+        self.envs[key] = env
+        return await env.run_agent(base_url, api_key)
+
     async def close(self, key: str) -> None:
         env = self.envs.pop(key, None)
         if env is not None and hasattr(env, "close"):
@@ -408,8 +414,9 @@ class RemoteEnvs:
     placed on the worker with the fewest live episodes and stays there (its state lives
     there). Errors come back as the environment's own exceptions (a RewardError stays one)."""
 
-    def __init__(self, handles: list, name: str, timeout_s: float = 600.0):
+    def __init__(self, handles: list, name: str, timeout_s: float = 600.0, agent: str | None = None):
         self.handles, self.name, self.timeout_s = handles, name, timeout_s
+        self.agent = agent  # task.agent: the task's environment is an agent (RemoteEnv.run_agent)
         self.live = [0] * len(handles)
         self.served = [0] * len(handles)  # episodes started, per worker
         self._ids = iter(range(1 << 62))
@@ -429,12 +436,22 @@ class RemoteEnv:
         self.key = f"env-{next(pool._ids)}"
         self.worker: int | None = None
         self.tools, self.sampling = None, None
+        self.agent = bool(pool.agent)
+        self.agent_path = pool.agent or pool.name
 
-    async def reset(self):
+    def _place(self) -> int:
         i = min(range(len(self.pool.handles)), key=lambda j: (self.pool.live[j], j))
         self.worker = i
         self.pool.live[i] += 1
         self.pool.served[i] += 1
+        return i
+
+    async def run_agent(self, base_url: str, api_key: str):
+        """The agent runs on the env worker (its calls reach the gateway over HTTP)."""
+        return await self.pool.call(self._place(), "run_agent", self.key, self.row, self.seed, base_url, api_key)
+
+    async def reset(self):
+        i = self._place()
         opened = await self.pool.call(i, "reset", self.key, self.row, self.seed)
         self.tools, self.sampling = opened["tools"], opened["sampling"]
         return opened["messages"]

@@ -1,0 +1,180 @@
+"""The gateway's HTTP server: FastAPI routes over `Gateway` (tidal/runtime/gateway.py),
+served by uvicorn on a thread of its own with its own event loop, so the same server runs in
+`tidal serve-policy` and inside a training run (whose rollout has a loop of its own).
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, each also under
+`/sessions/{session_id}/v1/...` (or with the header `X-Tidal-Session`), and `GET /health`.
+Binding: 127.0.0.1 unless configured otherwise; a token (`Authorization: Bearer ...`) is
+required whenever the server binds anywhere else, and checked on every route but `/health`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tidal.runtime.gateway import Gateway, GatewayError
+from tidal.runtime.placement import is_loopback
+
+log = logging.getLogger("tidal")
+
+SESSION_HEADER = "X-Tidal-Session"
+
+
+def build_app(gateway: Gateway, token: str | None = None) -> FastAPI:
+    app = FastAPI(title="tidal gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error(e: GatewayError) -> JSONResponse:
+        gateway.stats["errors"] += 1
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error(GatewayError(exc.status_code, str(exc.detail), kind, None,
+                                  "not_found" if exc.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return error(GatewayError(400, f"invalid request: {exc.errors()[:3]}"))
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if token is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return error(GatewayError(401, "invalid or missing API key (Authorization: Bearer <gateway token>)",
+                                          "authentication_error", None, "invalid_api_key"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    async def serve(kind: str, request: Request, session_id: str | None):
+        gateway.stats["requests"] += 1
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return error(GatewayError(400, f"the request body is not valid JSON: {e}"))
+        session_id = session_id or request.headers.get(SESSION_HEADER) or None
+        try:
+            prep = gateway.prepare(kind, body, session_id)
+            results = await gateway.generate(prep)
+            out = gateway.respond(prep, results)
+        except GatewayError as e:
+            return error(e)
+        except Exception as e:  # noqa: BLE001 - a bug answers 500 in the API's shape and is logged
+            log.exception("gateway: %s request failed", kind)
+            return error(GatewayError(500, f"internal error: {type(e).__name__}({e})", "server_error"))
+        if not prep.stream:
+            return JSONResponse(out)
+        chunks = gateway.stream_chunks(out, prep)
+
+        async def events():
+            for c in chunks:
+                yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    for prefix in ("", "/sessions/{session_id}"):
+        def routes(prefix=prefix):
+            @app.get(prefix + "/v1/models")
+            async def models(session_id: str | None = None):
+                return gateway.models()
+
+            @app.post(prefix + "/v1/chat/completions")
+            async def chat(request: Request, session_id: str | None = None):
+                return await serve("chat", request, session_id)
+
+            @app.post(prefix + "/v1/completions")
+            async def completions(request: Request, session_id: str | None = None):
+                return await serve("completion", request, session_id)
+
+        routes()
+    return app
+
+
+class GatewayServer:
+    """uvicorn serving `build_app(gateway)` on a daemon thread. `url` is the base to give an
+    OpenAI client (`.../v1`); `session_url(id)` that of one episode's session."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
+                 start_timeout_s: float = 30.0):
+        if not is_loopback(host) and not token:
+            raise ValueError(f"gateway: binding {host} (not loopback) needs a token (gateway.token, or --token)")
+        import uvicorn
+
+        self.gateway, self.host, self.token = gateway, host, token
+        config = uvicorn.Config(build_app(gateway, token), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off", timeout_keep_alive=30)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="tidal-gateway", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"gateway: the server did not start on {host}:{port} within {start_timeout_s:g} s "
+                                   "(is the port taken?)")
+            time.sleep(0.02)
+        sock = self.server.servers[0].sockets[0]
+        self.port = sock.getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.base = f"http://{shown}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"{self.base}/v1"
+
+    @property
+    def api_key(self) -> str:
+        """What a client sends as its key: the token, or a placeholder (clients insist on one)."""
+        return self.token or "tidal"
+
+    def session_url(self, session_id: str) -> str:
+        return f"{self.base}/sessions/{session_id}/v1"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> GatewayServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_gateway(engine, tokenizer, model_dir, cfg, *, run_dir=None) -> GatewayServer:
+    """The gateway of `cfg.gateway` (a GatewayConfig) over `engine`, started. Off loopback
+    without a configured token, a random token is made; `run_dir/gateway.json` (owner-only)
+    records the URL and the token for tools outside the run."""
+    import secrets
+    from pathlib import Path
+
+    from tidal.models import stop_token_ids
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    max_len = int(config.get("max_position_embeddings") or 4096)
+    token = cfg.token or (None if is_loopback(cfg.host) else secrets.token_urlsafe(24))
+    gateway = Gateway(engine, tokenizer, cfg.model_name or Path(model_dir).name, max_model_len=max_len,
+                      default_max_tokens=cfg.max_tokens, stop_token_ids=stop_token_ids(tokenizer))
+    server = GatewayServer(gateway, cfg.host, cfg.port, token)
+    if run_dir is not None:
+        path = Path(run_dir) / "gateway.json"
+        path.touch(mode=0o600)
+        path.chmod(0o600)
+        path.write_text(json.dumps({"url": server.url, "session_url": server.session_url("{episode_id}"),
+                                    "model": gateway.model_name, "token": token}, indent=1) + "\n")
+    log.info("gateway: serving the policy at %s (sessions: %s)%s", server.url, server.session_url("<episode_id>"),
+             "; token required" if token else "")
+    return server
