@@ -223,6 +223,7 @@ class GatewayConfig(_Section):
     token: str | None = Field(None, description="Bearer token every call must carry; None: none on loopback, a random one elsewhere. Agents of the run are given it as their API key.")
     model_name: str | None = Field(None, description="Model name served at /v1/models; None: the model directory's name. Calls under a session (an agent episode) may name any model.")
     max_tokens: int = Field(256, ge=1, description="max_tokens of a call outside a session that gives none (in a session: rollout.max_new_tokens).")
+    max_model_len: int | None = Field(None, ge=1, description="Longest context (prompt + completion) a call may use; None: the model's max_position_embeddings. Beyond it a call is refused (context_length_exceeded).")
 
 
 class RunConfig(_Section):

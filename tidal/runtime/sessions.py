@@ -5,9 +5,10 @@ A session is a tree of token contexts. Each call's prompt (the chat template's r
 its messages, or a completions prompt) continues the longest earlier context whose text the
 prompt starts with: an earlier prompt, or an earlier prompt with one of its completions. Only
 the text after that context is tokenized, so the engine is given the very tokens it produced
-before (DESIGN.md, token in, token out). A prompt that starts with no earlier context is a
-*prefix break* (the agent edited or dropped history, or the template re-renders a turn
-differently): it starts a new root from its own tokenization, and is counted.
+before (DESIGN.md, token in, token out). A call that continues no earlier reply is a *prefix
+break* (the agent edited or dropped history, or the template re-renders a turn differently):
+it branches off the longest earlier prompt it still starts with (the edited text is masked
+context there), or starts a new root from its own tokenization; breaks are counted.
 
 Assembly: every leaf (a completion nothing extended) ends one chain root → leaf, and each
 chain is one segment of the episode, the chain of the session's last call last. A completion
@@ -57,6 +58,7 @@ class Call:
     messages: list[dict[str, Any]] | None  # chat calls; None for completions
     prompt_text: str
     completions: list[int] = field(default_factory=list)  # completion nodes, by choice
+    broke: bool = False  # continued no earlier completion: history was edited or dropped
     overridden: bool = False  # the request asked for other sampling than the run's
 
 
@@ -131,7 +133,10 @@ class Session:
                 self.limit_hit = "tokens"
                 raise SessionLimit(f"session `{self.id}`: the context holds {node.length} tokens, the episode's "
                                    f"budget is {self.max_total_tokens} (rollout.max_total_tokens)", "tokens")
-            call = Call(len(self.calls), node.id, messages, prompt_text)
+            # A prefix break: a later call that continues no earlier reply (it starts a new root,
+            # or branches off a prompt with other text than any reply); a retried prompt is none.
+            broke = bool(self.calls) and (base is None or (base.kind == "prompt" and node is not base))
+            call = Call(len(self.calls), node.id, messages, prompt_text, broke=broke)
             self.calls.append(call)
             return call, self.context_ids(node.id)
 
@@ -223,13 +228,17 @@ class Session:
             ep.segments = [0]
         ep.turns.sort(key=lambda t: t.start)
         roots = sum(1 for n in self.nodes if n.parent is None)
+        breaks = sum(c.broke for c in self.calls)
         first_prompt = self.nodes[self.calls[0].prompt] if self.calls else None
         ep.prompt_len = len(first_prompt.tokens) if first_prompt is not None and first_prompt.parent is None else 0
         ep.metrics["turns"] = float(sum(len(c.completions) for c in self.calls))
-        ep.metrics["rollout/prefix_breaks"] = float(max(0, roots - 1))
+        ep.metrics["rollout/prefix_breaks"] = float(breaks)
         ep.metrics["gateway/calls"] = float(len(self.calls))
-        ep.metrics["gateway/branches"] = float(max(0, len(chains) - roots))
+        ep.metrics["gateway/branches"] = float(max(0, len(chains) - roots - breaks))  # n > 1 choices continued apart
         ep.metrics["gateway/sampling_overridden"] = float(sum(c.overridden for c in self.calls))
+        records = [r for c in self.calls for i in c.completions for r in self.nodes[i].tool_calls]
+        ep.metrics["tools/calls"] = float(len(records))  # as parsed: the agent, not tidal, runs them
+        ep.metrics["tools/errors/parse"] = float(sum(r.status == "parse" for r in records))
         ep.metrics["response_tokens"] = float(sum(len(self.nodes[i].tokens) for c in self.calls for i in c.completions))
         ep.metrics["generate_s"] = self.generate_s
 
