@@ -71,3 +71,12 @@ def test_tidal_train_runs_the_example_and_stores_turns(tiny_model_dir, tmp_path)
         assert r["status"] in ("ok", "truncated") and len(r["turns"]) >= 1
         # the tiny model writes no <answer> tag: every turn pays the penalty, and the store says so
         assert [t["reward"] for t in r["turns"]] == [-0.1] * len(r["turns"]) or r["turns"][-1]["reward"] == 1.0
+
+
+def test_docs_show_the_openai_agent_as_it_is():
+    page = (ROOT / "docs" / "agents.md").read_text()
+    block = re.search(r"<!-- react_calculator.py -->\n```python\n(.*?)```\n<!-- /react_calculator.py -->", page,
+                      re.DOTALL)
+    agent = ROOT / "examples" / "agents" / "react_calculator.py"
+    assert block is not None and block.group(1) == agent.read_text()
+    assert "tidal" not in agent.read_text().split('"""', 2)[2]  # the agent's code imports nothing of tidal

@@ -258,3 +258,53 @@ def test_a_session_out_of_turns_refuses_the_call(served, tool_tokenizer):
         c.chat.completions.create(model="m", messages=QUESTION)
     assert e.value.body["code"] == "session_turns_limit" and session.limit_hit == "turns"
     gw.close_session("ep-2")
+
+
+def test_serve_policy_serves_a_model_until_interrupted(tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; from tidal.cli import main; sys.exit(main())",
+                             "serve-policy", "default", "run.threads=1"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, line = time.monotonic() + 120, ""
+        while "serving" not in line and time.monotonic() < deadline and proc.poll() is None:
+            line = proc.stderr.readline()
+        url = re.search(r"on (http://127\.0\.0\.1:\d+/v1)", line)
+        assert url, line
+        c = openai.OpenAI(base_url=url.group(1), api_key="none", max_retries=0)
+        r = c.chat.completions.create(model="tiny-arith", messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                      max_tokens=8, temperature=0)
+        assert r.choices[0].message.content
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    bad = subprocess.run([sys.executable, "-c", "import sys; from tidal.cli import main; sys.exit(main())",
+                          "serve-policy", "default", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--token-env" in bad.stderr
+
+
+def test_the_llm_judge_runs_against_the_gateway_serving_the_tiny_model():
+    """[rewards]' judge, pointed at the gateway over the embedded tiny model: its calls are
+    served (HTTP 200, OpenAI's shape). The tiny arithmetic model is no judge: its replies do
+    not hold a verdict, and the judge says so, typed, quoting the reply after its retry."""
+    from tidal.models import DEFAULT_MODEL_DIR
+    from tidal.rewards.judge import JudgeVerdictError, LLMJudge
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    engine = TorchEngine(load_model(DEFAULT_MODEL_DIR, "float32", "cpu"), tokenizer.pad_token_id, 8, tokenizer=tokenizer)
+    # the judge's rubric prompt is longer than the tiny model's 256 positions: allow more (RoPE runs on)
+    server = start_gateway(Router([engine]), tokenizer, DEFAULT_MODEL_DIR, GatewayConfig(max_model_len=2048))
+    try:
+        judge = LLMJudge(server.url, model=server.gateway.model_name, max_tokens=12, max_retries=1)
+        with pytest.raises(JudgeVerdictError, match="malformed after 2 attempts") as e:
+            asyncio.run(judge("12", prompt="What is 5 + 7?", answer="12"))
+        assert server.gateway.stats["requests"] == 2 and server.gateway.stats["errors"] == 0
+        assert e.value.raw  # the tiny model's own reply, quoted
+    finally:
+        server.close()

@@ -75,7 +75,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from tidal.engines.torch_engine import TorchEngine
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
     from tidal.rewards.pool import build_scorer, spec_keys
-    from tidal.runtime.controller import make_rollout
+    from tidal.runtime.controller import make_rollout, start_run_gateway
     from tidal.runtime.evaluate import evaluate_engine
     from tidal.runtime.tasks import build_task
     from tidal.types import SamplingParams
@@ -93,10 +93,13 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     else:
         scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
     t0 = time.time()
+    gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
     try:
-        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer), task.eval_rows[: cfg.eval.n],
-                              task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
+        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway),
+                              task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
     finally:
+        if gateway is not None:
+            gateway.close()
         if scorer is not None:
             asyncio.run(scorer.close())
     res = {"model": str(model_dir), **res, "wall_s": round(time.time() - t0, 1)}
@@ -187,6 +190,62 @@ def cmd_serve_rm(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_policy(ns: argparse.Namespace) -> int:
+    """An OpenAI-compatible server over a model or checkpoint (tidal/runtime/gateway.py)."""
+    import os
+    import threading
+
+    import torch
+
+    from tidal.engines.factory import build_engine, choose_engine_kind
+    from tidal.engines.router import Router
+    from tidal.models import load_tokenizer, resolve_model_dir
+    from tidal.runtime.gateway_http import start_gateway
+
+    config, overrides = _split_args(ns.args)
+    flags = [f"gateway.host={ns.host}"] if ns.host else []
+    flags += [f"gateway.port={ns.port}"] if ns.port is not None else []
+    cfg = load_config(config, [*overrides, *flags])
+    if ns.token_env:
+        token = os.environ.get(ns.token_env)
+        if not token:
+            print(f"tidal: error: --token-env {ns.token_env}: the environment variable is not set", file=sys.stderr)
+            return 2
+        cfg.gateway.token = token
+    from tidal.runtime.placement import is_loopback
+
+    if not is_loopback(cfg.gateway.host) and not cfg.gateway.token:
+        print(f"tidal: error: --host {cfg.gateway.host} is not loopback: give the clients' token with --token-env",
+              file=sys.stderr)
+        return 2
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    model_dir = resolve_model_dir(ns.model)
+    tokenizer = load_tokenizer(model_dir)
+    kind, why = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
+    engines = [build_engine(kind, cfg.engine, model_dir, dtype=cfg.model.dtype, device=cfg.model.resolved_device(),
+                            pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed) for _ in range(cfg.engine.replicas)]
+    router = Router(engines, [f"{kind}{i}" for i in range(len(engines))], max_inflight=cfg.engine.max_inflight,
+                    timeout_s=cfg.engine.request_timeout_s)
+    server = start_gateway(router, tokenizer, model_dir, cfg.gateway)
+    print(f"tidal: serving {model_dir} as `{server.gateway.model_name}` on {server.url} ({len(engines)} {kind} "
+          f"replica(s): {why}; POST /v1/chat/completions, /v1/completions, GET /v1/models"
+          f"{'; token required' if server.token else ''})", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    try:
+        while server.thread.is_alive() and not stop.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        for e in engines:
+            close = getattr(e, "close", None)
+            if close is not None:
+                close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -236,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="raw logits, sigmoid, or standardized by the held-out score stats of tidal_rm.json")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(fn=cmd_serve_rm, args=[])
+    sp = sub.add_parser("serve-policy", help="serve a model or checkpoint through an OpenAI-compatible API")
+    sp.add_argument("model", help="model directory, checkpoint directory, or 'default'")
+    sp.add_argument("args", nargs="*", help="CONFIG.yaml and/or overrides: engine.kind=vllm, engine.replicas=2, "
+                                            "gateway.model_name=..., gateway.max_tokens=..., run.threads=...")
+    sp.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; elsewhere a token is required)")
+    sp.add_argument("--port", type=int, default=None, help="port (default: a free one, printed)")
+    sp.add_argument("--token-env", default=None, help="name of an environment variable holding the bearer token")
+    sp.set_defaults(fn=cmd_serve_policy)
     # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
     ns, rest = p.parse_known_args(argv)
     if any(r.startswith("-") for r in rest):

@@ -1,0 +1,155 @@
+"""Generated tokens/s through the gateway against direct engine calls, the same requests side
+by side.
+
+    python benchmarks/gateway.py [--rounds 3] [--sessions 64] [--turns 2] [--tokens 64]
+                                 [--out benchmarks/results/gateway.json]
+
+What it compares, on one torch engine behind a router (as in a run):
+
+- gateway: `--sessions` concurrent agent sessions, each `--turns` chat calls in a row through
+  the official `openai.AsyncOpenAI` client to the gateway on loopback (FastAPI + uvicorn on its
+  own thread, as inside a training run), under `/sessions/{id}/v1`: every call is rendered by
+  the chat template, continued from the session's recorded tokens, generated, parsed and
+  recorded; the next call appends the reply it got and a user message;
+- direct: the same sessions calling `engine.generate` with the very prompt token ids, sampling
+  parameters and seeds the gateway sent (captured in the gateway run), concurrently in the
+  same pattern (each session's calls in a row).
+
+Both generate the same tokens: the policy is a Qwen2 with random weights that never samples a
+special token (`build_random_qwen2` of benchmarks/agents.py), so every call runs to
+`--tokens`. Rounds alternate the order; the table gives medians. torch threads = 1 (the
+engine's one device); the client, the server and the engine share this process, as agents and
+the gateway share the driver of a local run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agents import build_random_qwen2  # noqa: E402 - the benchmark's sibling
+
+from tidal.config import GatewayConfig  # noqa: E402
+from tidal.engines.router import Router  # noqa: E402
+from tidal.engines.torch_engine import TorchEngine  # noqa: E402
+from tidal.models import load_model, load_tokenizer  # noqa: E402
+from tidal.runtime.gateway_http import start_gateway  # noqa: E402
+from tidal.types import GenerationRequest, SamplingParams  # noqa: E402
+
+
+async def gateway_round(server, sessions: int, turns: int, tokens: int, tag: str) -> tuple[float, int, list]:
+    import openai
+
+    gw = server.gateway
+    params = SamplingParams(max_new_tokens=tokens, stop_token_ids=())
+    sent: list = []  # (session, turn, prompt ids, seed) of every call, for the direct replay
+    clients = [openai.AsyncOpenAI(base_url=server.session_url(f"{tag}-{s}"), api_key=server.api_key, max_retries=0)
+               for s in range(sessions)]
+    for s in range(sessions):
+        gw.open_session(f"{tag}-{s}", params, seed=s)
+
+    async def one(s: int) -> int:
+        messages = [{"role": "user", "content": f"Session {s}: tell me a story."}]
+        n = 0
+        for t in range(turns):
+            r = await clients[s].chat.completions.create(model="bench", messages=messages, max_tokens=tokens,
+                                                         extra_body={"return_token_ids": True})
+            body = r.model_dump()
+            sent.append((s, t, body["prompt_token_ids"], len(body["choices"][0]["token_ids"])))
+            n += len(body["choices"][0]["token_ids"])
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go on."}]
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(s) for s in range(sessions)))
+    wall = time.perf_counter() - t0
+    for s in range(sessions):
+        gw.close_session(f"{tag}-{s}")
+    for c in clients:
+        await c.close()
+    return wall, sum(counts), sent
+
+
+async def direct_round(router, sent: list, sessions: int, turns: int, tokens: int, tag: str) -> tuple[float, int]:
+    from tidal.runtime.rollout import request_seed
+
+    by = {(s, t): ids for s, t, ids, _ in sent}
+
+    async def one(s: int) -> int:
+        n = 0
+        for t in range(turns):
+            p = SamplingParams(max_new_tokens=tokens, stop_token_ids=(), seed=request_seed(s, t, 0))
+            (res,) = await router.generate([GenerationRequest(f"{tag}-{s}-{t}", by[(s, t)], p, session_id=f"{tag}-{s}")])
+            n += len(res.token_ids)
+        return n
+
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(s) for s in range(sessions)))
+    return time.perf_counter() - t0, sum(counts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sessions", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", default="benchmarks/results/gateway.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tmp = Path(tempfile.mkdtemp(prefix="tidal-gw-bench-"))
+    model_dir = build_random_qwen2(tmp / "model", hidden=args.hidden, layers=args.layers)
+    tokenizer = load_tokenizer(model_dir)
+    engine = TorchEngine(load_model(model_dir), tokenizer.pad_token_id, max_batch_size=args.sessions,
+                         tokenizer=tokenizer)
+    router = Router([engine])
+    server = start_gateway(router, tokenizer, model_dir, GatewayConfig(model_name="bench"))
+    rows = []
+    # one warm-up of each (first-call costs: the template, the client's connection pool)
+    _, _, sent = asyncio.run(gateway_round(server, 4, 1, 8, "warm"))
+    asyncio.run(direct_round(router, sent, 4, 1, 8, "warm"))
+    for r in range(args.rounds):
+        order = ["gateway", "direct"] if r % 2 == 0 else ["direct", "gateway"]
+        if order[0] == "direct":  # the direct run replays the gateway's requests: capture them first, untimed
+            _, _, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, args.tokens, f"cap{r}"))
+        out = {}
+        for what in order:
+            if what == "gateway":
+                wall, n, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, args.tokens, f"g{r}"))
+            else:
+                wall, n = asyncio.run(direct_round(router, sent, args.sessions, args.turns, args.tokens, f"d{r}"))
+            out[what] = {"wall_s": round(wall, 3), "tokens": n, "tokens_per_s": round(n / wall, 1)}
+        out["ratio"] = round(out["gateway"]["tokens_per_s"] / out["direct"]["tokens_per_s"], 3)
+        print(f"round {r + 1}: gateway {out['gateway']['tokens_per_s']:.0f} tok/s, direct "
+              f"{out['direct']['tokens_per_s']:.0f} tok/s, ratio {out['ratio']:.3f}", flush=True)
+        rows.append(out)
+    server.close()
+    engine.close()
+    result = {
+        "args": vars(args), "rounds": rows,
+        "median": {"gateway_tokens_per_s": statistics.median(r["gateway"]["tokens_per_s"] for r in rows),
+                   "direct_tokens_per_s": statistics.median(r["direct"]["tokens_per_s"] for r in rows),
+                   "ratio": statistics.median(r["ratio"] for r in rows)},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "load_avg": os.getloadavg()},
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["median"]))
+
+
+if __name__ == "__main__":
+    main()
