@@ -38,14 +38,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agents import build_random_qwen2  # noqa: E402 - the benchmark's sibling
+from agents import build_random_qwen2
 
-from tidal.config import GatewayConfig  # noqa: E402
-from tidal.engines.router import Router  # noqa: E402
-from tidal.engines.torch_engine import TorchEngine  # noqa: E402
-from tidal.models import load_model, load_tokenizer  # noqa: E402
-from tidal.runtime.gateway_http import start_gateway  # noqa: E402
-from tidal.types import GenerationRequest, SamplingParams  # noqa: E402
+from tidal.config import GatewayConfig
+from tidal.engines.router import Router
+from tidal.engines.torch_engine import TorchEngine
+from tidal.models import load_model, load_tokenizer
+from tidal.runtime.gateway_http import start_gateway
+from tidal.types import GenerationRequest, SamplingParams
 
 
 async def gateway_round(server, sessions: int, turns: int, tokens: int, tag: str) -> tuple[float, int, list]:

@@ -70,7 +70,6 @@ def scripted_server(tokenizer, texts: list[str], token: str | None = None) -> Ga
 
 
 def test_models_and_a_chat_completion(served, client, tool_tokenizer):
-    server, _ = served
     assert [m.id for m in client.models.list().data] == ["tiny-tool"]
     r = client.chat.completions.create(model="tiny-tool", messages=QUESTION, max_tokens=40, seed=3)
     (choice,) = r.choices
@@ -285,7 +284,7 @@ def test_serve_policy_serves_a_model_until_interrupted(tmp_path):
         if proc.poll() is None:
             proc.kill()
     bad = subprocess.run([sys.executable, "-c", "import sys; from tidal.cli import main; sys.exit(main())",
-                          "serve-policy", "default", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120)
+                          "serve-policy", "default", "--host", "0.0.0.0"], capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "--token-env" in bad.stderr
 
 
@@ -308,3 +307,36 @@ def test_the_llm_judge_runs_against_the_gateway_serving_the_tiny_model():
         assert e.value.raw  # the tiny model's own reply, quoted
     finally:
         server.close()
+
+
+def test_every_replica_serves_and_a_session_stays_on_one(tool_tokenizer):
+    eos = stop_token_ids(tool_tokenizer)[0]
+    seen: list[list[str]] = [[], []]
+
+    def replica(i):
+        def policy(req):
+            seen[i].append(req.session_id)
+            return tool_tokenizer("ok", add_special_tokens=False)["input_ids"] + [eos]
+        return ScriptedEngine(policy, tokenizer=tool_tokenizer)
+
+    gateway = Gateway(Router([replica(0), replica(1)]), tool_tokenizer, "scripted", max_model_len=512,
+                      stop_token_ids=stop_token_ids(tool_tokenizer))
+    with GatewayServer(gateway) as server:
+        for s in range(6):
+            gateway.open_session(f"ep{s}", SamplingParams(max_new_tokens=8), seed=s)
+
+        async def agent(s):
+            c = openai.AsyncOpenAI(base_url=server.session_url(f"ep{s}"), api_key=server.api_key, max_retries=0)
+            messages = list(QUESTION)
+            for _ in range(3):
+                r = await c.chat.completions.create(model="any", messages=messages)
+                messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+            await c.close()
+
+        async def all_agents():
+            await asyncio.gather(*(agent(s) for s in range(6)))
+
+        asyncio.run(all_agents())
+    assert seen[0] and seen[1]  # both replicas served
+    assert not set(seen[0]) & set(seen[1])  # no session was split across replicas
+    assert sorted(seen[0] + seen[1]) == sorted(f"ep{s}" for s in range(6) for _ in range(3))

@@ -140,7 +140,7 @@ def check_tokens_are_the_engines(ep, tap):
         key = tuple(ep.tokens[seg:t.end])
         if not ep.loss_mask[t.start]:
             continue
-        req, res = served[key]  # the engine was given ep.tokens[seg:t.start] and produced the span
+        _, res = served[key]  # the engine was given ep.tokens[seg:t.start] and produced the span
         assert ep.logprobs[t.start:t.end] == res.logprobs
         assert ep.versions[t.start:t.end] == res.versions_per_token()
         trained += t.end - t.start

@@ -55,8 +55,8 @@ def test_a_call_that_extends_the_last_one_continues_its_tokens():
     assert trained_text(ep) == ["A1|", "A2|"]
     assert [(t.start, t.end, t.obs_end) for t in ep.turns] == [(2, 5, 9), (9, 12, 12)]
     assert ep.prompt_len == 2 and ep.metrics["rollout/prefix_breaks"] == 0
-    assert set(ep.logprobs[i] for i, m in enumerate(ep.loss_mask) if m) == {-0.5}
-    assert set(ep.versions[i] for i, m in enumerate(ep.loss_mask) if not m) == {-1}
+    assert {ep.logprobs[i] for i, m in enumerate(ep.loss_mask) if m} == {-0.5}
+    assert {ep.versions[i] for i, m in enumerate(ep.loss_mask) if not m} == {-1}
 
 
 def test_continuation_reuses_the_recorded_tokens_not_a_retokenization():
@@ -64,8 +64,10 @@ def test_continuation_reuses_the_recorded_tokens_not_a_retokenization():
     # tokens come from the record, only the appended text is tokenized.
     s = Session("e")
     generate(s, "Q:", "AB")
-    merged = lambda text: [999] if text == "Q:AB+" else tok(text)  # noqa: E731 - would merge the whole
-    call, ids = s.begin_call("Q:AB+", merged)
+    def merged(text):  # would merge the whole text into one token
+        return [999] if text == "Q:AB+" else tok(text)
+
+    _, ids = s.begin_call("Q:AB+", merged)
     assert ids == tok("Q:AB") + tok("+")
 
 

@@ -89,16 +89,16 @@ class OpenAIAgentEnv:
         self.agent_path = agent
         self.fn = import_object(agent, "task.agent")
         if not callable(self.fn):
-            raise ValueError(f"`task.agent`: `{agent}` is not callable")
+            raise TypeError(f"`task.agent`: `{agent}` is not callable")
         self.agent_args = dict(agent_args or {})
         self.client_timeout_s = client_timeout_s
         self.is_async = inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(
-            getattr(self.fn, "__call__", None))
+            type(self.fn).__call__)  # an instance whose __call__ is async
 
     async def run_agent(self, base_url: str, api_key: str) -> AgentResult:
         import openai
 
-        kwargs = dict(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.client_timeout_s)
+        kwargs = {"base_url": base_url, "api_key": api_key, "max_retries": 0, "timeout": self.client_timeout_s}
         if self.is_async:
             client = openai.AsyncOpenAI(**kwargs)
             try:
