@@ -26,3 +26,17 @@ if ! command -v bwrap >/dev/null 2>&1; then
          "install it to run generated code in tidal's sandbox" >&2
   fi
 fi
+# libseccomp compiles the sandbox's syscall filter (tidal/sandbox/seccomp.py, through pyseccomp);
+# without it sandboxed runs refuse to start unless sandbox.seccomp=false.
+if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing libseccomp2 (the sandbox's syscall filter)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq libseccomp2 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libseccomp2 >/dev/null 2>&1; } \
+      || echo "WARNING: apt-get could not install libseccomp2: tidal will refuse to run generated code" >&2
+  else
+    echo "WARNING: libseccomp2 is missing and this script can install it only as root with apt-get;" \
+         "install it to run generated code in tidal's sandbox" >&2
+  fi
+fi

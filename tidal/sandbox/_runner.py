@@ -3,9 +3,11 @@
 It is started before its work is known (that is what makes a warm sandbox possible) and
 blocks on the request pipe. The host sends it compiled (by the sandbox's own interpreter,
 so the bytecode always matches) and starts it with a one-line bootstrap. On a request it
-materializes files and stdin, sets the resource limits, writes "S" on the status pipe,
-runs the code, and writes "D<exit code> <signal> <cpu seconds>" there when the code is
-done — so the host has the result without waiting for the sandbox's teardown.
+materializes files and stdin, sets the resource limits, writes "S" on the status pipe and
+runs the code. The host learns that the code is done from bubblewrap's exit, which follows
+this process's own exit; for a command this process also writes "D<exit code> <signal>
+<cpu seconds>" (the exact signal and CPU time, which the 128+N exit status cannot tell
+apart from a chosen exit code; the host uses it only where it agrees with that status).
 
 Modes of a request:
 - `python`: run `code` as the `__main__` of this interpreter (no second interpreter start);
@@ -16,9 +18,8 @@ Modes of a request:
   from the request pipe, ending each turn's stdout and stderr with a token line.
 
 Only built-in modules (`posix`, not `os`: importing `os` alone costs a millisecond per
-run), and `resource`. The status pipe stays open in `python` mode; what the code writes
-there can only end its own run early, never turn a result into a sandbox error (the host
-reads "S" before the code can run).
+run), and `resource`. In `python` mode the status pipe is closed before the code runs
+(the code runs in this process); in `exec` mode the command never holds it.
 """
 # ruff: noqa: S102, BLE001, S110 — executing arbitrary code, and outliving whatever it raises, is this file's job.
 
@@ -155,7 +156,7 @@ def _done(status_fd, exit_code, signal_number=0, cpu_s=0.0):
         pass
 
 
-def _run_python(request, status_fd):
+def _run_python(request):
     workspace = request["workspace"]
     path = workspace + "/" + request["script"]
     sys.argv = [request["script"]] + list(request["argv"])
@@ -170,7 +171,6 @@ def _run_python(request, status_fd):
         _report_exception()
         exit_code = 1
     _interpreter_shutdown()
-    _done(status_fd, exit_code)
     posix._exit(exit_code)
 
 
@@ -275,7 +275,10 @@ def main():
         return _python_session(request_fd, request["workspace"])
     posix.close(request_fd)
     if mode == "python":
-        return _run_python(request, status_fd)
+        # The code runs in this process: it must not hold the status pipe (the host takes the
+        # end of the run from bubblewrap's exit, the set-up report "S" was sent before).
+        posix.close(status_fd)
+        return _run_python(request)
     return _run_exec(request, status_fd)
 
 

@@ -20,8 +20,8 @@ class SandboxLimits(BaseModel):
 
     wall_s: float = Field(10.0, gt=0.0, description="Wall-clock bound of one run (of one turn in a session); past it every process of the sandbox is killed and the status is `timeout`.")
     cpu_s: int = Field(10, ge=1, description="CPU seconds (RLIMIT_CPU) of each process; reaching it ends the process with SIGXCPU, status `timeout`. In a session it counts over the whole session.")
-    memory_bytes: int = Field(1024 * MiB, ge=64 * MiB, description="Address space of each process (RLIMIT_AS); exceeding it fails allocations, status `memory`. Threads reserve stack and malloc arenas against it.")
-    max_processes: int = Field(64, ge=4, description="Processes and threads alive at once inside the sandbox, its own init included (RLIMIT_NPROC in the sandbox's user namespace).")
+    memory_bytes: int = Field(1024 * MiB, ge=64 * MiB, description="Memory of the whole run: the limit of its cgroup (anonymous memory, memfds, the pages of its /workspace and /tmp, kernel memory of its files; reaching it gets a process OOM-killed, status `memory`), and the address space of each process (RLIMIT_AS; exceeding it fails allocations, status `memory`). Threads reserve stack and malloc arenas against the address space.")
+    max_processes: int = Field(64, ge=4, description="Processes and threads alive at once inside the sandbox, its own init included (its cgroup's pids.max, and RLIMIT_NPROC in the sandbox's user namespace).")
     max_open_files: int = Field(256, ge=16, description="Open file descriptors per process (RLIMIT_NOFILE).")
     output_bytes: int = Field(1 * MiB, ge=1024, description="Bytes kept of stdout and of stderr each; more ends the run, status `output_limit`.")
     file_bytes: int = Field(64 * MiB, ge=4096, description="Largest file a process may write (RLIMIT_FSIZE); status `output_limit` when hit.")
@@ -49,3 +49,5 @@ class SandboxConfig(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables of sandboxed programs (the host environment is never passed in).")
     sandbox_uid: int = Field(65534, ge=1, description="When tidal runs as root: the unprivileged host uid that bubblewrap and the sandbox run as (root would exempt them from the process limit).")
     bwrap: str = Field("bwrap", description="The bubblewrap executable (a name looked up on PATH, or a path).")
+    seccomp: bool = Field(True, description="Install the syscall filter (tidal/sandbox/seccomp.py) in every sandbox; without libseccomp nothing runs. False: no filter (ptrace, keyrings, io_uring, bpf… stay reachable; docs/sandbox.md).")
+    cgroups: bool = Field(True, description="Give each run its own memory and pids cgroup (under this process's own cgroup) and tear runs down through it; where none can be made, a warning once and rlimits only. False: never.")

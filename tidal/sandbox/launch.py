@@ -180,35 +180,39 @@ def _sandbox_env(config: SandboxConfig, workspace: str, tmp: str) -> dict[str, s
     return {"PATH": SANDBOX_PATH, "HOME": workspace, "TMPDIR": tmp, "LANG": "C.UTF-8", **config.env}
 
 
-def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, status_fd: int) -> Launch:
+def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, status_fd: int,
+                 bwrap_fds: dict[str, int] | None = None) -> Launch:
     """The command that starts one runner, reading its request from `request_fd` and
-    reporting set-up on `status_fd` (both inherited at the same numbers)."""
-    command, runner_frame = _command(config.model_dump_json(), limits.tmp_bytes, limits.workspace_bytes)
-    argv = [*command, str(request_fd), str(status_fd), str(config.idle_timeout_s)]
+    reporting set-up on `status_fd` (both inherited at the same numbers). `bwrap_fds` are
+    bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`)."""
+    head, tail, runner_frame = _command(config.model_dump_json(), limits.tmp_bytes, limits.workspace_bytes)
+    runner_args = [str(request_fd), str(status_fd), str(config.idle_timeout_s)]
     if config.isolation == "unsafe_host":
         workspace = tempfile.mkdtemp(prefix="tidal-sandbox-unsafe-")
-        return Launch(argv, _sandbox_env(config, workspace, workspace), runner_frame, workspace, workspace,
-                      isolated=False)
+        return Launch([*head, *tail, *runner_args], _sandbox_env(config, workspace, workspace), runner_frame,
+                      workspace, workspace, isolated=False)
+    options = [arg for option, fd in (bwrap_fds or {}).items() for arg in (f"--{option}", str(fd))]
     host_env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "LANG": "C.UTF-8"}
-    return Launch(argv, host_env, runner_frame, WORKSPACE, None, isolated=True)
+    return Launch([*head, *options, *tail, *runner_args], host_env, runner_frame, WORKSPACE, None, isolated=True)
 
 
 @functools.lru_cache(maxsize=32)
-def _command(config_json: str, tmp_bytes: int, workspace_bytes: int) -> tuple[tuple[str, ...], bytes]:
-    """The command line up to the runner's own arguments (the same for every sandbox of a
-    config: built once, it spares each start a few dozen stat calls)."""
+def _command(config_json: str, tmp_bytes: int, workspace_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...], bytes]:
+    """The command line, split where bubblewrap's per-start options go, up to the runner's
+    own arguments (the same for every sandbox of a config: built once, it spares each
+    start a few dozen stat calls)."""
     config = SandboxConfig.model_validate_json(config_json)
     python = resolve_python(config)
     runner = [python.executable, *python_flags(config.python_site_packages), "-c", BOOTSTRAP]
     if config.isolation == "unsafe_host":
-        return tuple(runner), python.runner_frame
+        return tuple(runner), (), python.runner_frame
     limits = config.limits.updated({"tmp_bytes": tmp_bytes, "workspace_bytes": workspace_bytes})
     argv = [find_bwrap(config), *_mount_args(config, python, limits),
             "--unshare-user", "--unshare-all", "--disable-userns",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
         argv += ["--setenv", name, value]
-    argv += ["--chdir", WORKSPACE, "--", *runner]
+    argv += ["--chdir", WORKSPACE]
     if _runs_as_root():
         setpriv = shutil.which("setpriv")
         if setpriv is None:
@@ -216,4 +220,4 @@ def _command(config_json: str, tmp_bytes: int, workspace_bytes: int) -> tuple[tu
                                      "bubblewrap as an unprivileged uid")
         uid = str(config.sandbox_uid)
         argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-    return tuple(argv), python.runner_frame
+    return tuple(argv), ("--", *runner), python.runner_frame

@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from tidal.sandbox import cgroup, seccomp
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.launch import find_bwrap, resolve_python
-from tidal.sandbox.process import SandboxProcess
+from tidal.sandbox.process import KILL_GRACE_S, SandboxProcess
 from tidal.sandbox.result import SandboxResult, SandboxStatus, SandboxUnavailable
 from tidal.sandbox.session import PythonSession, ShellSession
 
@@ -67,6 +68,7 @@ class SandboxPool:
         # which matters: bubblewrap dies with the thread that started it (PR_SET_PDEATHSIG).
         self._starter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidal-sandbox-start")
         self._sessions: set[PythonSession | ShellSession] = set()
+        self._cgroups: cgroup.PoolCgroups | None = None  # where the runs' cgroups go (None: rlimits only)
         self._checked = False
         self._start_lock = asyncio.Lock()  # the first runs of many episodes arrive together
         self._closed = False
@@ -87,11 +89,16 @@ class SandboxPool:
 
     async def _check_and_warm(self) -> None:
         probe_key = self.config.model_dump_json(include={"isolation", "python", "python_site_packages",
-                                                         "extra_ro_binds", "sandbox_uid", "bwrap"})
+                                                         "extra_ro_binds", "sandbox_uid", "bwrap", "seccomp", "cgroups"})
+        if self.config.isolation == "bwrap":
+            if self.config.seccomp:
+                seccomp.filter_program()  # SandboxUnavailable without libseccomp
+            if self.config.cgroups:
+                self._make_cgroups()
         if self.config.isolation == "bwrap" and probe_key not in _PROBED:
             find_bwrap(self.config)
             resolve_python(self.config)
-            probe = SandboxProcess.start(self.config, self.config.limits)
+            probe = await self._start_process(self.config.limits)
             try:
                 result = await probe.run(self._python_request(probe, "pass", b"", {}, (), self.config.limits),
                                          self.config.limits.updated({"wall_s": 30.0}))
@@ -106,8 +113,21 @@ class SandboxPool:
         self._checked = True
         self._fill_warm()
 
+    def _make_cgroups(self) -> None:
+        layout, reason = cgroup.detect()
+        if layout is not None:
+            try:
+                self._cgroups = cgroup.PoolCgroups(layout)
+                return
+            except cgroup.CgroupError as e:
+                reason = str(e)
+        cgroup.warn_once(reason)
+
     async def close(self) -> None:
-        """End every warm sandbox and open session. The pool cannot be used afterwards."""
+        """End every warm sandbox and open session, and return once no process of any of
+        them is left: each sandbox's cgroup is emptied and removed, then the pool's own
+        (CgroupError, naming what survived, if that fails within the kill grace period).
+        The pool cannot be used afterwards."""
         self._closed = True
         while self._background:  # warm starts close what they start once the pool is closed
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -117,6 +137,9 @@ class SandboxPool:
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         self._starter.shutdown(wait=False)
+        if self._cgroups is not None:
+            pool_cgroups, self._cgroups = self._cgroups, None
+            pool_cgroups.remove()
 
     # -- one-shot runs -------------------------------------------------------------------
 
@@ -172,9 +195,23 @@ class SandboxPool:
         finally:
             self._close_later(process)  # the result is complete; teardown need not delay it
 
+    def _spawn(self, limits: SandboxLimits, stdin_pipe: bool) -> SandboxProcess:
+        """Start one sandbox in a cgroup of its own (on a starter thread)."""
+        run_cgroup = None
+        if self._cgroups is not None:
+            try:
+                run_cgroup = self._cgroups.new_run(limits.memory_bytes, limits.max_processes)
+            except cgroup.CgroupError as e:
+                raise OSError(str(e)) from e
+        try:
+            return SandboxProcess.start(self.config, limits, stdin_pipe, run_cgroup)
+        except BaseException:
+            if run_cgroup is not None:
+                run_cgroup.destroy_sync(KILL_GRACE_S)
+            raise
+
     async def _start_process(self, limits: SandboxLimits, stdin_pipe: bool = False) -> SandboxProcess:
-        started = asyncio.get_running_loop().run_in_executor(self._starter, SandboxProcess.start, self.config,
-                                                             limits, stdin_pipe)
+        started = asyncio.get_running_loop().run_in_executor(self._starter, self._spawn, limits, stdin_pipe)
         try:
             return await asyncio.shield(started)
         except asyncio.CancelledError:  # the caller gave up: whatever was started is ended

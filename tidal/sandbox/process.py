@@ -5,27 +5,41 @@ same code serves both. The pipes are plain file descriptors read through the eve
 and the exit is watched through a pidfd: no thread per process (asyncio's subprocess
 support starts one), which counts at hundreds of runs per second.
 
-A run is over when the runner reports the code done on the status pipe (its output is
-then complete in the pipes; the sandbox's teardown, a few milliseconds of kernel work,
-happens after the result is returned), or when the sandbox exits. Output is read as it
-comes, at most `output_bytes` per stream, so a flood never sits in host memory; past the
-cap, or past the wall clock, the whole sandbox is killed (SIGKILL to bubblewrap's process
-group; its PID namespace dies with its init, so no process of the code survives).
-Nothing here waits without a deadline.
+Start-up (on a starter thread): a fresh session keyring for the thread, bubblewrap with the
+syscall filter on a pipe (`--seccomp`), its status on another (`--json-status-fd`), and
+held on a third (`--block-fd`) until the sandbox's init has been moved into the run's
+cgroup; only then does the init start the runner, so every process of the run is born in
+the cgroup.
+
+A run is over when bubblewrap exits: it is the parent of the sandbox's init, outside the
+sandbox's PID namespace, and exits as soon as the runner does (the host's own waitpid, which
+no sandboxed process can reach or fake). The runner's done report on the status pipe only
+adds detail (the exact signal and CPU time of a command) and counts only where it agrees
+with that exit status. Output is read as it comes, at most `output_bytes` per stream and a
+chunk at a time between which other runs are served, so a flood never stalls the event
+loop nor sits in host memory; the status pipe is read to a few hundred bytes at most. Past
+a cap or the wall clock the whole sandbox is killed: through its cgroup, and SIGKILL to
+bubblewrap's process group (the PID namespace dies with its init). Closing a sandbox kills
+what is left in its cgroup, waits until it is empty and removes it. Nothing here waits
+without a deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import marshal
 import os
+import select
 import shutil
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 
+from tidal.sandbox import seccomp
+from tidal.sandbox.cgroup import CgroupError, RunCgroup
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.launch import Launch, build_launch
 from tidal.sandbox.result import SandboxResult, SandboxStatus, classify_exit, classify_signal
@@ -34,6 +48,8 @@ log = logging.getLogger("tidal.sandbox")
 
 KILL_GRACE_S = 5.0  # how long a killed sandbox may take to exit before that is an error
 READ_CHUNK = 1 << 16
+STATUS_CAP = 512  # bytes read of the status pipe at most ("S", a done report; anything else is noise)
+SETUP_TIMEOUT_S = 30.0  # bubblewrap reporting its sandbox's init, before that init is released
 
 
 def encode_frame(message: dict) -> bytes:
@@ -82,18 +98,20 @@ class PipeReader:
             _resolve(self._waiter)
             self._waiter = None
 
-    def read_available(self) -> bytes:
-        """Whatever the pipe holds now, without waiting."""
+    def read_available(self, limit: int) -> bytes:
+        """What the pipe holds now, up to `limit` bytes, without waiting (bounded: a writer
+        that never stops cannot keep it reading)."""
         chunks = []
-        while self.fd >= 0:
+        while self.fd >= 0 and limit > 0:
             try:
-                chunk = os.read(self.fd, READ_CHUNK)
+                chunk = os.read(self.fd, min(READ_CHUNK, limit))
             except BlockingIOError:
                 break
             if not chunk:
                 self.eof = True
                 break
             chunks.append(chunk)
+            limit -= len(chunk)
         return b"".join(chunks)
 
     def close(self) -> None:
@@ -129,6 +147,11 @@ class OutputBuffer:
     data: bytearray = field(default_factory=bytearray)
     exceeded: bool = False
 
+    @property
+    def room(self) -> int:
+        """Bytes still kept, plus one to tell that the cap was passed."""
+        return self.cap - len(self.data) + 1
+
     def add(self, chunk: bytes) -> None:
         room = self.cap - len(self.data)
         if len(chunk) > room:
@@ -163,16 +186,23 @@ class Done:
         except ValueError:
             return None
 
+    def agrees_with(self, returncode: int) -> bool:
+        """Whether this report says what bubblewrap's exit status says (n, or 128+signal)."""
+        return returncode == (128 + self.signal if self.signal is not None else self.exit_code)
+
 
 class SandboxProcess:
     """A runner inside a fresh sandbox, waiting for its one request (or a session's turns)."""
 
-    def __init__(self, popen: subprocess.Popen, launch: Launch, fds: dict[str, int], limits: SandboxLimits):
+    def __init__(self, popen: subprocess.Popen, launch: Launch, fds: dict[str, int], limits: SandboxLimits,
+                 cgroup: RunCgroup | None):
         self.popen = popen
         self.launch = launch
         self.limits = limits  # the tmpfs sizes it was started with
+        self.cgroup = cgroup
         self.request_fd = fds["request"]  # our write end
         self.stdin_fd = fds.get("stdin", -1)  # our write end, sessions only
+        self.json_status_fd = fds.get("json", -1)  # kept open: bubblewrap writes its exit there at the end
         self.stdout = PipeReader(fds["stdout"])
         self.stderr = PipeReader(fds["stderr"])
         self.status = PipeReader(fds["status"])
@@ -180,32 +210,59 @@ class SandboxProcess:
         self.started_at = time.monotonic()
         self._exit_watch = PipeReader(os.pidfd_open(popen.pid))
         self._closed = False
+        self.teardown_error: str | None = None  # set by close() when the cgroup could not be emptied
 
     @classmethod
-    def start(cls, config: SandboxConfig, limits: SandboxLimits, stdin_pipe: bool = False) -> SandboxProcess:
-        """Start a sandbox whose runner then waits for its request (synchronous: a fork and
-        an exec, about a millisecond)."""
+    def start(cls, config: SandboxConfig, limits: SandboxLimits, stdin_pipe: bool = False,
+              cgroup: RunCgroup | None = None) -> SandboxProcess:
+        """Start a sandbox whose runner then waits for its request (synchronous, on a starter
+        thread: a fork and an exec, and with a cgroup the wait for bubblewrap's init)."""
         ours: dict[str, int] = {}
         theirs: list[int] = []
+        bwrap_fds: dict[str, int] = {}
         launch = None
+        popen = None
+        isolated = config.isolation == "bwrap"
+        names = ["request", "status", "stdout", "stderr"] + (["stdin"] if stdin_pipe else [])
+        if isolated and config.seccomp:
+            names.append("seccomp")
+        if isolated and cgroup is not None:
+            names += ["json", "block"]
         try:
-            for name in ("request", "status", "stdout", "stderr") + (("stdin",) if stdin_pipe else ()):
+            for name in names:
                 r, w = os.pipe()
-                mine, child = (w, r) if name in ("request", "stdin") else (r, w)
+                mine, child = (w, r) if name in ("request", "stdin", "seccomp", "block") else (r, w)
                 ours[name] = mine
                 theirs.append(child)
                 os.set_blocking(mine, False)
             request_r, status_w, stdout_w, stderr_w = theirs[:4]
-            launch = build_launch(config, limits, request_r, status_w)
+            child_fds = dict(zip(names, theirs))
+            if "seccomp" in child_fds:
+                bwrap_fds["seccomp"] = child_fds["seccomp"]
+                program = seccomp.filter_program()
+                if os.write(ours["seccomp"], program) != len(program):
+                    raise OSError("the seccomp filter does not fit in a pipe buffer")
+                os.close(ours.pop("seccomp"))  # bubblewrap reads it to EOF
+            if "json" in child_fds:
+                bwrap_fds["json-status-fd"] = child_fds["json"]
+                bwrap_fds["block-fd"] = child_fds["block"]
+            launch = build_launch(config, limits, request_r, status_w, bwrap_fds)
             # Written before the runner exists: a pipe buffers 64 KiB, the runner is ~17 KiB
             # (a partial write, or BlockingIOError, would say it no longer fits).
             if os.write(ours["request"], launch.runner_frame) != len(launch.runner_frame):
                 raise OSError("the sandbox runner does not fit in a pipe buffer")
+            if isolated:
+                seccomp.join_fresh_session_keyring()
             popen = subprocess.Popen(
-                launch.argv, stdin=theirs[4] if stdin_pipe else subprocess.DEVNULL, stdout=stdout_w, stderr=stderr_w,
-                pass_fds=(request_r, status_w), start_new_session=True, env=launch.env,
-                cwd=launch.host_workspace or "/")
+                launch.argv, stdin=child_fds["stdin"] if stdin_pipe else subprocess.DEVNULL, stdout=stdout_w,
+                stderr=stderr_w, pass_fds=(request_r, status_w, *bwrap_fds.values()), start_new_session=True,
+                env=launch.env, cwd=launch.host_workspace or "/")
+            if "json" in child_fds:
+                cls._admit_to_cgroup(popen, ours["json"], ours.pop("block"), cgroup)
         except BaseException:
+            if popen is not None:
+                _kill_group(popen.pid)
+                popen.wait(KILL_GRACE_S)
             for fd in ours.values():
                 os.close(fd)
             if launch is not None and launch.host_workspace:
@@ -214,7 +271,29 @@ class SandboxProcess:
         finally:
             for fd in theirs:
                 os.close(fd)
-        return cls(popen, launch, ours, limits)
+        return cls(popen, launch, ours, limits, cgroup)
+
+    @staticmethod
+    def _admit_to_cgroup(popen: subprocess.Popen, json_fd: int, block_fd: int, cgroup: RunCgroup) -> None:
+        """Move the sandbox's init into the run's cgroup while bubblewrap holds it (before it
+        starts the runner), then release it."""
+        line = b""
+        deadline = time.monotonic() + SETUP_TIMEOUT_S
+        while b"\n" not in line:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([json_fd], [], [], left)[0]:
+                raise OSError(f"bubblewrap did not report its sandbox's init within {SETUP_TIMEOUT_S:.0f} s")
+            chunk = os.read(json_fd, 4096)
+            if not chunk:
+                raise OSError(f"bubblewrap exited while setting up the sandbox (exit {popen.wait(KILL_GRACE_S)})")
+            line += chunk
+        try:
+            child_pid = int(json.loads(line.split(b"\n", 1)[0])["child-pid"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise OSError(f"bubblewrap's status line is not understood: {line[:200]!r}") from e
+        cgroup.add(child_pid)
+        os.write(block_fd, b"x")
+        os.close(block_fd)
 
     @property
     def alive(self) -> bool:
@@ -223,6 +302,12 @@ class SandboxProcess:
     def fits(self, limits: SandboxLimits) -> bool:
         """Whether this sandbox's fixed sizes are those `limits` ask for."""
         return (self.limits.workspace_bytes, self.limits.tmp_bytes) == (limits.workspace_bytes, limits.tmp_bytes)
+
+    def apply_limits(self, limits: SandboxLimits) -> None:
+        """Set the run's memory and process limits on its cgroup (a warm sandbox was
+        started with the pool's defaults)."""
+        if self.cgroup is not None:
+            self.cgroup.set_limits(limits.memory_bytes, limits.max_processes)
 
     async def send(self, message: dict) -> bool:
         """Write one frame to the runner; False when it is gone (the pipe is broken)."""
@@ -243,37 +328,48 @@ class SandboxProcess:
         return self.popen.returncode
 
     async def read_status(self) -> bytes:
-        """Read the status pipe until the runner's done report or EOF."""
-        while Done.parse(self.status_bytes) is None:
-            chunk = await self.status.read(4096)
+        """Read the status pipe until the runner's done report, EOF, or STATUS_CAP bytes
+        (what comes after is never read: a flood there only blocks its writer)."""
+        while Done.parse(self.status_bytes) is None and len(self.status_bytes) < STATUS_CAP:
+            chunk = await self.status.read(STATUS_CAP - len(self.status_bytes))
             if not chunk:
                 break
             self.status_bytes += chunk
         return self.status_bytes
 
+    def _read_status_available(self) -> None:
+        self.status_bytes += self.status.read_available(max(0, STATUS_CAP - len(self.status_bytes)))
+
     def kill(self) -> None:
-        """SIGKILL the process group: bubblewrap (whose sandbox init then dies with it, taking
-        the PID namespace along) or, unsafe, the runner and the children in its group."""
-        try:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        """SIGKILL every process of the sandbox: its cgroup's members, and the process group
+        of bubblewrap (whose sandbox init then dies with it, taking the PID namespace along)
+        or, unsafe, of the runner and its children."""
+        if self.cgroup is not None:
+            self.cgroup.kill_members()
+        _kill_group(self.popen.pid)
 
     async def close(self) -> None:
-        """Kill (if still running), reap, release the pipes and, unsafe, the host workspace."""
+        """Kill (if still running), reap, verify through the cgroup that no process is left
+        and remove it, release the pipes and, unsafe, the host workspace."""
         if self._closed:
             return
         self._closed = True
         self.kill()
         try:
             await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
+            if self.cgroup is not None:
+                await self.cgroup.destroy(KILL_GRACE_S)
         except TimeoutError:
-            log.error("sandbox process %d did not exit %.0f s after SIGKILL", self.popen.pid, KILL_GRACE_S)
+            self.teardown_error = f"sandbox process {self.popen.pid} did not exit {KILL_GRACE_S:.0f} s after SIGKILL"
+            log.error("%s", self.teardown_error)
+        except CgroupError as e:
+            self.teardown_error = str(e)
+            log.error("sandbox teardown: %s", e)
         finally:  # also when cancelled (a loop shutting down): the process is killed already
-            for fd in (self.request_fd, self.stdin_fd):
+            for fd in (self.request_fd, self.stdin_fd, self.json_status_fd):
                 if fd >= 0:
                     os.close(fd)
-            self.request_fd = self.stdin_fd = -1
+            self.request_fd = self.stdin_fd = self.json_status_fd = -1
             for reader in (self.stdout, self.stderr, self.status, self._exit_watch):
                 reader.close()
             if self.launch.host_workspace:
@@ -287,12 +383,17 @@ class SandboxProcess:
         over_cap = asyncio.Event()
 
         async def pump(reader: PipeReader, buffer: OutputBuffer) -> None:
-            while chunk := await reader.read():
+            while chunk := await reader.read(min(READ_CHUNK, buffer.room)):
                 buffer.add(chunk)
                 if buffer.exceeded:
                     over_cap.set()
                     return
+                await asyncio.sleep(0)  # a stream that always has data must not hold the loop
 
+        try:
+            self.apply_limits(limits)
+        except CgroupError as e:
+            return self._result(SandboxStatus.SANDBOX_ERROR, stdout, stderr, t0, error=str(e))
         if await self.send(request):
             os.close(self.request_fd)  # one frame per run; a dead runner is seen on the status pipe
             self.request_fd = -1
@@ -304,7 +405,7 @@ class SandboxProcess:
         host_kill = None
         try:
             while True:
-                done, _ = await asyncio.wait([t for t in tasks.values() if not t.done()],
+                done, _ = await asyncio.wait([tasks["exit"], tasks["over_cap"]],
                                              timeout=max(0.0, t0 + limits.wall_s - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
@@ -313,10 +414,8 @@ class SandboxProcess:
                 if over_cap.is_set():
                     host_kill = SandboxStatus.OUTPUT_LIMIT
                     break
-                if tasks["status"].done() and Done.parse(self.status_bytes) is not None:
-                    break  # the code is done: its output is in the pipes
-                if tasks["exit"].done() and tasks["status"].done():
-                    break
+                if tasks["exit"].done():
+                    break  # bubblewrap exited: the runner is gone, its output is in the pipes
         finally:
             for task in tasks.values():
                 task.cancel()  # cancelled reads consume nothing; the rest is read below
@@ -328,37 +427,54 @@ class SandboxProcess:
             except TimeoutError:
                 return self._result(SandboxStatus.SANDBOX_ERROR, stdout, stderr, t0, error=(
                     f"sandbox process {self.popen.pid} did not exit {KILL_GRACE_S:.0f} s after SIGKILL"))
+        wall_s = time.monotonic() - t0
         for reader, buffer in ((self.stdout, stdout), (self.stderr, stderr)):
             if not buffer.exceeded:
-                buffer.add(reader.read_available())
-        self.status_bytes += self.status.read_available()
+                buffer.add(reader.read_available(buffer.room))
+        self._read_status_available()
         if not self.status_bytes.startswith(b"S"):
             if host_kill is SandboxStatus.TIMEOUT:
                 error = f"sandbox set-up did not finish within wall_s={limits.wall_s}"
             else:
                 detail = self.status_bytes[1:].decode(errors="replace") or stderr.text().strip()[-2000:]
                 error = f"sandbox failed before running the code (exit {self.popen.returncode}): {detail}"
-            return self._result(SandboxStatus.SANDBOX_ERROR, stdout, stderr, t0, error=error)
+            return self._result(SandboxStatus.SANDBOX_ERROR, stdout, stderr, t0, error=error, wall_s=wall_s)
+        if self.cgroup is not None and self.cgroup.oom_killed():
+            return self._result(SandboxStatus.MEMORY, stdout, stderr, t0, sig=signal.SIGKILL, wall_s=wall_s,
+                                error=f"killed by the kernel at the run's memory limit ({limits.memory_bytes} bytes)")
         if host_kill is SandboxStatus.TIMEOUT:
-            return self._result(host_kill, stdout, stderr, t0, sig=signal.SIGKILL,
+            return self._result(host_kill, stdout, stderr, t0, sig=signal.SIGKILL, wall_s=wall_s,
                                 error=f"killed after wall_s={limits.wall_s}")
         if host_kill is SandboxStatus.OUTPUT_LIMIT or stdout.exceeded or stderr.exceeded:
-            return self._result(SandboxStatus.OUTPUT_LIMIT, stdout, stderr, t0, sig=signal.SIGKILL,
+            return self._result(SandboxStatus.OUTPUT_LIMIT, stdout, stderr, t0, sig=signal.SIGKILL, wall_s=wall_s,
                                 error=f"killed after output_bytes={limits.output_bytes} on one stream")
         status, exit_code, sig = self.outcome(bytes(stderr.data), limits.cpu_s)
-        return self._result(status, stdout, stderr, t0, exit_code=exit_code, sig=sig)
+        return self._result(status, stdout, stderr, t0, exit_code=exit_code, sig=sig, wall_s=wall_s)
 
     def outcome(self, stderr: bytes, cpu_limit_s: int) -> tuple[SandboxStatus, int | None, int | None]:
-        """Status, exit code and signal of code that ended by itself: from the runner's done
-        report when there is one (exact), else from the sandbox's exit code."""
+        """Status, exit code and signal of code that ended by itself, from bubblewrap's exit
+        status (or, unsafe, the runner's); the runner's done report refines it (exact signal,
+        CPU time) only where the two agree."""
+        returncode = self.popen.returncode
         done = Done.parse(self.status_bytes)
+        if done is not None and self.launch.isolated and not done.agrees_with(returncode):
+            done = None
         if done is None:
-            return classify_exit(self.popen.returncode, stderr, self.launch.isolated)
+            return classify_exit(returncode, stderr, self.launch.isolated)
         if done.signal is not None:
             return classify_signal(done.signal, done.cpu_s, cpu_limit_s), None, done.signal
         return classify_exit(done.exit_code, stderr, from_bwrap=False)
 
     @staticmethod
     def _result(status: SandboxStatus, stdout: OutputBuffer, stderr: OutputBuffer, t0: float,
-                exit_code: int | None = None, sig: int | None = None, error: str = "") -> SandboxResult:
-        return SandboxResult(status, stdout.text(), stderr.text(), exit_code, sig, time.monotonic() - t0, error)
+                exit_code: int | None = None, sig: int | None = None, error: str = "",
+                wall_s: float | None = None) -> SandboxResult:
+        wall_s = time.monotonic() - t0 if wall_s is None else wall_s
+        return SandboxResult(status, stdout.text(), stderr.text(), exit_code, sig, wall_s, error)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
