@@ -252,7 +252,8 @@ def test_an_unchanged_agent_trains_for_several_steps(tmp_path):
 @pytest.mark.slow
 def test_an_unchanged_agent_trains_in_ray_placement(tmp_path):
     """The agents run on an env worker actor and call the driver's gateway over loopback."""
-    ctl = Controller(_agent_cfg(tmp_path, "placement.mode=ray", "placement.env_workers=1", "train.steps=2"))
+    ctl = Controller(_agent_cfg(tmp_path, "placement.mode=ray", "placement.env_workers=1", "train.steps=2",
+                                "rollout.prompts_per_step=2"))
     try:
         ctl.train()
         served = ctl.roles.envs.served
@@ -260,7 +261,7 @@ def test_an_unchanged_agent_trains_in_ray_placement(tmp_path):
         ctl.close()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all("grad_norm" in m for m in metrics)
-    assert sum(served) == 2 * 16  # every episode's agent ran on the env worker
+    assert sum(served) == 2 * 8  # every episode's agent ran on the env worker
     rows = pq.read_table(tmp_path / "run" / "episodes" / "step_000002.parquet").to_pylist()
     assert {v for r in rows for v, m in zip(r["versions"], r["loss_mask"]) if m} == {1}
     assert all(r["status"] in ("ok", "truncated") for r in rows)
