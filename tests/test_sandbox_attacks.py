@@ -164,7 +164,12 @@ for path in ["{REPO}/pyproject.toml", "{home}/.bashrc", "/root/.bashrc", "/etc/s
     except OSError as e:
         print(type(e).__name__, path)
 print("entries", sorted(os.listdir("/")))
-environ = b"".join(open(f"/proc/{{p}}/environ", "rb").read() for p in os.listdir("/proc") if p.isdigit())
+environ = b""
+for p in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        environ += open(f"/proc/{{p}}/environ", "rb").read()
+    except PermissionError:  # the runner's supervisor is not dumpable: not even readable
+        pass
 print("secret seen:", {MARKER!r}.encode() in environ or {MARKER!r} in str(os.environ))
 """
     r = run_python(code)

@@ -4,22 +4,25 @@ It is started before its work is known (that is what makes a warm sandbox possib
 blocks on the request pipe. The host sends it compiled (by the sandbox's own interpreter,
 so the bytecode always matches) and starts it with a one-line bootstrap. On a request it
 materializes files and stdin, sets the resource limits, writes "S" on the status pipe and
-runs the code. The host learns that the code is done from bubblewrap's exit, which follows
-this process's own exit; for a command this process also writes "D<exit code> <signal>
-<cpu seconds>" (the exact signal and CPU time, which the 128+N exit status cannot tell
-apart from a chosen exit code; the host uses it only where it agrees with that status).
+runs the code in a child process, whose end it reports there as "D<exit code> <signal>
+<cpu seconds>" from wait4: the host's account of a run. This process makes itself
+non-dumpable at start-up and is the only one holding the status pipe, so the code (same
+uid) can neither open that pipe through /proc nor write this process's memory; forking
+the already-started interpreter costs a third of a millisecond, not an interpreter start.
+It is the sandbox's init (PID 1), so the code cannot signal it either.
 
 Modes of a request:
-- `python`: run `code` as the `__main__` of this interpreter (no second interpreter start);
-  at its end, as at interpreter exit: non-daemon threads are joined, atexit runs.
-- `exec`: fork the command and wait for it (its exact signal and CPU time are reported,
+- `python`: run `code` as the `__main__` of the forked interpreter (no second interpreter
+  start); at its end, as at interpreter exit: non-daemon threads are joined, atexit runs.
+- `exec`: the child executes the command (its exact signal and CPU time are reported,
   which bubblewrap's 128+N exit code cannot tell apart from a chosen exit code).
-- `python_session`: keep one `__main__` namespace and run one code chunk per frame read
-  from the request pipe, ending each turn's stdout and stderr with a token line.
+- `python_session`: the child keeps one `__main__` namespace and runs one code chunk per
+  frame read from the request pipe, ending each turn's stdout and stderr with a token line
+  (the turn reports come from the code's own process: as trustworthy as the code,
+  docs/sandbox.md; the session's end is reported by the supervisor).
 
 Only built-in modules (`posix`, not `os`: importing `os` alone costs a millisecond per
-run), and `resource`. In `python` mode the status pipe is closed before the code runs
-(the code runs in this process); in `exec` mode the command never holds it.
+run), `resource`, and `_ctypes` for prctl.
 """
 # ruff: noqa: S102, BLE001, S110 — executing arbitrary code, and outliving whatever it raises, is this file's job.
 
@@ -195,13 +198,50 @@ def _exec(argv):
     posix._exit(127 if error is None or isinstance(error, FileNotFoundError) else 126)
 
 
-def _run_exec(request, status_fd):
-    argv = list(request["argv"])
+def _set_dumpable(value):
+    """prctl(PR_SET_DUMPABLE): a process that is not dumpable cannot be opened through
+    /proc/<pid>/{fd,mem,…} by another process of the same uid (nor ptraced, which the
+    syscall filter forbids anyway). `_ctypes` directly: `ctypes` costs 3 ms to import."""
+    import _ctypes
+
+    class _Int(_ctypes._SimpleCData):
+        _type_ = "i"
+
+    class _Function(_ctypes.CFuncPtr):
+        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+        _restype_ = _Int
+
+    prctl = _Function(_ctypes.dlsym(_ctypes.dlopen(None), "prctl"))
+    if prctl(4, value, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        raise OSError("prctl(PR_SET_DUMPABLE) failed")
+
+
+def _supervise(request, status_fd, request_fd):
+    """Run the code in a child and report how it ended. This process is the sandbox's
+    init (bubblewrap's --as-pid-1): the kernel keeps every signal from inside the sandbox
+    away from it (its handlers are the defaults), it is not dumpable (set at start-up),
+    it alone holds the status pipe, and it reports the kernel's own account of the
+    child's end (wait4), so nothing the code does can change the report or stop it.
+    As init it also reaps the orphans the code leaves."""
+    import _signal
+
+    mode = request["mode"]
     pid = posix.fork()
     if pid == 0:
         posix.close(status_fd)
-        _exec(argv)
-    _, status, usage = posix.wait4(pid, 0)
+        _set_dumpable(1)  # the code's own process behaves as usual towards itself
+        if mode == "python_session":
+            return _python_session(request_fd, request["workspace"])
+        posix.close(request_fd)
+        if mode == "python":
+            _run_python(request)
+        _exec(list(request["argv"]))
+    posix.close(request_fd)
+    _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # as init, default handlers make it immune
+    while True:
+        reaped, status, usage = posix.wait4(-1, 0)
+        if reaped == pid:
+            break
     cpu_s = usage.ru_utime + usage.ru_stime
     if posix.WIFSIGNALED(status):
         signal_number = posix.WTERMSIG(status)
@@ -254,13 +294,26 @@ def _python_session(request_fd, workspace):
         _write_all(2, b"\n" + token + b"\n")
 
 
+def _idle_exit(signum, frame):
+    raise SystemExit(0)
+
+
 def main():
     import _signal
 
     request_fd, status_fd, idle_timeout_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    _signal.alarm(idle_timeout_s)  # a warm sandbox nobody takes ends by itself
+    try:
+        _set_dumpable(0)
+    except BaseException as e:
+        posix.write(status_fd, f"Ecannot make the sandbox runner non-dumpable: {type(e).__name__}: {e}".encode())
+        return 125
+    # A warm sandbox nobody takes ends by itself. As the namespace's init this process
+    # would ignore SIGALRM under its default action: a handler, only while it waits.
+    _signal.signal(_signal.SIGALRM, _idle_exit)
+    _signal.alarm(idle_timeout_s)
     request = _read_frame(request_fd)
     _signal.alarm(0)
+    _signal.signal(_signal.SIGALRM, _signal.SIG_DFL)
     if request is None:
         return 0
     try:
@@ -269,17 +322,7 @@ def main():
         posix.write(status_fd, f"E{type(e).__name__}: {e}".encode()[:4000])
         return 125
     posix.write(status_fd, b"S")
-    mode = request["mode"]
-    if mode == "python_session":
-        posix.close(status_fd)
-        return _python_session(request_fd, request["workspace"])
-    posix.close(request_fd)
-    if mode == "python":
-        # The code runs in this process: it must not hold the status pipe (the host takes the
-        # end of the run from bubblewrap's exit, the set-up report "S" was sent before).
-        posix.close(status_fd)
-        return _run_python(request)
-    return _run_exec(request, status_fd)
+    return _supervise(request, status_fd, request_fd)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def _command(config_json: str, tmp_bytes: int, workspace_bytes: int) -> tuple[tu
         return tuple(runner), (), python.runner_frame
     limits = config.limits.updated({"tmp_bytes": tmp_bytes, "workspace_bytes": workspace_bytes})
     argv = [find_bwrap(config), *_mount_args(config, python, limits),
-            "--unshare-user", "--unshare-all", "--disable-userns",
+            "--unshare-user", "--unshare-all", "--disable-userns", "--as-pid-1",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
         argv += ["--setenv", name, value]

@@ -11,11 +11,12 @@ held on a third (`--block-fd`) until the sandbox's init has been moved into the 
 cgroup; only then does the init start the runner, so every process of the run is born in
 the cgroup.
 
-A run is over when bubblewrap exits: it is the parent of the sandbox's init, outside the
-sandbox's PID namespace, and exits as soon as the runner does (the host's own waitpid, which
-no sandboxed process can reach or fake). The runner's done report on the status pipe only
-adds detail (the exact signal and CPU time of a command) and counts only where it agrees
-with that exit status. Output is read as it comes, at most `output_bytes` per stream and a
+A run is over when the runner's supervisor reports the code's end on the status pipe (the
+kernel's wait4 status and CPU time of the code's process; the supervisor is not dumpable
+and alone holds that pipe, so the code can neither write it nor change what it says), or
+when the sandbox exits without such a report, which is never `ok`: bubblewrap's own exit
+status can be forged from inside (its init holds an event descriptor that the code can
+open through /proc). Output is read as it comes, at most `output_bytes` per stream and a
 chunk at a time between which other runs are served, so a flood never stalls the event
 loop nor sits in host memory; the status pipe is read to a few hundred bytes at most. Past
 a cap or the wall clock the whole sandbox is killed: through its cgroup, and SIGKILL to
@@ -185,10 +186,6 @@ class Done:
             return Done(None if int(sig) else int(exit_code), int(sig) or None, float(cpu_s))
         except ValueError:
             return None
-
-    def agrees_with(self, returncode: int) -> bool:
-        """Whether this report says what bubblewrap's exit status says (n, or 128+signal)."""
-        return returncode == (128 + self.signal if self.signal is not None else self.exit_code)
 
 
 class SandboxProcess:
@@ -405,7 +402,7 @@ class SandboxProcess:
         host_kill = None
         try:
             while True:
-                done, _ = await asyncio.wait([tasks["exit"], tasks["over_cap"]],
+                done, _ = await asyncio.wait([t for t in tasks.values() if not t.done()],
                                              timeout=max(0.0, t0 + limits.wall_s - time.monotonic()),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
@@ -414,8 +411,10 @@ class SandboxProcess:
                 if over_cap.is_set():
                     host_kill = SandboxStatus.OUTPUT_LIMIT
                     break
+                if tasks["status"].done() and Done.parse(self.status_bytes) is not None:
+                    break  # the supervisor reported the code's end: its output is in the pipes
                 if tasks["exit"].done():
-                    break  # bubblewrap exited: the runner is gone, its output is in the pipes
+                    break  # the sandbox is gone (with or without a report)
         finally:
             for task in tasks.values():
                 task.cancel()  # cancelled reads consume nothing; the rest is read below
@@ -449,16 +448,21 @@ class SandboxProcess:
             return self._result(SandboxStatus.OUTPUT_LIMIT, stdout, stderr, t0, sig=signal.SIGKILL, wall_s=wall_s,
                                 error=f"killed after output_bytes={limits.output_bytes} on one stream")
         status, exit_code, sig = self.outcome(bytes(stderr.data), limits.cpu_s)
-        return self._result(status, stdout, stderr, t0, exit_code=exit_code, sig=sig, wall_s=wall_s)
+        error = "" if Done.parse(self.status_bytes) else "the sandbox ended without its supervisor's report"
+        return self._result(status, stdout, stderr, t0, exit_code=exit_code, sig=sig, wall_s=wall_s, error=error)
 
-    def outcome(self, stderr: bytes, cpu_limit_s: int) -> tuple[SandboxStatus, int | None, int | None]:
-        """Status, exit code and signal of code that ended by itself, from bubblewrap's exit
-        status (or, unsafe, the runner's); the runner's done report refines it (exact signal,
-        CPU time) only where the two agree."""
+    def outcome(self, stderr: bytes, cpu_limit_s: int,
+                supervised: bool = True) -> tuple[SandboxStatus, int | None, int | None]:
+        """Status, exit code and signal of code that ended by itself, from the supervisor's
+        report (the kernel's wait4 status of the code's process). Without one, a supervised
+        run is `killed` (its supervisor was killed: bubblewrap's exit status alone can be
+        forged from inside, through its init's event descriptor); an unsupervised one (a
+        Python session, whose code is the runner) is read from that exit status."""
         returncode = self.popen.returncode
         done = Done.parse(self.status_bytes)
-        if done is not None and self.launch.isolated and not done.agrees_with(returncode):
-            done = None
+        if done is None and supervised and self.launch.isolated:
+            sig = returncode - 128 if returncode is not None and 128 < returncode < 128 + signal.NSIG else None
+            return SandboxStatus.KILLED, None, sig
         if done is None:
             return classify_exit(returncode, stderr, self.launch.isolated)
         if done.signal is not None:

@@ -51,6 +51,7 @@ class _Session:
 
     async def open(self, files: dict[str, bytes], runner_limits: dict[str, int]) -> None:
         self._registry.add(self)
+        self.process.apply_limits(self.limits)
         if not await self.process.send(self._setup_request(files, runner_limits)):
             await self._end("the sandbox exited before the session was set up")
 
@@ -148,6 +149,7 @@ class _Session:
             status_bytes = await asyncio.wait_for(self.process.read_status(), KILL_GRACE_S)
         except TimeoutError:
             returncode, status_bytes = None, self.process.status_bytes
+        oom = self.process.cgroup is not None and self.process.cgroup.oom_killed()  # read before teardown
         await self._end(f"the sandbox exited (exit {returncode})")
         wall_s = time.monotonic() - t0
         text_out, text_err = out.decode(errors="replace"), err.decode(errors="replace")
@@ -155,12 +157,17 @@ class _Session:
             detail = status_bytes[1:].decode(errors="replace") or text_err.strip()[-2000:]
             return SandboxResult(SandboxStatus.SANDBOX_ERROR, text_out, text_err, None, None, wall_s,
                                  f"session sandbox failed (exit {returncode}): {detail}")
-        status, code, sig = self.process.outcome(err, self.limits.cpu_s)
+        if oom:
+            return SandboxResult(SandboxStatus.MEMORY, text_out, text_err, None, signal.SIGKILL, wall_s,
+                                 f"killed by the kernel at the session's memory limit ({self.limits.memory_bytes} bytes)")
+        status, code, sig = self.process.outcome(err, self.limits.cpu_s, supervised=self.supervised)
         return SandboxResult(status, text_out, text_err, code, sig, wall_s, "the session's process exited")
 
 
 class PythonSession(_Session):
     """`await session.run("x = 1")`, then `await session.run("x + 1")` → stdout "2"."""
+
+    supervised = True  # the session's interpreter is the supervised child of the runner
 
     def _setup_request(self, files: dict[str, bytes], runner_limits: dict[str, int]) -> dict:
         return {"mode": "python_session", "files": files, "stdin": b"", "limits": runner_limits,
@@ -174,6 +181,8 @@ class PythonSession(_Session):
 
 class ShellSession(_Session):
     """`await session.run("cd sub && export A=1")`, then `await session.run("pwd; echo $A")`."""
+
+    supervised = True  # bash is the supervised child of the runner
 
     def _setup_request(self, files: dict[str, bytes], runner_limits: dict[str, int]) -> dict:
         argv = ["bash", "--noprofile", "--norc", "-c", SHELL_LOOP.format(idle=self._idle_timeout_s)]
