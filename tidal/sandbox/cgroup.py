@@ -27,12 +27,16 @@ once, in a warning, and runs are bounded by rlimits alone (docs/sandbox.md).
 from __future__ import annotations
 
 import asyncio
+import atexit
+import collections
+import contextlib
 import errno
 import itertools
 import logging
 import os
 import signal
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,14 +110,48 @@ def warn_once(reason: str) -> None:
                     "bounded, and teardown relies on the PID namespace alone (docs/sandbox.md)", reason)
 
 
+def _sweep_stale(parents: tuple[Path, ...]) -> None:
+    """Remove the empty pool directories of tidal processes that are gone (a process that
+    died without closing its pools); a populated one is left alone."""
+    for parent in parents:
+        for d in parent.glob("tidal-sandbox-*-*"):
+            try:
+                pid = int(d.name.split("-")[2])
+            except ValueError:
+                continue
+            if pid == os.getpid() or Path(f"/proc/{pid}").exists():
+                continue
+            for run in d.glob("run-*"):
+                _rmdir_quietly(run)
+            _rmdir_quietly(d)
+
+
+def _remove_at_exit() -> None:
+    """At interpreter exit: the directories of pools nobody closed, where empty."""
+    for pool in list(_open_pools):
+        try:
+            pool.remove()
+        except CgroupError:
+            pass
+
+
+_open_pools: weakref.WeakSet[PoolCgroups] = weakref.WeakSet()
+atexit.register(_remove_at_exit)
+
+
 class PoolCgroups:
     """The directory of one pool in each hierarchy, and the runs' cgroups below it."""
 
     def __init__(self, layout: Layout):
         self.layout = layout
+        _sweep_stale(layout.parents)
         name = f"tidal-sandbox-{os.getpid()}-{next(_pool_numbers)}"
         self.dirs = tuple(parent / name for parent in layout.parents)
         self._runs = itertools.count()
+        # Emptied run cgroups, handed to later runs: making and removing a memory cgroup
+        # costs more than checking that one is empty. (Appended on the event loop, taken on
+        # starter threads: deque operations are atomic.)
+        self.free: collections.deque[RunCgroup] = collections.deque()
         made = []
         try:
             for d in self.dirs:
@@ -125,9 +163,15 @@ class PoolCgroups:
             for d in reversed(made):
                 _rmdir_quietly(d)
             raise CgroupError(f"cannot make the pool's cgroup {name} ({e})") from e
+        _open_pools.add(self)
 
     def new_run(self, memory_bytes: int, max_processes: int) -> RunCgroup:
-        return RunCgroup(self, f"run-{next(self._runs)}", memory_bytes, max_processes)
+        try:
+            run = self.free.popleft()
+        except IndexError:
+            return RunCgroup(self, f"run-{next(self._runs)}", memory_bytes, max_processes)
+        run.reuse(memory_bytes, max_processes)
+        return run
 
     def leftovers(self) -> list[str]:
         """Run cgroups still present below the pool (each one a run not torn down)."""
@@ -135,6 +179,10 @@ class PoolCgroups:
 
     def remove(self) -> None:
         """Remove the pool's directories; CgroupError naming what is left when runs remain."""
+        while self.free:
+            run = self.free.popleft()
+            if not run._try_remove():
+                raise CgroupError(f"sandbox cgroup {run.dirs[0]} is not empty")
         left = self.leftovers()
         if left:
             raise CgroupError(f"sandbox cgroups still present: {left}")
@@ -145,6 +193,7 @@ class PoolCgroups:
                 pass
             except OSError as e:
                 raise CgroupError(f"cannot remove {d}: {e}") from e
+        _open_pools.discard(self)
 
 
 def _rmdir_quietly(path: Path) -> None:
@@ -157,10 +206,16 @@ def _rmdir_quietly(path: Path) -> None:
 class RunCgroup:
     """The cgroup of one run (v1: one in the memory and one in the pids hierarchy)."""
 
+    # An emptied cgroup still charged more than this (memory its runs left, e.g. page cache)
+    # is removed rather than handed to another run.
+    REUSE_MAX_BYTES = 1 << 20
+
     def __init__(self, pool: PoolCgroups, name: str, memory_bytes: int, max_processes: int):
+        self.pool = pool
         self.version = pool.layout.version
         self.dirs = tuple(d / name for d in pool.dirs)
         self.removed = False
+        self.oom_kills_before = 0
         self.limits: tuple[int, int] | None = None
         made = []
         try:
@@ -175,8 +230,15 @@ class RunCgroup:
                 _rmdir_quietly(d)
             raise CgroupError(f"cannot make the run's cgroup {self.dirs[0]} ({e})") from e
 
+    def reuse(self, memory_bytes: int, max_processes: int) -> None:
+        """Hand this emptied cgroup to a new run."""
+        self.removed = False
+        self.oom_kills_before = self._oom_kills()
+        self.set_limits(memory_bytes, max_processes)
+
     def set_limits(self, memory_bytes: int, max_processes: int) -> None:
-        """The memory limit of the whole run and its process count (threads included)."""
+        """The memory limit of the whole run and its process count (threads included; one
+        more for bubblewrap's own process, outside the sandbox's user namespace)."""
         if self.limits == (memory_bytes, max_processes):
             return
         try:
@@ -189,10 +251,10 @@ class RunCgroup:
                     order.reverse()
                 for path in order:
                     _write(path, str(memory_bytes))
-                _write(pids / "pids.max", str(max_processes))
+                _write(pids / "pids.max", str(max_processes + 1))
             else:
                 _write(self.dirs[0] / "memory.max", str(memory_bytes))
-                _write(self.dirs[0] / "pids.max", str(max_processes))
+                _write(self.dirs[0] / "pids.max", str(max_processes + 1))
         except OSError as e:
             raise CgroupError(f"cannot set the limits of {self.dirs[0]} ({e})") from e
         self.limits = (memory_bytes, max_processes)
@@ -201,6 +263,21 @@ class RunCgroup:
         """Move a process (not yet running untrusted code) into this cgroup."""
         for d in self.dirs:
             _write(d / "cgroup.procs", str(pid))
+
+    @contextlib.contextmanager
+    def entered_by_this_thread(self):
+        """v1 only: move the calling thread alone into this cgroup while the block runs, so
+        that a process it starts there is born in it (no later migration; a thread moving
+        itself skips the global lock that moving another process takes)."""
+        moved = []
+        try:
+            for d in self.dirs:
+                _write(d / "tasks", "0")
+                moved.append(d)
+            yield
+        finally:
+            for d in moved:
+                _write(d.parent.parent / "tasks", "0")
 
     def pids(self) -> list[int]:
         out: set[int] = set()
@@ -211,14 +288,23 @@ class RunCgroup:
                 pass
         return sorted(out)
 
-    def oom_killed(self) -> bool:
-        """Whether the kernel OOM-killed a process of the run (the memory limit was reached)."""
+    def _oom_kills(self) -> int:
         path = self.dirs[0] / ("memory.oom_control" if self.version == 1 else "memory.events")
         try:
             fields = dict(line.split() for line in path.read_text().splitlines() if line.strip())
         except OSError:
-            return False
-        return int(fields.get("oom_kill", 0)) > 0
+            return 0
+        return int(fields.get("oom_kill", 0))
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel OOM-killed a process of the run (the memory limit was reached)."""
+        return self._oom_kills() > self.oom_kills_before
+
+    def _charged_bytes(self) -> int:
+        try:
+            return int((self.dirs[0] / ("memory.usage_in_bytes" if self.version == 1 else "memory.current")).read_text())
+        except (OSError, ValueError):
+            return self.REUSE_MAX_BYTES + 1
 
     def kill_members(self) -> None:
         if self.version == 2:
@@ -234,16 +320,16 @@ class RunCgroup:
                 pass
 
     async def destroy(self, timeout_s: float) -> None:
-        """Kill every process in the cgroup, wait until none is left, remove the cgroup.
-        CgroupError (naming the survivors) if that takes longer than `timeout_s`."""
+        """Kill every process in the cgroup, wait until none is left, and remove the cgroup
+        or, empty and (almost) uncharged, keep it for another run of the pool. CgroupError
+        (naming the survivors) if that takes longer than `timeout_s`."""
         if self.removed:
             return
         deadline = time.monotonic() + timeout_s
         delay = 0.001
         while True:
             self.kill_members()
-            if not self.pids() and self._try_remove():
-                self.removed = True
+            if not self.pids() and self._release():
                 return
             if time.monotonic() > deadline:
                 raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
@@ -256,13 +342,24 @@ class RunCgroup:
         deadline = time.monotonic() + timeout_s
         while not self.removed:
             self.kill_members()
-            if not self.pids() and self._try_remove():
-                self.removed = True
+            if not self.pids() and self._release():
                 return
             if time.monotonic() > deadline:
                 raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
                                   f"{timeout_s:.0f} s")
             time.sleep(0.005)
+
+    def _release(self) -> bool:
+        """An empty cgroup: keep it for another run if (almost) nothing is charged to it,
+        else remove it. False if the kernel still counts a process in it."""
+        if self._charged_bytes() <= self.REUSE_MAX_BYTES:
+            self.removed = True
+            self.pool.free.append(self)
+            return True
+        if self._try_remove():
+            self.removed = True
+            return True
+        return False
 
     def _try_remove(self) -> bool:
         for d in self.dirs:

@@ -85,7 +85,13 @@ class SandboxPool:
         missing) and start the warm sandboxes. Called by the first run if not before."""
         async with self._start_lock:
             if not self._checked:
-                await self._check_and_warm()
+                try:
+                    await self._check_and_warm()
+                except BaseException:
+                    if self._cgroups is not None:  # nothing runs in them yet (the probe is closed)
+                        pool_cgroups, self._cgroups = self._cgroups, None
+                        pool_cgroups.remove()
+                    raise
 
     async def _check_and_warm(self) -> None:
         probe_key = self.config.model_dump_json(include={"isolation", "python", "python_site_packages",

@@ -28,6 +28,7 @@ without a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import marshal
@@ -223,7 +224,10 @@ class SandboxProcess:
         names = ["request", "status", "stdout", "stderr"] + (["stdin"] if stdin_pipe else [])
         if isolated and config.seccomp:
             names.append("seccomp")
-        if isolated and cgroup is not None:
+        # Where a thread can enter a cgroup alone (v1), bubblewrap is started from inside the
+        # run's cgroup; else (v2) it is held (--block-fd) until its child is moved there.
+        admit_later = isolated and cgroup is not None and cgroup.version == 2
+        if admit_later:
             names += ["json", "block"]
         try:
             for name in names:
@@ -250,10 +254,13 @@ class SandboxProcess:
                 raise OSError("the sandbox runner does not fit in a pipe buffer")
             if isolated:
                 seccomp.join_fresh_session_keyring()
-            popen = subprocess.Popen(
-                launch.argv, stdin=child_fds["stdin"] if stdin_pipe else subprocess.DEVNULL, stdout=stdout_w,
-                stderr=stderr_w, pass_fds=(request_r, status_w, *bwrap_fds.values()), start_new_session=True,
-                env=launch.env, cwd=launch.host_workspace or "/")
+            entered = (cgroup.entered_by_this_thread() if isolated and cgroup is not None and not admit_later
+                       else contextlib.nullcontext())
+            with entered:
+                popen = subprocess.Popen(
+                    launch.argv, stdin=child_fds["stdin"] if stdin_pipe else subprocess.DEVNULL, stdout=stdout_w,
+                    stderr=stderr_w, pass_fds=(request_r, status_w, *bwrap_fds.values()), start_new_session=True,
+                    env=launch.env, cwd=launch.host_workspace or "/")
             if "json" in child_fds:
                 cls._admit_to_cgroup(popen, ours["json"], ours.pop("block"), cgroup)
         except BaseException:
@@ -363,6 +370,8 @@ class SandboxProcess:
             self.teardown_error = str(e)
             log.error("sandbox teardown: %s", e)
         finally:  # also when cancelled (a loop shutting down): the process is killed already
+            if self.popen.returncode is None or (self.cgroup is not None and not self.cgroup.removed):
+                self._finish_teardown_sync()
             for fd in (self.request_fd, self.stdin_fd, self.json_status_fd):
                 if fd >= 0:
                     os.close(fd)
@@ -371,6 +380,18 @@ class SandboxProcess:
                 reader.close()
             if self.launch.host_workspace:
                 shutil.rmtree(self.launch.host_workspace, ignore_errors=True)
+
+    def _finish_teardown_sync(self) -> None:
+        """The rest of `close` without the event loop (it was cancelled: a loop shutting
+        down cancels what is left). Blocks, boundedly, so that the process is reaped and
+        its cgroup emptied and released even then."""
+        try:
+            self.popen.wait(KILL_GRACE_S)
+            if self.cgroup is not None:
+                self.cgroup.destroy_sync(KILL_GRACE_S)
+        except (subprocess.TimeoutExpired, CgroupError) as e:
+            self.teardown_error = str(e)
+            log.error("sandbox teardown: %s", e)
 
     async def run(self, request: dict, limits: SandboxLimits) -> SandboxResult:
         """Send the one request of this sandbox and collect its result. The caller closes
