@@ -1,7 +1,7 @@
 """Generated tokens/s through the gateway against direct engine calls, the same requests side
 by side.
 
-    python benchmarks/gateway.py [--rounds 3] [--sessions 64] [--turns 2] [--tokens 64]
+    python benchmarks/gateway.py [--rounds 3] [--sessions 64] [--turns 2] [--tokens 64 256]
                                  [--out benchmarks/results/gateway.json]
 
 What it compares, on one torch engine behind a router (as in a run):
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="tokens per call; one table row each")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results/gateway.json")
@@ -117,38 +117,43 @@ def main() -> None:
                          tokenizer=tokenizer)
     router = Router([engine])
     server = start_gateway(router, tokenizer, model_dir, GatewayConfig(model_name="bench"))
-    rows = []
     # one warm-up of each (first-call costs: the template, the client's connection pool)
     _, _, sent = asyncio.run(gateway_round(server, 4, 1, 8, "warm"))
     asyncio.run(direct_round(router, sent, 4, 1, 8, "warm"))
-    for r in range(args.rounds):
-        order = ["gateway", "direct"] if r % 2 == 0 else ["direct", "gateway"]
-        if order[0] == "direct":  # the direct run replays the gateway's requests: capture them first, untimed
-            _, _, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, args.tokens, f"cap{r}"))
-        out = {}
-        for what in order:
-            if what == "gateway":
-                wall, n, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, args.tokens, f"g{r}"))
-            else:
-                wall, n = asyncio.run(direct_round(router, sent, args.sessions, args.turns, args.tokens, f"d{r}"))
-            out[what] = {"wall_s": round(wall, 3), "tokens": n, "tokens_per_s": round(n / wall, 1)}
-        out["ratio"] = round(out["gateway"]["tokens_per_s"] / out["direct"]["tokens_per_s"], 3)
-        print(f"round {r + 1}: gateway {out['gateway']['tokens_per_s']:.0f} tok/s, direct "
-              f"{out['direct']['tokens_per_s']:.0f} tok/s, ratio {out['ratio']:.3f}", flush=True)
-        rows.append(out)
+    table = {}
+    for tokens in args.tokens:
+        rows = []
+        for r in range(args.rounds):
+            order = ["gateway", "direct"] if r % 2 == 0 else ["direct", "gateway"]
+            tag = f"t{tokens}r{r}"
+            if order[0] == "direct":  # the direct run replays the gateway's requests: capture them first, untimed
+                _, _, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, tokens, f"cap-{tag}"))
+            out = {}
+            for what in order:
+                if what == "gateway":
+                    wall, n, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, tokens, f"g-{tag}"))
+                else:
+                    wall, n = asyncio.run(direct_round(router, sent, args.sessions, args.turns, tokens, f"d-{tag}"))
+                out[what] = {"wall_s": round(wall, 3), "tokens": n, "tokens_per_s": round(n / wall, 1)}
+            out["ratio"] = round(out["gateway"]["tokens_per_s"] / out["direct"]["tokens_per_s"], 3)
+            print(f"{tokens} tokens/call, round {r + 1}: gateway {out['gateway']['tokens_per_s']:.0f} tok/s, direct "
+                  f"{out['direct']['tokens_per_s']:.0f} tok/s, ratio {out['ratio']:.3f}", flush=True)
+            rows.append(out)
+        table[str(tokens)] = {
+            "rounds": rows,
+            "median": {"gateway_tokens_per_s": statistics.median(r["gateway"]["tokens_per_s"] for r in rows),
+                       "direct_tokens_per_s": statistics.median(r["direct"]["tokens_per_s"] for r in rows),
+                       "ratio": statistics.median(r["ratio"] for r in rows)}}
     server.close()
     engine.close()
     result = {
-        "args": vars(args), "rounds": rows,
-        "median": {"gateway_tokens_per_s": statistics.median(r["gateway"]["tokens_per_s"] for r in rows),
-                   "direct_tokens_per_s": statistics.median(r["direct"]["tokens_per_s"] for r in rows),
-                   "ratio": statistics.median(r["ratio"] for r in rows)},
+        "args": vars(args), "by_tokens_per_call": table,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "load_avg": os.getloadavg()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["median"]))
+    print(json.dumps({k: v["median"] for k, v in table.items()}))
 
 
 if __name__ == "__main__":
