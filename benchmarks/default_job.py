@@ -35,7 +35,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(ns.run_dir or Path(tmp) / "run")
         train, train_s = tidal("train", f"run.dir={run}", "run.progress=false", *ns.overrides)
-        ckpt = sorted((run / "checkpoints").iterdir())[-1]
+        ckpt = max((run / "checkpoints").iterdir())
         after, _ = tidal("eval", str(ckpt), "--json")
         metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [(m["step"], m["eval/accuracy"]) for m in metrics if "eval/accuracy" in m]

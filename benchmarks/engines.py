@@ -91,8 +91,8 @@ def run_hf(model_dir: Path, reqs: list[GenerationRequest], batch: int) -> tuple[
         stops = list(chunk[0].params.stop_token_ids)
 
         class PerRowLength(StoppingCriteria):  # a row past its own length is done, like EOS
-            def __call__(self, input_ids, scores, **kwargs):
-                return (input_ids.shape[1] - L) >= budgets
+            def __call__(self, input_ids, scores, _start=L, _budgets=budgets, **kwargs):  # this chunk's, bound now
+                return (input_ids.shape[1] - _start) >= _budgets
 
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,

@@ -45,7 +45,7 @@ def test_reward_rises_on_fixed_prompts(tmp_path):
 def test_default_job_reaches_90_percent_held_out(tmp_path):
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "tidal.cli", "train", f"run.dir={run}", "run.progress=false"], check=True)
-    ckpt = sorted((run / "checkpoints").iterdir())[-1]
+    ckpt = max((run / "checkpoints").iterdir())
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
                          capture_output=True, text=True).stdout
     before = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", "default", "--json"], check=True,

@@ -147,7 +147,7 @@ class GatewayServer:
         self.server.should_exit = True
         self.thread.join(timeout=10)
 
-    def __enter__(self) -> GatewayServer:  # noqa: PYI034 - a plain class, not subclassed
+    def __enter__(self) -> GatewayServer:
         return self
 
     def __exit__(self, *exc) -> None:
