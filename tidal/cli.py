@@ -45,8 +45,32 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tidal.runtime.controller import Controller
 
     config, overrides = _split_args(ns.args)
-    cfg = load_config(config, overrides)
-    ctl = Controller(cfg, resume=ns.resume)
+    record = None
+    if ns.resume:  # the run's own config, the overrides on top, recorded
+        from tidal.config import load_resume_config, parse_overrides
+
+        if config is not None:
+            raise ConfigError(f"--resume continues with the run's own config.yaml: give overrides only "
+                              f"(section.key=value), not {config}")
+        run_dir = (parse_overrides(overrides).get("run") or {}).get("dir")
+        if not run_dir:
+            raise ConfigError("--resume needs run.dir=RUN_DIR: the directory of the run to continue")
+        cfg, record = load_resume_config(run_dir, [o for o in overrides if not o.startswith("run.dir=")])
+        cfg.run.dir = str(run_dir)
+    else:
+        cfg = load_config(config, overrides)
+    ctl = Controller(cfg, resume=ns.resume, resume_record=record)
+    if ns.resume:
+        print(f"tidal: resuming {ctl.paths.root} from checkpoint {ctl.resumed_from} (step {ctl.step} of "
+              f"train.steps={cfg.train.steps})", file=sys.stderr)
+        for key, (old, new) in record["changed"].items():
+            note = "  (changes what the resumed steps compute)" if key in record["changes_computation"] else ""
+            print(f"tidal:   {key}: {old!r} -> {new!r}{note}", file=sys.stderr)
+        if ctl.step >= cfg.train.steps:
+            ctl.close()
+            print(f"tidal: nothing to do: the run is at step {ctl.step} of train.steps={cfg.train.steps} "
+                  f"(give train.steps=N with N > {ctl.step} to go on)", file=sys.stderr)
+            return 0
     print(f"tidal: run directory {ctl.paths.root}  (model {ctl.model_dir}, {cfg.rollout.prompts_per_step}×"
           f"{cfg.rollout.samples_per_prompt} episodes per step, {cfg.train.steps} steps; engine {ctl.engine_choice})",
           file=sys.stderr)

@@ -32,6 +32,7 @@ from tidal.monitor.progress import Progress
 from tidal.monitor.sinks import JsonlSink
 from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.batch import build_batch, informative, shape_rewards
+from tidal.runtime.checkpoints import latest_good, prune, write_manifest
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout, group_specs
@@ -152,12 +153,15 @@ class RunPaths:
         return self.checkpoints / f"step_{step:06d}"
 
     def latest_checkpoint(self) -> Path | None:
-        done = sorted(p for p in self.checkpoints.glob("step_*") if not p.name.endswith(".tmp") and (p / "controller.json").is_file())
-        return done[-1] if done else None
+        """The newest checkpoint whose manifest verifies (a damaged newer one is named and skipped)."""
+        return latest_good(self.checkpoints)
 
 
 class Controller:
-    def __init__(self, cfg: TidalConfig, resume: bool = False):
+    def __init__(self, cfg: TidalConfig, resume: bool = False, resume_record: dict | None = None):
+        """`resume`: continue the run in cfg.run.dir from its newest good checkpoint;
+        `resume_record` (the overrides and config changes of this resume, from
+        config.load_resume_config) is appended to the run's resumes.jsonl."""
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -174,8 +178,14 @@ class Controller:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.paths.checkpoints}")
         if not resume and (run_dir / "metrics.jsonl").exists():
             raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it or choose another run.dir")
+        self.resumed_from = resume_from
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        if not (resume and (run_dir / "config.yaml").is_file()):  # a resumed run keeps its own record
+            (run_dir / "config.yaml").write_text(dump_config(cfg))
+        if resume:
+            with (run_dir / "resumes.jsonl").open("a") as f:
+                f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from),
+                                    **(resume_record or {})}) + "\n")
         # The run's log (warnings of failed episodes with their tracebacks, hacking events, ...).
         self._log_file = logging.FileHandler(run_dir / "tidal.log")
         self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -522,11 +532,10 @@ class Controller:
             self._source_before = {s: d for s, d in self._source_before.items() if s > self.step}
         write_json(tmp / "controller.json", {"step": self.step, "data": data,
                                              "engine_version": self.engine.version, "kl": self.kl_ctl.state_dict()})
+        write_manifest(tmp)  # every file fsynced, sized and hashed before the rename
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        old = sorted(p for p in self.paths.checkpoints.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for p in old[: -self.cfg.run.keep_checkpoints]:
-            shutil.rmtree(p, ignore_errors=True)
+        prune(self.paths.checkpoints, self.cfg.run.keep_checkpoints, final)
         return final
 
     def _load(self, ckpt: Path) -> None:
