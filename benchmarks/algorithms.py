@@ -46,7 +46,11 @@ def start_accuracy() -> float:
     from tidal.runtime.controller import Controller
 
     with tempfile.TemporaryDirectory() as tmp:
-        return _held_out_accuracy(Controller(_config("grpo", Path(tmp) / "run", 1)))
+        ctl = Controller(_config("grpo", Path(tmp) / "run", 1))
+        try:
+            return _held_out_accuracy(ctl)
+        finally:
+            ctl.close()  # its run log lives in `tmp`: nothing may write there once it is gone
 
 
 def run_one(name: str, run_dir: Path, steps: int = STEPS) -> dict:
@@ -55,12 +59,16 @@ def run_one(name: str, run_dir: Path, steps: int = STEPS) -> dict:
     cfg = _config(name, run_dir, steps)
     t0 = time.perf_counter()
     ctl = Controller(cfg)
-    ctl.train()
-    wall = time.perf_counter() - t0
+    try:
+        ctl.train()
+        wall = time.perf_counter() - t0
+        accuracy = _held_out_accuracy(ctl)
+    finally:
+        ctl.close()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     a = cfg.algorithm
     return {"name": name, "advantage": a.advantage, "policy_loss": a.policy_loss, "loss_agg": a.loss_agg,
-            "steps": ctl.step, "accuracy_after": _held_out_accuracy(ctl), "train_wall_s": round(wall, 1),
+            "steps": ctl.step, "accuracy_after": accuracy, "train_wall_s": round(wall, 1),
             "mean_step_s": round(sum(m["time/step_s"] for m in metrics) / len(metrics), 2),
             "train_reward_first": metrics[0].get("reward"), "train_reward_last": metrics[-1].get("reward")}
 

@@ -141,6 +141,18 @@ def staleness_metrics(episodes: list[Episode], version: int, per_step: int, k: i
     return out
 
 
+class RunLogHandler(logging.FileHandler):
+    """The run's tidal.log. Writing to it never raises into the code that logged: a handler
+    left open by a controller nobody closed, whose run directory is gone, reports the failure
+    on stderr (logging's handleError) instead of failing the next run's start."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except OSError:
+            self.handleError(record)
+
+
 @dataclass
 class RunPaths:
     root: Path
@@ -187,7 +199,7 @@ class Controller:
                 f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from),
                                     **(resume_record or {})}) + "\n")
         # The run's log (warnings of failed episodes with their tracebacks, hacking events, ...).
-        self._log_file = logging.FileHandler(run_dir / "tidal.log")
+        self._log_file = RunLogHandler(run_dir / "tidal.log")
         self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         tidal_log = logging.getLogger("tidal")
         self._log_handlers: list[logging.Handler] = [self._log_file]
