@@ -340,3 +340,17 @@ def test_every_replica_serves_and_a_session_stays_on_one(tool_tokenizer):
     assert seen[0] and seen[1]  # both replicas served
     assert not set(seen[0]) & set(seen[1])  # no session was split across replicas
     assert sorted(seen[0] + seen[1]) == sorted(f"ep{s}" for s in range(6) for _ in range(3))
+
+
+def test_stop_strings_end_the_reply_and_are_cut_from_it(tool_tokenizer):
+    with scripted_server(tool_tokenizer, ["The answer is 42. END and more text"]) as server:
+        c = openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
+        r = c.chat.completions.create(model="scripted", messages=QUESTION, stop=["END"],
+                                      extra_body={"return_token_ids": True})
+        ch = r.choices[0]
+        assert ch.message.content == "The answer is 42. " and ch.finish_reason == "stop"
+        # the engine stopped at the token that completed the stop string: kept in the record
+        kept = tool_tokenizer.decode(r.model_dump()["choices"][0]["token_ids"])
+        assert kept.endswith("END") and "more" not in kept
+        plain = c.chat.completions.create(model="scripted", messages=QUESTION, max_tokens=3)
+        assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
