@@ -15,6 +15,10 @@ What it compares, on one torch engine behind a router (as in a run):
   parameters and seeds the gateway sent (captured in the gateway run), concurrently in the
   same pattern (each session's calls in a row).
 
+With `--clients process` the agents' clients run in a process of their own (as they do on
+Ray env workers), so their Python does not share the engine's interpreter lock; the default,
+`thread`, runs them in the engine's process (local placement, the worst case on a small CPU).
+
 Both generate the same tokens: the policy is a Qwen2 with random weights that never samples a
 special token (`build_random_qwen2` of benchmarks/agents.py), so every call runs to
 `--tokens`. Rounds alternate the order; the table gives medians. torch threads = 1 (the
@@ -48,16 +52,12 @@ from tidal.runtime.gateway_http import start_gateway
 from tidal.types import GenerationRequest, SamplingParams
 
 
-async def gateway_round(server, sessions: int, turns: int, tokens: int, tag: str) -> tuple[float, int, list]:
+async def agents(urls: list[str], api_key: str, turns: int, tokens: int) -> tuple[float, int, list]:
+    """The agents: each session's calls in a row, all sessions at once."""
     import openai
 
-    gw = server.gateway
-    params = SamplingParams(max_new_tokens=tokens, stop_token_ids=())
-    sent: list = []  # (session, turn, prompt ids, seed) of every call, for the direct replay
-    clients = [openai.AsyncOpenAI(base_url=server.session_url(f"{tag}-{s}"), api_key=server.api_key, max_retries=0)
-               for s in range(sessions)]
-    for s in range(sessions):
-        gw.open_session(f"{tag}-{s}", params, seed=s)
+    sent: list = []  # (session, turn, prompt ids, completion tokens) of every call, for the direct replay
+    clients = [openai.AsyncOpenAI(base_url=u, api_key=api_key, max_retries=0) for u in urls]
 
     async def one(s: int) -> int:
         messages = [{"role": "user", "content": f"Session {s}: tell me a story."}]
@@ -72,13 +72,31 @@ async def gateway_round(server, sessions: int, turns: int, tokens: int, tag: str
         return n
 
     t0 = time.perf_counter()
-    counts = await asyncio.gather(*(one(s) for s in range(sessions)))
+    counts = await asyncio.gather(*(one(s) for s in range(len(urls))))
     wall = time.perf_counter() - t0
-    for s in range(sessions):
-        gw.close_session(f"{tag}-{s}")
     for c in clients:
         await c.close()
     return wall, sum(counts), sent
+
+
+def gateway_round(server, sessions: int, turns: int, tokens: int, tag: str, clients: str = "thread"):
+    gw = server.gateway
+    params = SamplingParams(max_new_tokens=tokens, stop_token_ids=())
+    for s in range(sessions):
+        gw.open_session(f"{tag}-{s}", params, seed=s)
+    urls = [server.session_url(f"{tag}-{s}") for s in range(sessions)]
+    try:
+        if clients == "thread":
+            return asyncio.run(agents(urls, server.api_key, turns, tokens))
+        import subprocess
+
+        out = subprocess.run([sys.executable, __file__, "--agents", json.dumps([urls, server.api_key, turns, tokens])],
+                             capture_output=True, text=True, check=True, timeout=1200)
+        wall, n, sent = json.loads(out.stdout.strip().splitlines()[-1])
+        return wall, n, [tuple(x) for x in sent]
+    finally:
+        for s in range(sessions):
+            gw.close_session(f"{tag}-{s}")
 
 
 async def direct_round(router, sent: list, sessions: int, turns: int, tokens: int, tag: str) -> tuple[float, int]:
@@ -107,8 +125,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 256], help="tokens per call; one table row each")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--clients", choices=["thread", "process"], default="thread",
+                    help="where the agents' clients run: in this process, or in one of their own")
     ap.add_argument("--out", default="benchmarks/results/gateway.json")
+    ap.add_argument("--agents", help=argparse.SUPPRESS)  # internal: run the clients only (--clients process)
     args = ap.parse_args()
+    if args.agents:
+        urls, key, turns, tokens = json.loads(args.agents)
+        print(json.dumps(asyncio.run(agents(urls, key, turns, tokens))))
+        return
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="tidal-gw-bench-"))
     model_dir = build_random_qwen2(tmp / "model", hidden=args.hidden, layers=args.layers)
@@ -118,7 +143,7 @@ def main() -> None:
     router = Router([engine])
     server = start_gateway(router, tokenizer, model_dir, GatewayConfig(model_name="bench"))
     # one warm-up of each (first-call costs: the template, the client's connection pool)
-    _, _, sent = asyncio.run(gateway_round(server, 4, 1, 8, "warm"))
+    _, _, sent = gateway_round(server, 4, 1, 8, "warm", args.clients)
     asyncio.run(direct_round(router, sent, 4, 1, 8, "warm"))
     table = {}
     for tokens in args.tokens:
@@ -127,11 +152,12 @@ def main() -> None:
             order = ["gateway", "direct"] if r % 2 == 0 else ["direct", "gateway"]
             tag = f"t{tokens}r{r}"
             if order[0] == "direct":  # the direct run replays the gateway's requests: capture them first, untimed
-                _, _, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, tokens, f"cap-{tag}"))
+                _, _, sent = gateway_round(server, args.sessions, args.turns, tokens, f"cap-{tag}", args.clients)
             out = {}
             for what in order:
                 if what == "gateway":
-                    wall, n, sent = asyncio.run(gateway_round(server, args.sessions, args.turns, tokens, f"g-{tag}"))
+                    wall, n, sent = gateway_round(server, args.sessions, args.turns, tokens, f"g-{tag}",
+                                                  args.clients)
                 else:
                     wall, n = asyncio.run(direct_round(router, sent, args.sessions, args.turns, tokens, f"d-{tag}"))
                 out[what] = {"wall_s": round(wall, 3), "tokens": n, "tokens_per_s": round(n / wall, 1)}

@@ -1,4 +1,4 @@
-"""The gateway's HTTP server: FastAPI routes over `Gateway` (tidal/runtime/gateway.py),
+"""The gateway's HTTP server: Starlette routes over `Gateway` (tidal/runtime/gateway.py),
 served by uvicorn on a thread of its own with its own event loop, so the same server runs in
 `tidal serve-policy` and inside a training run (whose rollout has a loop of its own).
 
@@ -6,6 +6,10 @@ Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, e
 `/sessions/{session_id}/v1/...` (or with the header `X-Tidal-Session`), and `GET /health`.
 Binding: 127.0.0.1 unless configured otherwise; a token (`Authorization: Bearer ...`) is
 required whenever the server binds anywhere else, and checked on every route but `/health`.
+
+Plain Starlette routes rather than FastAPI: the gateway validates its bodies itself (in
+OpenAI's error shape), and FastAPI's request middleware cost about 0.4 ms a call here, a
+third of the server's share of a call (measured: 64 concurrent calls, 70 against 45 ms).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import logging
 import threading
 import time
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from tidal.runtime.gateway import Gateway, GatewayError
 from tidal.runtime.placement import is_loopback
@@ -29,43 +34,42 @@ log = logging.getLogger("tidal")
 SESSION_HEADER = "X-Tidal-Session"
 
 
-def build_app(gateway: Gateway, token: str | None = None) -> FastAPI:
-    app = FastAPI(title="tidal gateway", docs_url=None, redoc_url=None, openapi_url=None)
+def build_app(gateway: Gateway, token: str | None = None) -> Starlette:
+    expected = f"Bearer {token}".encode() if token is not None else None
 
     def error(e: GatewayError) -> JSONResponse:
         gateway.stats["errors"] += 1
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
+    def refused(request: Request) -> JSONResponse | None:
+        if expected is None:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, expected):
+            return None
+        return error(GatewayError(401, "invalid or missing API key (Authorization: Bearer <gateway token>)",
+                                  "authentication_error", None, "invalid_api_key"))
+
+    async def http_error(request: Request, exc: HTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error(GatewayError(exc.status_code, str(exc.detail), kind, None,
                                   "not_found" if exc.status_code == 404 else None))
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        return error(GatewayError(400, f"invalid request: {exc.errors()[:3]}"))
+    async def health(request: Request):
+        return JSONResponse({"status": "ok"})
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if token is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return error(GatewayError(401, "invalid or missing API key (Authorization: Bearer <gateway token>)",
-                                          "authentication_error", None, "invalid_api_key"))
-        return await call_next(request)
+    async def models(request: Request):
+        return refused(request) or JSONResponse(gateway.models())
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    async def serve(kind: str, request: Request, session_id: str | None):
+    async def serve(kind: str, request: Request):
+        if (no := refused(request)) is not None:
+            return no
         gateway.stats["requests"] += 1
         try:
             body = json.loads(await request.body() or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(GatewayError(400, f"the request body is not valid JSON: {e}"))
-        session_id = session_id or request.headers.get(SESSION_HEADER) or None
+        session_id = request.path_params.get("session_id") or request.headers.get(SESSION_HEADER) or None
         try:
             prep = gateway.prepare(kind, body, session_id)
             results = await gateway.generate(prep)
@@ -76,7 +80,7 @@ def build_app(gateway: Gateway, token: str | None = None) -> FastAPI:
             log.exception("gateway: %s request failed", kind)
             return error(GatewayError(500, f"internal error: {type(e).__name__}({e})", "server_error"))
         if not prep.stream:
-            return JSONResponse(out)
+            return Response(json.dumps(out, ensure_ascii=False), media_type="application/json")
         chunks = gateway.stream_chunks(out, prep)
 
         async def events():
@@ -86,22 +90,18 @@ def build_app(gateway: Gateway, token: str | None = None) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def chat(request: Request):
+        return await serve("chat", request)
+
+    async def completions(request: Request):
+        return await serve("completion", request)
+
+    routes = [Route("/health", health, methods=["GET"])]
     for prefix in ("", "/sessions/{session_id}"):
-        def routes(prefix=prefix):
-            @app.get(prefix + "/v1/models")
-            async def models(session_id: str | None = None):
-                return gateway.models()
-
-            @app.post(prefix + "/v1/chat/completions")
-            async def chat(request: Request, session_id: str | None = None):
-                return await serve("chat", request, session_id)
-
-            @app.post(prefix + "/v1/completions")
-            async def completions(request: Request, session_id: str | None = None):
-                return await serve("completion", request, session_id)
-
-        routes()
-    return app
+        routes += [Route(prefix + "/v1/models", models, methods=["GET"]),
+                   Route(prefix + "/v1/chat/completions", chat, methods=["POST"]),
+                   Route(prefix + "/v1/completions", completions, methods=["POST"])]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
 
 
 class GatewayServer:
