@@ -26,17 +26,17 @@ OK, TIMEOUT, MEMORY, OUTPUT_LIMIT, KILLED = (SandboxStatus.OK, SandboxStatus.TIM
 # name: (code, limits, the statuses it may end with). Cheap ones recur often; the ones that
 # burn CPU until a limit (fork bomb, spinning) are rarer.
 ATTACKS = {
-    "memfd hoard": ("import os\nfds = [os.memfd_create('m') for _ in range(8)]\n"
-                    "while True:\n    for fd in fds: os.write(fd, b'm' * (1 << 20))",
+    "memfd hoard": (("import os\nfds = [os.memfd_create('m') for _ in range(8)]\n"
+                    "while True:\n    for fd in fds: os.write(fd, b'm' * (1 << 20))"),
                     {"memory_bytes": 96 * MiB}, {MEMORY, OUTPUT_LIMIT}),
     "heap": ("x = []\nwhile True: x.append(bytearray(16 << 20))", {"memory_bytes": 128 * MiB}, {MEMORY}),
     "stdout flood": ("import sys\nwhile True: sys.stdout.write('x' * 65536)", {"output_bytes": 1 << 16},
                      {OUTPUT_LIMIT}),
-    "detach": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
-               "    os._exit(0)\nprint('left')", {}, {OK}),
-    "forge": ("import os\nfor fd in range(64):\n    try:\n"
+    "detach": (("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+               "    os._exit(0)\nprint('left')"), {}, {OK}),
+    "forge": (("import os\nfor fd in range(64):\n    try:\n"
               "        os.write(os.open(f'/proc/1/fd/{fd}', os.O_WRONLY | os.O_NONBLOCK), b'D0 0 0.000\\n')\n"
-              "    except OSError: pass\nraise SystemExit(3)", {}, {OK}),
+              "    except OSError: pass\nraise SystemExit(3)"), {}, {OK}),
     "kill all": ("import os, signal\ntry: os.kill(-1, signal.SIGKILL)\nexcept OSError: pass\nprint('alive')", {}, {OK}),
     "sleep past the wall clock": ("import time; time.sleep(30)", {"wall_s": 0.3}, {TIMEOUT}),
     "crash": ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", {}, {KILLED}),
@@ -115,11 +115,7 @@ def test_soak_attacks_and_honest_runs():
     statuses = {**{name: spec[2] for name, spec in ATTACKS.items()}, **{name: spec[2] for name, spec in RARE_ATTACKS.items()}}
     wrong = []
     for kind, i, r in warmup + results:
-        if kind == "honest" and (r.status, r.stdout) != (OK, f"{2 * i}\n"):
-            wrong.append((kind, i, str(r), r.stdout[:80], r.stderr[-200:]))
-        elif kind == "session" and (r.status, r.stdout) != (OK, f"{i + 1}\n"):
-            wrong.append((kind, i, str(r), r.stdout[:80], r.stderr[-200:]))
-        elif kind in statuses and r.status not in statuses[kind]:
+        if kind == "honest" and (r.status, r.stdout) != (OK, f"{2 * i}\n") or kind == "session" and (r.status, r.stdout) != (OK, f"{i + 1}\n") or kind in statuses and r.status not in statuses[kind]:
             wrong.append((kind, i, str(r), r.stdout[:80], r.stderr[-200:]))
         elif kind == "forge" and r.exit_code != 3:
             wrong.append((kind, i, "a forged report was believed", str(r)))
