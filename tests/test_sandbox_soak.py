@@ -112,13 +112,16 @@ def test_soak_attacks_and_honest_runs():
         return warmup, results, elapsed, baseline, _rss(), left
 
     warmup, results, elapsed, baseline, rss_after, left = asyncio.run(go())
-    statuses = {**{name: spec[2] for name, spec in ATTACKS.items()}, **{name: spec[2] for name, spec in RARE_ATTACKS.items()}}
+    statuses = {name: spec[2] for name, spec in {**ATTACKS, **RARE_ATTACKS}.items()}
+    expected_stdout = {"honest": lambda i: f"{2 * i}\n", "session": lambda i: f"{i + 1}\n"}
     wrong = []
     for kind, i, r in warmup + results:
-        if kind == "honest" and (r.status, r.stdout) != (OK, f"{2 * i}\n") or kind == "session" and (r.status, r.stdout) != (OK, f"{i + 1}\n") or kind in statuses and r.status not in statuses[kind]:
+        if kind in expected_stdout:
+            right = (r.status, r.stdout) == (OK, expected_stdout[kind](i))
+        else:
+            right = r.status in statuses[kind] and (kind != "forge" or r.exit_code == 3)  # a forged report believed
+        if not right:
             wrong.append((kind, i, str(r), r.stdout[:80], r.stderr[-200:]))
-        elif kind == "forge" and r.exit_code != 3:
-            wrong.append((kind, i, "a forged report was believed", str(r)))
     counts = {}
     for kind, _, _ in results:
         counts[kind] = counts.get(kind, 0) + 1
