@@ -7,7 +7,7 @@ by side.
 What it compares, on one torch engine behind a router (as in a run):
 
 - gateway: `--sessions` concurrent agent sessions, each `--turns` chat calls in a row through
-  the official `openai.AsyncOpenAI` client to the gateway on loopback (FastAPI + uvicorn on its
+  the official `openai.AsyncOpenAI` client to the gateway on loopback (Starlette + uvicorn on its
   own thread, as inside a training run), under `/sessions/{id}/v1`: every call is rendered by
   the chat template, continued from the session's recorded tokens, generated, parsed and
   recorded; the next call appends the reply it got and a user message;
