@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-from sandbox_support import require_bwrap, sandbox_processes
+from sandbox_support import require_bwrap
 
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxStatus
+from tidal.sandbox.launch import sandbox_uid
 
 RUNS = int(os.environ.get("TIDAL_SANDBOX_SOAK_RUNS", "2000"))
 MiB = 1 << 20
@@ -55,6 +56,30 @@ def _rss() -> int:
 def _own_cgroups() -> list[Path]:
     roots = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
     return [d for root in roots if root.is_dir() for d in root.rglob(f"tidal-sandbox-{os.getpid()}-*")]
+
+
+def own_sandbox_processes() -> list[str]:
+    """Live processes of the sandbox uid that descend from this process (another tidal
+    process's sandboxes on the same machine are not ours to count)."""
+    uid, parents, found = sandbox_uid(SandboxConfig()), {}, []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        parents[int(pid)] = (int(fields["PPid"]), int(fields["Uid"].split()[0]), fields["State"].strip())
+    for pid, (ppid, process_uid, state) in parents.items():
+        if process_uid != uid or state.startswith("Z"):
+            continue
+        seen = set()
+        while ppid > 1 and ppid not in seen:
+            if ppid == os.getpid():
+                found.append(f"{pid} uid={process_uid} {state}")
+                break
+            seen.add(ppid)
+            ppid = parents.get(ppid, (0,))[0]
+    return found
 
 
 @pytest.mark.slow
@@ -107,7 +132,7 @@ def test_soak_attacks_and_honest_runs():
             elapsed = time.monotonic() - t0
         finally:
             await pool.close()
-        left = sandbox_processes()  # at once: close() returns only when no sandbox process is left
+        left = own_sandbox_processes()  # at once: close() returns only when no sandbox process is left
         gc.collect()
         return warmup, results, elapsed, baseline, _rss(), left
 
