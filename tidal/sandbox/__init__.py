@@ -2,8 +2,10 @@
 
 Isolation is bubblewrap with every namespace new (no network but the sandbox's own
 loopback, read-only system, private /tmp and workspace, own PID namespace, dies with its
-parent) plus rlimits and a host-side wall clock and output cap. Without bubblewrap,
-nothing runs unless the config names `isolation="unsafe_host"`. See docs/sandbox.md.
+parent), a seccomp syscall filter, a fresh session keyring, a memory and pids cgroup per
+run (teardown through it), rlimits, and a host-side wall clock and output caps; results
+come from a supervisor the code cannot reach. Without bubblewrap, nothing runs unless the
+config names `isolation="unsafe_host"`. See docs/sandbox.md.
 
     async with SandboxPool(SandboxConfig()) as pool:
         result = await pool.run_python("print(sum(range(10)))")
