@@ -85,3 +85,11 @@ def test_default_example_is_the_default_job():
     """README: `tidal train` with no arguments runs examples/arith_grpo.yaml's settings."""
     example = Path(__file__).parent.parent / "examples" / "arith_grpo.yaml"
     assert load_config(example) == load_config(None)
+
+
+def test_engine_settings_that_cannot_work_are_refused_at_validation():
+    from tidal.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="engine.replicas=2 with engine.vllm_mode=in_process"):
+        load_config(None, ["engine.kind=vllm", "engine.replicas=2"])
+    assert load_config(None, ["engine.kind=vllm", "engine.replicas=2", "engine.vllm_mode=server"]).engine.replicas == 2

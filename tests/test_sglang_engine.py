@@ -174,7 +174,10 @@ def test_parse_refuses_what_breaks_the_contract():
 
 # -- factory -----------------------------------------------------------------------------------
 def test_sglang_without_a_gpu_is_a_config_error(tiny_model_dir):
-    assert load_config(overrides=["engine.kind=sglang"]).engine.kind == "sglang"
+    # refused when the config is validated, before anything loads ...
+    with pytest.raises(ConfigError, match=r"engine.kind=sglang needs a CUDA GPU .* model.device resolves to 'cpu'"):
+        load_config(overrides=["engine.kind=sglang", "model.device=cpu"])
+    # ... and by the factory for a caller that builds an engine without a config
     with pytest.raises(ConfigError, match=r"engine.kind=sglang needs a CUDA GPU and `pip install sglang`: "
                                           r"SGLang has no CPU kernels"):
         build_engine("sglang", EngineConfig(kind="sglang"), tiny_model_dir, dtype="float32", device="cpu",

@@ -278,6 +278,14 @@ class TidalConfig(_Section):
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
         if pl.mode == "local" and pl.weight_sync == "broadcast":
             raise ValueError("placement.weight_sync=broadcast needs placement.mode=ray (local mode moves weights in process)")
+        # Engine settings that cannot work are refused here, before anything loads.
+        if pl.mode == "local" and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
+                and self.engine.replicas > 1:
+            raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
+                             "holds one in-process vLLM engine; use engine.vllm_mode=server (or placement.mode=ray)")
+        if self.engine.kind == "sglang" and not self.model.resolved_device().startswith("cuda"):
+            raise ValueError(f"engine.kind=sglang needs a CUDA GPU (SGLang has no CPU kernels); model.device "
+                             f"resolves to {self.model.resolved_device()!r}")
         if pl.mode == "ray" and self.engine.kind == "vllm" and self.engine.vllm_mode == "server":
             raise ValueError("engine.vllm_mode=server with placement.mode=ray: each engine actor runs vLLM in process; use engine.vllm_mode=in_process")
         if self.rollout.prefix_policy == "split" and self.algorithm.advantage == "gae" and self.rollout.max_turns > 1:
