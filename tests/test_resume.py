@@ -123,3 +123,22 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 @pytest.mark.parametrize("path", sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.y*ml")))
 def test_every_example_config_validates(path):
     assert load_config(str(EXAMPLES / path)).train.steps >= 1
+
+
+def overflowing_reward(completion: str, answer: str) -> float:
+    return 1.7e308  # finite, but a group's sum overflows: advantages and the loss become NaN
+
+
+def test_repeated_non_finite_gradients_stop_the_run_with_its_checkpoint(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(tiny_model_dir, run, "train.steps=1") == 0  # a good checkpoint first
+    capsys.readouterr()
+    code = main(["train", "--resume", f"run.dir={run}", "train.steps=10", "task.reward=test_resume:overflowing_reward",
+                 "train.max_nonfinite_steps=2", "reward.isolation=inline"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "stopping at step 3: the gradient was NaN or inf in 2 steps in a row" in err
+    assert f"The last checkpoint is {run / 'checkpoints' / 'step_000001'}." in err  # from before the NaNs
+    steps = _steps(run)
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["skipped_step"] == 1.0 for m in steps[1:])
+    assert latest_good(run / "checkpoints") == run / "checkpoints" / "step_000001"

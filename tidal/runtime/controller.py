@@ -246,6 +246,7 @@ class Controller:
             self.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
             self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer, self.gateway)
         self._over_budget = 0  # consecutive steps over the failure budget
+        self._nonfinite = 0  # consecutive steps with a non-finite gradient (their updates skipped)
         self.step = 0
         self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
         self._source_lock = threading.Lock()
@@ -334,11 +335,27 @@ class Controller:
                 self.episode_writer.write(step, episodes)
             else:
                 self.episode_writer.end_step(step)
-        # A step over the failure budget is not checkpointed: the rotation would push out the
-        # checkpoints of good steps for one that learned (nearly) nothing.
-        if ((cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps) and not self._over_budget:
+        self._check_nonfinite(step, metrics)
+        # A step over the failure budget, or with a non-finite gradient, is not checkpointed: the
+        # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
+        if ((cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps) \
+                and not self._over_budget and not self._nonfinite:
             self.save()
         return metrics
+
+    def _check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
+        """Non-finite gradients skip their update; a run that keeps producing them stops, with
+        its last checkpoint (from before them) intact, instead of skipping forever."""
+        self._nonfinite = self._nonfinite + 1 if metrics.get("skipped_step", 0.0) > 0 else 0
+        limit = self.cfg.train.max_nonfinite_steps
+        if self._nonfinite >= limit:
+            last = self.paths.latest_checkpoint()
+            raise RunFailed(
+                f"stopping at step {step}: the gradient was NaN or inf in {self._nonfinite} steps in a row "
+                f"(train.max_nonfinite_steps={limit}; grad_norm {metrics.get('grad_norm')}, loss "
+                f"{metrics.get('loss')}); their updates were skipped. Lower train.lr or check the rewards and "
+                f"log-probs of these steps' episodes. The last checkpoint is "
+                f"{last or 'none (no step was saved yet)'}.")
 
     def _overlap(self, t0: float, t1: float) -> float:
         """Fraction of [t0, t1] (this step's learning) during which the engines were generating."""
