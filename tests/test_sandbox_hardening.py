@@ -314,6 +314,17 @@ def test_processes_that_detach_end_with_the_run():
     assert _own_pool_cgroups() == []
 
 
+def test_the_init_can_also_be_moved_into_the_cgroup_while_bubblewrap_holds_it(monkeypatch):
+    """The admission that cgroup v2 uses (--block-fd, then the init moved in), on this
+    machine's cgroups: the run is bounded and torn down just the same."""
+    from tidal.sandbox import cgroup
+
+    monkeypatch.setattr(cgroup, "THREAD_ENTRY", False)
+    r = run_python(MEMFD, limits={"memory_bytes": 128 * MiB})
+    assert r.status is MEMORY and "memory limit" in r.error
+    assert run_python(DETACH).status is OK and own_sandbox_processes() == [] and _own_pool_cgroups() == []
+
+
 def test_processes_that_detach_control_survive_without_the_sandbox():
     r = run_python(DETACH, config=UNSAFE)
     pid = int(r.stdout)

@@ -43,6 +43,10 @@ from pathlib import Path
 log = logging.getLogger("tidal.sandbox")
 
 ROOT = Path("/sys/fs/cgroup")
+# v1: the starting thread enters the run's cgroups alone, so the sandbox is born in them.
+# False (and always on v2, where a thread cannot hold a memory cgroup of its own): the
+# sandbox's init is moved in while bubblewrap holds it. (Tests take that path on v1 too.)
+THREAD_ENTRY = True
 _pool_numbers = itertools.count()
 _warned: set[str] = set()
 
@@ -61,9 +65,25 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
+def _write(path: Path | str, value: str) -> None:
+    # Raw descriptors: these files are read and written several times per run, and
+    # io.open's buffered text layer costs more than the kernel's side of it.
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -217,6 +237,11 @@ class RunCgroup:
         self.removed = False
         self.oom_kills_before = 0
         self.limits: tuple[int, int] | None = None
+        # Paths as strings, made once: the per-run checks read them.
+        self._procs = [str(d / "cgroup.procs") for d in self.dirs]
+        self._tasks = [(str(d / "tasks"), str(d.parent.parent / "tasks")) for d in self.dirs]
+        self._oom_file = str(self.dirs[0] / ("memory.oom_control" if self.version == 1 else "memory.events"))
+        self._usage_file = str(self.dirs[0] / ("memory.usage_in_bytes" if self.version == 1 else "memory.current"))
         made = []
         try:
             for d in self.dirs:
@@ -264,6 +289,10 @@ class RunCgroup:
         for d in self.dirs:
             _write(d / "cgroup.procs", str(pid))
 
+    @property
+    def thread_entry(self) -> bool:
+        return self.version == 1 and THREAD_ENTRY
+
     @contextlib.contextmanager
     def entered_by_this_thread(self):
         """v1 only: move the calling thread alone into this cgroup while the block runs, so
@@ -271,30 +300,32 @@ class RunCgroup:
         itself skips the global lock that moving another process takes)."""
         moved = []
         try:
-            for d in self.dirs:
-                _write(d / "tasks", "0")
-                moved.append(d)
+            for inside, home in self._tasks:
+                _write(inside, "0")
+                moved.append(home)
             yield
         finally:
-            for d in moved:
-                _write(d.parent.parent / "tasks", "0")
+            for home in moved:
+                _write(home, "0")
 
     def pids(self) -> list[int]:
         out: set[int] = set()
-        for d in self.dirs:
+        for path in self._procs:
             try:
-                out.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+                out.update(int(p) for p in _read(path).split())
             except FileNotFoundError:
                 pass
         return sorted(out)
 
     def _oom_kills(self) -> int:
-        path = self.dirs[0] / ("memory.oom_control" if self.version == 1 else "memory.events")
         try:
-            fields = dict(line.split() for line in path.read_text().splitlines() if line.strip())
+            text = _read(self._oom_file)
         except OSError:
             return 0
-        return int(fields.get("oom_kill", 0))
+        for line in text.splitlines():
+            if line.startswith(b"oom_kill "):
+                return int(line.split()[1])
+        return 0
 
     def oom_killed(self) -> bool:
         """Whether the kernel OOM-killed a process of the run (the memory limit was reached)."""
@@ -302,18 +333,18 @@ class RunCgroup:
 
     def _charged_bytes(self) -> int:
         try:
-            return int((self.dirs[0] / ("memory.usage_in_bytes" if self.version == 1 else "memory.current")).read_text())
+            return int(_read(self._usage_file))
         except (OSError, ValueError):
             return self.REUSE_MAX_BYTES + 1
 
-    def kill_members(self) -> None:
+    def kill_members(self, members: list[int] | None = None) -> None:
         if self.version == 2:
             try:
                 _write(self.dirs[0] / "cgroup.kill", "1")
                 return
             except OSError:
                 pass  # kernels before 5.14 have no cgroup.kill: signal each member
-        for pid in self.pids():
+        for pid in self.pids() if members is None else members:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -328,9 +359,10 @@ class RunCgroup:
         deadline = time.monotonic() + timeout_s
         delay = 0.001
         while True:
-            self.kill_members()
-            if not self.pids() and self._release():
+            members = self.pids()
+            if not members and self._release():
                 return
+            self.kill_members(members)
             if time.monotonic() > deadline:
                 raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
                                   f"{timeout_s:.0f} s")
@@ -341,9 +373,10 @@ class RunCgroup:
         """`destroy` for a thread without an event loop (a start that failed half-way)."""
         deadline = time.monotonic() + timeout_s
         while not self.removed:
-            self.kill_members()
-            if not self.pids() and self._release():
+            members = self.pids()
+            if not members and self._release():
                 return
+            self.kill_members(members)
             if time.monotonic() > deadline:
                 raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
                                   f"{timeout_s:.0f} s")

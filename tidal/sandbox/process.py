@@ -226,7 +226,7 @@ class SandboxProcess:
             names.append("seccomp")
         # Where a thread can enter a cgroup alone (v1), bubblewrap is started from inside the
         # run's cgroup; else (v2) it is held (--block-fd) until its child is moved there.
-        admit_later = isolated and cgroup is not None and cgroup.version == 2
+        admit_later = isolated and cgroup is not None and not cgroup.thread_entry
         if admit_later:
             names += ["json", "block"]
         try:
@@ -358,7 +358,8 @@ class SandboxProcess:
         if self._closed:
             return
         self._closed = True
-        self.kill()
+        if self.popen.poll() is None or not self.launch.isolated:
+            self.kill()  # else the run is over: its PID namespace is gone (the cgroup check below verifies)
         try:
             await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
             if self.cgroup is not None:
