@@ -6,7 +6,8 @@ The bare baseline is `python <same flags> -c SNIPPET` started by `subprocess.run
 asyncio worker threads), with the interpreter the sandbox runs, so the ratio is the
 sandbox's own cost, not a difference of interpreters. Each round measures, back to back,
 bare and sandboxed (warm pool, and cold: `warm=0`) at concurrency 1 and 2, for
-`--seconds` each; ratios are taken within a round and their median reported, because
+`--seconds` each, and with `--unhardened` also a warm pool without the syscall filter and
+the per-run cgroups (`seccomp=False, cgroups=False`: what those two cost); ratios are taken within a round and their median reported, because
 this machine is shared and noisy. The warm pool keeps 4 sandboxes per concurrent run; in
 steady state those started before a measurement balance those started, unused, at its
 end. Writes the raw figures as JSON and prints a Markdown table for BENCHMARKS.md.
@@ -121,7 +122,7 @@ async def _sandboxed_rate(config: SandboxConfig, concurrency: int, seconds: floa
         return await _rate(once, concurrency, seconds, cpu)
 
 
-async def measure(seconds: float, rounds: int) -> dict:
+async def measure(seconds: float, rounds: int, unhardened: bool = False) -> dict:
     base = SandboxConfig()
     python = resolve_python(base)
     bare_argv = [python.executable, *python_flags(base.python_site_packages), "-c", SNIPPET]
@@ -131,6 +132,9 @@ async def measure(seconds: float, rounds: int) -> dict:
         "sandbox_warm": lambda c: _sandboxed_rate(base.model_copy(update={"warm": WARM_PER_SLOT * c}), c, seconds, cpu),
         "sandbox_cold": lambda c: _sandboxed_rate(base.model_copy(update={"warm": 0}), c, seconds, cpu),
     }
+    if unhardened and "seccomp" in SandboxConfig.model_fields:
+        variants["sandbox_warm_unhardened"] = lambda c: _sandboxed_rate(
+            base.model_copy(update={"warm": WARM_PER_SLOT * c, "seccomp": False, "cgroups": False}), c, seconds, cpu)
     raw: dict[str, dict[str, list[float]]] = {name: {"1": [], "2": []} for name in variants}
     raw_cpu: dict[str, dict[str, list[float | None]]] = {name: {"1": [], "2": []} for name in variants}
     loads = []
@@ -167,8 +171,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0, help="length of one measurement")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default="benchmarks/results/sandbox.json")
+    p.add_argument("--unhardened", action="store_true", help="also a warm pool without syscall filter and cgroups")
     ns = p.parse_args()
-    result = asyncio.run(measure(ns.seconds, ns.rounds))
+    result = asyncio.run(measure(ns.seconds, ns.rounds, ns.unhardened))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=1))
     print("\n| concurrency | bare `python -c` | sandbox, warm pool | ratio | sandbox, cold (warm=0) | ratio |")
@@ -177,6 +182,11 @@ def main() -> None:
         print(f"| {c} | {s['bare']['median_per_s']:.0f}/s | {s['sandbox_warm']['median_per_s']:.0f}/s "
               f"| {s['sandbox_warm']['ratio_to_bare_median']:.2f}× | {s['sandbox_cold']['median_per_s']:.0f}/s "
               f"| {s['sandbox_cold']['ratio_to_bare_median']:.2f}× |")
+    if "sandbox_warm_unhardened" in result["summary"]["1"]:
+        for c, s in result["summary"].items():
+            u = s["sandbox_warm_unhardened"]
+            print(f"without filter and cgroups, concurrency {c}: {u['median_per_s']:.0f}/s "
+                  f"({u['ratio_to_bare_median']:.2f}× bare)")
     if result["summary"]["1"]["bare"]["cpu_ms_per_execution_median"] is not None:
         print("\nCPU ms per execution (median):")
         for c, s in result["summary"].items():
