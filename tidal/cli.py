@@ -6,6 +6,7 @@
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
+    tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
 """
@@ -15,7 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -75,13 +78,34 @@ def cmd_train(ns: argparse.Namespace) -> int:
           f"{cfg.rollout.samples_per_prompt} episodes per step, {cfg.train.steps} steps; engine {ctl.engine_choice})",
           file=sys.stderr)
     t0 = time.time()
+    # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does: the step in flight is
+    # abandoned, roles are closed, the last complete checkpoint stays (exit 143).
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         last = ctl.train()
+    except KeyboardInterrupt as e:
+        ckpt = ctl.paths.latest_checkpoint()
+        how = "SIGTERM" if isinstance(e, Terminated) else "an interrupt"
+        print(f"tidal: stopped by {how} during step {ctl.step + 1}; the last complete checkpoint is "
+              f"{ckpt or 'none (no step was saved yet)'} (continue with: tidal train --resume run.dir={ctl.paths.root})",
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         ctl.close()
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
 
 
 def _config_for_model(model: str, config: str | None, overrides: list[str]) -> TidalConfig:
