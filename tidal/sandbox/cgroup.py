@@ -159,6 +159,22 @@ _open_pools: weakref.WeakSet[PoolCgroups] = weakref.WeakSet()
 atexit.register(_remove_at_exit)
 
 
+def _delegate_v2(parent: Path) -> None:
+    """Enable the memory and pids controllers for the children of `parent` (this process's
+    cgroup). cgroup v2 refuses that while `parent` itself holds processes (the
+    no-internal-processes rule; only the root is exempt): then tidal must run in a
+    cgroup with its own delegated subtree (e.g. `systemd-run --scope -p Delegate=yes`)."""
+    enabled = (parent / "cgroup.subtree_control").read_text().split()
+    if {"memory", "pids"} <= set(enabled):
+        return
+    try:
+        _write(parent / "cgroup.subtree_control", "+memory +pids")
+    except OSError as e:
+        raise OSError(e.errno, f"cannot enable the memory and pids controllers below {parent} ({e.strerror}; "
+                      "cgroup v2 allows that only in a cgroup without processes of its own: run tidal in a "
+                      "delegated cgroup, e.g. `systemd-run --scope -p Delegate=yes ...`)") from e
+
+
 class PoolCgroups:
     """The directory of one pool in each hierarchy, and the runs' cgroups below it."""
 
@@ -174,6 +190,8 @@ class PoolCgroups:
         self.free: collections.deque[RunCgroup] = collections.deque()
         made = []
         try:
+            if layout.version == 2:
+                _delegate_v2(layout.parents[0])
             for d in self.dirs:
                 d.mkdir()
                 made.append(d)

@@ -5,23 +5,22 @@ same code serves both. The pipes are plain file descriptors read through the eve
 and the exit is watched through a pidfd: no thread per process (asyncio's subprocess
 support starts one), which counts at hundreds of runs per second.
 
-Start-up (on a starter thread): a fresh session keyring for the thread, bubblewrap with the
-syscall filter on a pipe (`--seccomp`), its status on another (`--json-status-fd`), and
-held on a third (`--block-fd`) until the sandbox's init has been moved into the run's
-cgroup; only then does the init start the runner, so every process of the run is born in
-the cgroup.
+Start-up (on a starter thread): a fresh session keyring for the thread, and bubblewrap with
+the syscall filter on a pipe (`--seccomp`), born in the run's cgroup: on cgroup v1 the
+starter thread enters that cgroup alone for the start; on v2 bubblewrap reports its child
+(`--json-status-fd`) and holds it (`--block-fd`) until it has been moved in. Either way
+no code runs before every process of the sandbox is in the cgroup.
 
 A run is over when the runner's supervisor reports the code's end on the status pipe (the
-kernel's wait4 status and CPU time of the code's process; the supervisor is not dumpable
-and alone holds that pipe, so the code can neither write it nor change what it says), or
-when the sandbox exits without such a report, which is never `ok`: bubblewrap's own exit
-status can be forged from inside (its init holds an event descriptor that the code can
-open through /proc). Output is read as it comes, at most `output_bytes` per stream and a
-chunk at a time between which other runs are served, so a flood never stalls the event
-loop nor sits in host memory; the status pipe is read to a few hundred bytes at most. Past
-a cap or the wall clock the whole sandbox is killed: through its cgroup, and SIGKILL to
-bubblewrap's process group (the PID namespace dies with its init). Closing a sandbox kills
-what is left in its cgroup, waits until it is empty and removes it. Nothing here waits
+kernel's wait4 status and CPU time of the code's process; the supervisor is the sandbox's
+PID 1, not dumpable, and alone holds that pipe, so the code can neither write it, nor
+signal or ptrace it), or when the sandbox exits without such a report, which is never
+`ok`. Output is read as it comes, at most `output_bytes` per stream and a chunk at a time
+between which other runs are served, so a flood never stalls the event loop nor sits in
+host memory; the status pipe is read to a few hundred bytes at most. Past a cap or the
+wall clock the whole sandbox is killed: through its cgroup, and SIGKILL to bubblewrap's
+process group (the PID namespace dies with its init). Closing a sandbox kills what is
+left in its cgroup, waits until it is empty and releases it. Nothing here waits
 without a deadline.
 """
 
