@@ -238,6 +238,7 @@ class RunConfig(_Section):
     write_episodes: bool = Field(True, description="Write every step's episodes to Parquet.")
     progress: bool = Field(True, description="Show a progress bar.")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
+    max_restarts: int = Field(3, ge=0, description="ray: how many times in a run a dead env worker is replaced (each logged); past it, its episodes keep failing typed until the failure budget stops the run.")
 
 
 class EvalConfig(_Section):

@@ -196,9 +196,18 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
         return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus)
 
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
-    envs = [Handle(f"env worker {i}", actor(EnvWorker, first_env + i, pl.env).remote(cfg, num_cpus=pl.env.num_cpus),
-                   remote=True) for i in range(pl.env_workers)]
+    def spawn_env(i: int) -> Handle:
+        return Handle(f"env worker {i}", actor(EnvWorker, first_env + i, pl.env).remote(cfg, num_cpus=pl.env.num_cpus),
+                      remote=True)
+
+    envs = [spawn_env(i) for i in range(pl.env_workers)]
     gather([h.submit("pid") for h in envs], timeout_s=pl.start_timeout_s)
+
+    def respawn_env(i: int) -> Handle:  # a dead env worker's replacement, constructed
+        h = spawn_env(i)
+        h.call("pid", timeout_s=pl.start_timeout_s)
+        return h
+
     transport = pl.weight_sync
     if transport == "auto":
         transport = "inprocess" if colocated else "broadcast"
@@ -209,5 +218,5 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
                  reward_handles=rewards, env_handles=envs,
-                 envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s,
-                                           agent=cfg.task.agent) if envs else None)
+                 envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s, agent=cfg.task.agent,
+                                 respawn=respawn_env, max_restarts=cfg.run.max_restarts) if envs else None)

@@ -412,20 +412,66 @@ class EnvWorker:
 class RemoteEnvs:
     """`make_env` for environments hosted by env workers: each episode's environment is
     placed on the worker with the fewest live episodes and stays there (its state lives
-    there). Errors come back as the environment's own exceptions (a RewardError stays one)."""
+    there). Errors come back as the environment's own exceptions (a RewardError stays one).
 
-    def __init__(self, handles: list, name: str, timeout_s: float = 600.0, agent: str | None = None):
+    A worker that dies is replaced (`respawn(i)` starts a new actor in its slot), up to
+    `max_restarts` times in a run, each logged. Episodes whose environment lived on it end
+    `env_error` (their state is gone); a call that starts an episode (`reset`, `run_agent`) is
+    retried on the replacement, since nothing had happened yet."""
+
+    STARTS = ("reset", "run_agent")  # calls that may be retried on a replacement
+
+    def __init__(self, handles: list, name: str, timeout_s: float = 600.0, agent: str | None = None,
+                 respawn: Callable[[int], Any] | None = None, max_restarts: int = 3):
         self.handles, self.name, self.timeout_s = handles, name, timeout_s
         self.agent = agent  # task.agent: the task's environment is an agent (RemoteEnv.run_agent)
         self.live = [0] * len(handles)
         self.served = [0] * len(handles)  # episodes started, per worker
+        self.respawn, self.max_restarts, self.restarts = respawn, max_restarts, 0
+        self._replacing: dict[int, asyncio.Future] = {}
         self._ids = iter(range(1 << 62))
 
     def make_env(self, row: dict, seed: int = 0) -> RemoteEnv:
         return RemoteEnv(self, row, seed)
 
     async def call(self, i: int, method: str, *args):
+        from tidal.runtime.handles import RoleDied
+
+        handle = self.handles[i]
+        try:
+            return await handle.acall(method, *args, timeout_s=self.timeout_s)
+        except RoleDied:
+            if not await self._replace(i, handle) or method not in self.STARTS:
+                raise
         return await self.handles[i].acall(method, *args, timeout_s=self.timeout_s)
+
+    async def _replace(self, i: int, dead) -> bool:
+        """Replace the dead worker of slot i (once, however many calls saw it die); True when
+        slot i holds a live replacement."""
+        if self.handles[i] is not dead:
+            return True  # replaced already
+        if i in self._replacing:
+            return bool(await asyncio.shield(self._replacing[i]))
+        if self.respawn is None or self.restarts >= self.max_restarts:
+            log.error("env worker %d died and is not replaced (run.max_restarts=%d, %d used)", i, self.max_restarts,
+                      self.restarts)
+            return False
+        self.restarts += 1
+        fut = asyncio.get_running_loop().create_future()
+        self._replacing[i] = fut
+        try:
+            self.handles[i] = await asyncio.to_thread(self.respawn, i)
+            with contextlib.suppress(Exception):
+                dead.kill()
+            log.warning("env worker %d died; replaced (restart %d of run.max_restarts=%d); the episodes it hosted "
+                        "ended env_error", i, self.restarts, self.max_restarts)
+            fut.set_result(True)
+        except Exception as e:  # noqa: BLE001 - a failed replacement is logged; the calls see the death
+            log.error("replacing env worker %d failed: %s(%s)", i, type(e).__name__, e)
+            fut.set_result(False)
+        finally:
+            del self._replacing[i]
+        return fut.result()
 
 
 class RemoteEnv:
