@@ -228,7 +228,7 @@ def test_a_session_records_its_calls_as_one_episode(served, tool_tokenizer):
                {"role": "user", "content": "Check it."}]
     # the header names the session as well as the URL prefix does
     via_header = openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0,
-                               default_headers={"X-Tidal-Session": "ep-1"})
+                               default_headers={"X-Tidal-Session": gw.session_key("ep-1")})
     second = via_header.chat.completions.create(model="gpt-4o-mini", messages=history,
                                                 extra_body={"return_token_ids": True})
     assert gw.close_session("ep-1") is session
@@ -245,6 +245,26 @@ def test_a_session_records_its_calls_as_one_episode(served, tool_tokenizer):
     with pytest.raises(openai.NotFoundError) as e:  # closed: no further call is taken
         c.chat.completions.create(model="m", messages=QUESTION)
     assert e.value.body["code"] == "session_not_found"
+
+
+def test_a_session_is_reachable_only_with_its_secret(served):
+    """Episode ids are predictable; a session's URL also holds a secret, so nothing else that
+    reaches the gateway (another episode's agent, another local process) writes into its record."""
+    server, _ = served
+    gw = server.gateway
+    session = gw.open_session("ep-3", SamplingParams(max_new_tokens=4))
+    try:
+        for key in ("ep-3", "ep-3~wrong", gw.session_key("ep-3") + "x"):
+            c = openai.OpenAI(base_url=f"{server.base}/sessions/{key}/v1", api_key=server.api_key, max_retries=0)
+            with pytest.raises(openai.NotFoundError) as e:
+                c.chat.completions.create(model="m", messages=QUESTION)
+            assert e.value.body["code"] == "session_not_found" and session.secret not in e.value.body["message"]
+        assert not session.calls  # nothing was recorded
+        ok = openai.OpenAI(base_url=server.session_url("ep-3"), api_key=server.api_key, max_retries=0)
+        ok.chat.completions.create(model="m", messages=QUESTION)
+        assert len(session.calls) == 1
+    finally:
+        gw.close_session("ep-3")
 
 
 def test_a_session_out_of_turns_refuses_the_call(served, tool_tokenizer):

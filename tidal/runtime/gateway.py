@@ -8,8 +8,9 @@ the results into OpenAI's response shapes. The HTTP server around it is
 
 Choices made here:
 
-- **Sessions.** A call names its session by the URL prefix `/sessions/{id}/v1/...` or the
-  header `X-Tidal-Session`. A rollout opens the session of each agent episode; the calls are
+- **Sessions.** A call names its session by the URL prefix `/sessions/{id}~{secret}/v1/...`
+  or the header `X-Tidal-Session` (the secret is made when the session opens and given to its
+  agent only). A rollout opens the session of each agent episode; the calls are
   recorded in a `Session` (tidal/runtime/sessions.py), which continues earlier token contexts
   and records prefix breaks. Outside a session a call is served and forgotten.
 - **The turn as generated.** An assistant message that the gateway itself returned in the
@@ -36,6 +37,7 @@ Choices made here:
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import secrets
@@ -53,6 +55,7 @@ from tidal.types import GenerationRequest, GenerationResult, SamplingParams, Too
 log = logging.getLogger("tidal")
 
 MAX_N = 64
+SESSION_KEY_SEP = "~"  # between a session's id and its secret in `/sessions/{id}~{secret}/v1`
 
 
 class GatewayError(Exception):
@@ -110,6 +113,8 @@ class Gateway:
     def open_session(self, session_id: str, params: SamplingParams, *, seed: int = 0, max_calls: int | None = None,
                      max_total_tokens: int | None = None) -> Session:
         """A rollout's episode: calls under `session_id` are recorded; sampling is `params`."""
+        if SESSION_KEY_SEP in session_id or "/" in session_id:
+            raise ValueError(f"gateway: a session id may not hold {SESSION_KEY_SEP!r} or '/': {session_id!r}")
         session = Session(session_id, seed=seed, max_calls=max_calls, max_total_tokens=max_total_tokens)
         with self._lock:
             if session_id in self.sessions and self.sessions[session_id].open:
@@ -132,15 +137,24 @@ class Gateway:
                 session.open = False
         return session
 
-    def _session(self, session_id: str | None) -> Session | None:
-        if not session_id:
+    def session_key(self, session_id: str) -> str:
+        """What names an open session in a URL or the header: its id and its secret. Episode ids
+        are predictable; the secret keeps one agent (or anything else that can reach the
+        gateway) from writing into another episode's record."""
+        with self._lock:
+            session = self.sessions[session_id]
+        return f"{session_id}{SESSION_KEY_SEP}{session.secret}"
+
+    def _session(self, key: str | None) -> Session | None:
+        if not key:
             return None
+        session_id, _, secret = key.partition(SESSION_KEY_SEP)
         with self._lock:
             session = self.sessions.get(session_id)
-        if session is None or not session.open:
+        if session is None or not session.open or not hmac.compare_digest(secret.encode(), session.secret.encode()):
             raise GatewayError(404, f"session `{session_id}` is not open on this gateway (sessions are opened by "
-                                    "a rollout, one per episode; without one, call /v1/... directly)",
-                               "invalid_request_error", None, "session_not_found")
+                                    "a rollout, one per episode, and named by the URL it gives the agent; without "
+                                    "one, call /v1/... directly)", "invalid_request_error", None, "session_not_found")
         return session
 
     # -- the API -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ served by uvicorn on a thread of its own with its own event loop, so the same se
 `tidal serve-policy` and inside a training run (whose rollout has a loop of its own).
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`, each also under
-`/sessions/{session_id}/v1/...` (or with the header `X-Tidal-Session`), and `GET /health`.
+`/sessions/{id}~{secret}/v1/...` (or with the header `X-Tidal-Session`), and `GET /health`.
 Binding: 127.0.0.1 unless configured otherwise; a token (`Authorization: Bearer ...`) is
 required whenever the server binds anywhere else, and checked on every route but `/health`.
 
@@ -141,7 +141,8 @@ class GatewayServer:
         return self.token or "tidal"
 
     def session_url(self, session_id: str) -> str:
-        return f"{self.base}/sessions/{session_id}/v1"
+        """The base URL of an open session (its id and secret), for the agent's client."""
+        return f"{self.base}/sessions/{self.gateway.session_key(session_id)}/v1"
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -173,8 +174,6 @@ def start_gateway(engine, tokenizer, model_dir, cfg, *, run_dir=None) -> Gateway
         path = Path(run_dir) / "gateway.json"
         path.touch(mode=0o600)
         path.chmod(0o600)
-        path.write_text(json.dumps({"url": server.url, "session_url": server.session_url("{episode_id}"),
-                                    "model": gateway.model_name, "token": token}, indent=1) + "\n")
-    log.info("gateway: serving the policy at %s (sessions: %s)%s", server.url, server.session_url("<episode_id>"),
-             "; token required" if token else "")
+        path.write_text(json.dumps({"url": server.url, "model": gateway.model_name, "token": token}, indent=1) + "\n")
+    log.info("gateway: serving the policy at %s%s", server.url, "; token required" if token else "")
     return server

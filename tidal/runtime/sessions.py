@@ -22,6 +22,7 @@ Legend: ids are token ids; a node's `tokens` are its own, appended to its parent
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,7 @@ class Session:
     def __init__(self, session_id: str, *, seed: int = 0, max_calls: int | None = None,
                  max_total_tokens: int | None = None, training: bool = True):
         self.id = session_id
+        self.secret = secrets.token_urlsafe(16)  # in the session's URL: only its own agent can call it
         self.seed = seed
         self.max_calls = max_calls
         self.max_total_tokens = max_total_tokens
