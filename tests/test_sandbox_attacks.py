@@ -168,7 +168,7 @@ environ = b""
 for p in filter(str.isdigit, os.listdir("/proc")):
     try:
         environ += open(f"/proc/{{p}}/environ", "rb").read()
-    except PermissionError:  # the runner's supervisor is not dumpable: not even readable
+    except FileNotFoundError:  # /proc/1, the runner's supervisor, is masked
         pass
 print("secret seen:", {MARKER!r}.encode() in environ or {MARKER!r} in str(os.environ))
 """

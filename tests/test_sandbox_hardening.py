@@ -287,6 +287,11 @@ def test_the_code_cannot_ptrace_the_sandbox_init():
     assert control.status is OK and control.stdout.endswith(" seized\n")
 
 
+def test_without_the_filter_the_init_still_cannot_be_ptraced():
+    r = run_python(PTRACE_PARENT, config=SandboxConfig(warm=0, seccomp=False))
+    assert (r.status, r.stdout) == (OK, "1 Operation not permitted\n")  # it made itself non-dumpable
+
+
 DETACH = """
 import os, sys, time
 r, w = os.pipe()

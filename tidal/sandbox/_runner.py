@@ -5,9 +5,9 @@ blocks on the request pipe. The host sends it compiled (by the sandbox's own int
 so the bytecode always matches) and starts it with a one-line bootstrap. On a request it
 materializes files and stdin, sets the resource limits, writes "S" on the status pipe and
 runs the code in a child process, whose end it reports there as "D<exit code> <signal>
-<cpu seconds>" from wait4: the host's account of a run. This process makes itself
-non-dumpable at start-up and is the only one holding the status pipe, so the code (same
-uid) can neither open that pipe through /proc nor write this process's memory; forking
+<cpu seconds>" from wait4: the host's account of a run. This process is the only one
+holding the status pipe, and the sandbox's /proc/1 (this process) is masked, so the code
+(same uid) can neither open that pipe through /proc nor write this process's memory; forking
 the already-started interpreter costs a third of a millisecond, not an interpreter start.
 It is the sandbox's init (PID 1), so the code cannot signal it either.
 
@@ -22,7 +22,7 @@ Modes of a request:
   docs/sandbox.md; the session's end is reported by the supervisor).
 
 Only built-in modules (`posix`, not `os`: importing `os` alone costs a millisecond per
-run), `resource`, and `_ctypes` for prctl.
+run), `resource`, and `_ctypes` for prctl where the filter is off.
 """
 # ruff: noqa: S102, BLE001, S110 — executing arbitrary code, and outliving whatever it raises, is this file's job.
 
@@ -199,16 +199,16 @@ def _exec(argv):
 
 
 def _set_dumpable(value):
-    """prctl(PR_SET_DUMPABLE): a process that is not dumpable cannot be opened through
-    /proc/<pid>/{fd,mem,…} by another process of the same uid (nor ptraced, which the
-    syscall filter forbids anyway). `_ctypes` directly: `ctypes` costs 3 ms to import."""
+    """prctl(PR_SET_DUMPABLE): a process that is not dumpable cannot be ptraced by another
+    process of the same uid. Only needed without the syscall filter (which denies ptrace
+    outright); `_ctypes` directly, as `ctypes` costs 3 ms to import."""
     import _ctypes
 
     class _Int(_ctypes._SimpleCData):
         _type_ = "i"
 
     class _Function(_ctypes.CFuncPtr):
-        _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+        _flags_ = _ctypes.FUNCFLAG_CDECL
         _restype_ = _Int
 
     prctl = _Function(_ctypes.dlsym(_ctypes.dlopen(None), "prctl"))
@@ -216,11 +216,12 @@ def _set_dumpable(value):
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
 
 
-def _supervise(request, status_fd, request_fd):
+def _supervise(request, status_fd, request_fd, undumpable):
     """Run the code in a child and report how it ended. This process is the sandbox's
     init (bubblewrap's --as-pid-1): the kernel keeps every signal from inside the sandbox
-    away from it (its handlers are the defaults), it is not dumpable (set at start-up),
-    it alone holds the status pipe, and it reports the kernel's own account of the
+    away from it (its handlers are the defaults), /proc/1 is masked (its descriptors and
+    memory cannot be opened; without the syscall filter, which denies ptrace, it is also
+    made non-dumpable), it alone holds the status pipe, and it reports the kernel's own account of the
     child's end (wait4), so nothing the code does can change the report or stop it.
     As init it also reaps the orphans the code leaves."""
     import _signal
@@ -229,7 +230,8 @@ def _supervise(request, status_fd, request_fd):
     pid = posix.fork()
     if pid == 0:
         posix.close(status_fd)
-        _set_dumpable(1)  # the code's own process behaves as usual towards itself
+        if undumpable:
+            _set_dumpable(1)  # the code's own process behaves as usual towards itself
         if mode == "python_session":
             return _python_session(request_fd, request["workspace"])
         posix.close(request_fd)
@@ -302,11 +304,13 @@ def main():
     import _signal
 
     request_fd, status_fd, idle_timeout_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    try:
-        _set_dumpable(0)
-    except BaseException as e:
-        posix.write(status_fd, f"Ecannot make the sandbox runner non-dumpable: {type(e).__name__}: {e}".encode())
-        return 125
+    undumpable = sys.argv[4] == "1"
+    if undumpable:
+        try:
+            _set_dumpable(0)
+        except BaseException as e:
+            posix.write(status_fd, f"Ecannot make the sandbox runner non-dumpable: {type(e).__name__}: {e}".encode())
+            return 125
     # A warm sandbox nobody takes ends by itself. As the namespace's init this process
     # would ignore SIGALRM under its default action: a handler, only while it waits.
     _signal.signal(_signal.SIGALRM, _idle_exit)
@@ -322,7 +326,7 @@ def main():
         posix.write(status_fd, f"E{type(e).__name__}: {e}".encode()[:4000])
         return 125
     posix.write(status_fd, b"S")
-    return _supervise(request, status_fd, request_fd)
+    return _supervise(request, status_fd, request_fd, undumpable)
 
 
 if __name__ == "__main__":

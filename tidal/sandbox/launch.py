@@ -5,8 +5,9 @@ merged-/usr system), the two pieces of /etc that programs need to start (the dyn
 linker cache, alternatives), five harmless devices, the interpreter's own installation
 prefix, and the paths the config lists, all read-only. / is a read-only tmpfs, /tmp and
 /workspace are private tmpfs of bounded size, /proc belongs to the sandbox's own PID
-namespace. Every namespace is new (user, mount, PID, network with only its own loopback,
-IPC, UTS, cgroup) and nested user namespaces are refused.
+namespace (with /proc/1, the runner's supervisor, masked). Every namespace is new (user,
+mount, PID, network with only its own loopback, IPC, UTS, cgroup) and nested user
+namespaces are refused.
 
 When tidal runs as root, bubblewrap is started as an unprivileged uid (`setpriv`):
 bubblewrap then creates a user namespace, whose process count is what RLIMIT_NPROC limits
@@ -167,7 +168,9 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
         args += ["--ro-bind", path, path]
     for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
         args += ["--dev-bind", device, device]
-    args += ["--proc", "/proc",
+    # /proc/1 is the runner's supervisor, which reports the run's result: an empty read-only
+    # tmpfs over it keeps the code (same uid) from opening its descriptors or memory there.
+    args += ["--proc", "/proc", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
              "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
              "--size", str(limits.workspace_bytes), "--tmpfs", WORKSPACE,
              # bwrap's own root is a tmpfs without a size: writable, it would let the code
@@ -186,7 +189,10 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
     reporting set-up on `status_fd` (both inherited at the same numbers). `bwrap_fds` are
     bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`)."""
     head, tail, runner_frame = _command(config.model_dump_json(), limits.tmp_bytes, limits.workspace_bytes)
-    runner_args = [str(request_fd), str(status_fd), str(config.idle_timeout_s)]
+    # The runner's last argument: make its supervisor non-dumpable (proof against ptrace),
+    # needed only where no syscall filter denies ptrace.
+    undumpable = config.isolation == "bwrap" and not config.seccomp
+    runner_args = [str(request_fd), str(status_fd), str(config.idle_timeout_s), "1" if undumpable else "0"]
     if config.isolation == "unsafe_host":
         workspace = tempfile.mkdtemp(prefix="tidal-sandbox-unsafe-")
         return Launch([*head, *tail, *runner_args], _sandbox_env(config, workspace, workspace), runner_frame,

@@ -13,8 +13,8 @@ no code runs before every process of the sandbox is in the cgroup.
 
 A run is over when the runner's supervisor reports the code's end on the status pipe (the
 kernel's wait4 status and CPU time of the code's process; the supervisor is the sandbox's
-PID 1, not dumpable, and alone holds that pipe, so the code can neither write it, nor
-signal or ptrace it), or when the sandbox exits without such a report, which is never
+PID 1, its /proc entry is masked, and it alone holds that pipe, so the code can neither
+write it, nor signal or ptrace it), or when the sandbox exits without such a report, which is never
 `ok`. Output is read as it comes, at most `output_bytes` per stream and a chunk at a time
 between which other runs are served, so a flood never stalls the event loop nor sits in
 host memory; the status pipe is read to a few hundred bytes at most. Past a cap or the
