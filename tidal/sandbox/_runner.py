@@ -2,14 +2,14 @@
 
 It is started before its work is known (that is what makes a warm sandbox possible) and
 blocks on the request pipe. The host sends it compiled (by the sandbox's own interpreter,
-so the bytecode always matches) and starts it with a one-line bootstrap. On a request it
-materializes files and stdin, sets the resource limits, writes "S" on the status pipe and
-runs the code in a child process, whose end it reports there as "D<exit code> <signal>
-<cpu seconds>" from wait4: the host's account of a run. This process is the only one
-holding the status pipe, and the sandbox's /proc/1 (this process) is masked, so the code
-(same uid) can neither open that pipe through /proc nor write this process's memory; forking
-the already-started interpreter costs a third of a millisecond, not an interpreter start.
-It is the sandbox's init (PID 1), so the code cannot signal it either.
+so the bytecode always matches) and starts it with a one-line bootstrap. It forks at once: the parent is the supervisor, the sandbox's init (PID 1); the child, on a
+request, materializes files and stdin, sets the resource limits, writes "S" on the status
+pipe, closes it and runs the code. The supervisor reports the child's end there as
+"D<exit code> <signal> <cpu seconds>" from wait4: the host's account of a run. Once the
+code runs, only the supervisor holds the status pipe, and the sandbox's /proc/1 (the
+supervisor) is masked, so the code (same uid) can neither open that pipe through /proc
+nor write the supervisor's memory, nor signal it (PID 1). The fork happens while the
+sandbox is warm, before the request: it is off the run's path.
 
 Modes of a request:
 - `python`: run `code` as the `__main__` of the forked interpreter (no second interpreter
@@ -216,29 +216,16 @@ def _set_dumpable(value):
         raise OSError("prctl(PR_SET_DUMPABLE) failed")
 
 
-def _supervise(request, status_fd, request_fd, undumpable):
-    """Run the code in a child and report how it ended. This process is the sandbox's
+def _supervise(pid, status_fd):
+    """Wait for the code's process and report how it ended. This process is the sandbox's
     init (bubblewrap's --as-pid-1): the kernel keeps every signal from inside the sandbox
     away from it (its handlers are the defaults), /proc/1 is masked (its descriptors and
     memory cannot be opened; without the syscall filter, which denies ptrace, it is also
-    made non-dumpable), it alone holds the status pipe, and it reports the kernel's own account of the
-    child's end (wait4), so nothing the code does can change the report or stop it.
-    As init it also reaps the orphans the code leaves."""
+    made non-dumpable), it alone holds the status pipe once the code runs, and it reports
+    the kernel's own account of the child's end (wait4), so nothing the code does can
+    change the report or stop it. As init it also reaps the orphans the code leaves."""
     import _signal
 
-    mode = request["mode"]
-    pid = posix.fork()
-    if pid == 0:
-        posix.close(status_fd)
-        if undumpable:
-            _set_dumpable(1)  # the code's own process behaves as usual towards itself
-        if mode == "python_session":
-            return _python_session(request_fd, request["workspace"])
-        posix.close(request_fd)
-        if mode == "python":
-            _run_python(request)
-        _exec(list(request["argv"]))
-    posix.close(request_fd)
     _signal.signal(_signal.SIGINT, _signal.SIG_DFL)  # as init, default handlers make it immune
     while True:
         reaped, status, usage = posix.wait4(-1, 0)
@@ -296,10 +283,6 @@ def _python_session(request_fd, workspace):
         _write_all(2, b"\n" + token + b"\n")
 
 
-def _idle_exit(signum, frame):
-    raise SystemExit(0)
-
-
 def main():
     import _signal
 
@@ -309,24 +292,34 @@ def main():
         try:
             _set_dumpable(0)
         except BaseException as e:
-            posix.write(status_fd, f"Ecannot make the sandbox runner non-dumpable: {type(e).__name__}: {e}".encode())
+            posix.write(status_fd, f"Ecannot make the sandbox runner non-dumpable: {type(e).__name__}: {e}\n".encode())
             return 125
-    # A warm sandbox nobody takes ends by itself. As the namespace's init this process
-    # would ignore SIGALRM under its default action: a handler, only while it waits.
-    _signal.signal(_signal.SIGALRM, _idle_exit)
-    _signal.alarm(idle_timeout_s)
+    # Forked before the request comes (while the sandbox is warm, off the run's path): this
+    # process supervises, the child becomes the code's process.
+    pid = posix.fork()
+    if pid:
+        posix.close(request_fd)
+        return _supervise(pid, status_fd)
+    if undumpable:
+        _set_dumpable(1)  # the code's own process behaves as usual towards itself
+    _signal.alarm(idle_timeout_s)  # a warm sandbox nobody takes ends by itself
     request = _read_frame(request_fd)
     _signal.alarm(0)
-    _signal.signal(_signal.SIGALRM, _signal.SIG_DFL)
     if request is None:
         return 0
     try:
         _set_up(request)
     except BaseException as e:
-        posix.write(status_fd, f"E{type(e).__name__}: {e}".encode()[:4000])
+        posix.write(status_fd, f"E{type(e).__name__}: {e}".replace("\n", " ").encode()[:4000] + b"\n")
         return 125
     posix.write(status_fd, b"S")
-    return _supervise(request, status_fd, request_fd, undumpable)
+    posix.close(status_fd)  # from here on only the supervisor holds it
+    if request["mode"] == "python_session":
+        return _python_session(request_fd, request["workspace"])
+    posix.close(request_fd)
+    if request["mode"] == "python":
+        _run_python(request)
+    _exec(list(request["argv"]))
 
 
 if __name__ == "__main__":

@@ -456,7 +456,8 @@ class SandboxProcess:
             if host_kill is SandboxStatus.TIMEOUT:
                 error = f"sandbox set-up did not finish within wall_s={limits.wall_s}"
             else:
-                detail = self.status_bytes[1:].decode(errors="replace") or stderr.text().strip()[-2000:]
+                detail = (self.status_bytes[1:].split(b"\n", 1)[0].decode(errors="replace")
+                          or stderr.text().strip()[-2000:])
                 error = f"sandbox failed before running the code (exit {self.popen.returncode}): {detail}"
             return self._result(SandboxStatus.SANDBOX_ERROR, stdout, stderr, t0, error=error, wall_s=wall_s)
         if self.cgroup is not None and self.cgroup.oom_killed():

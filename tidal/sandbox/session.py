@@ -154,7 +154,7 @@ class _Session:
         wall_s = time.monotonic() - t0
         text_out, text_err = out.decode(errors="replace"), err.decode(errors="replace")
         if returncode is None or not status_bytes.startswith(b"S"):
-            detail = status_bytes[1:].decode(errors="replace") or text_err.strip()[-2000:]
+            detail = status_bytes[1:].split(b"\n", 1)[0].decode(errors="replace") or text_err.strip()[-2000:]
             return SandboxResult(SandboxStatus.SANDBOX_ERROR, text_out, text_err, None, None, wall_s,
                                  f"session sandbox failed (exit {returncode}): {detail}")
         if oom:
