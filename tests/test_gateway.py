@@ -374,3 +374,19 @@ def test_stop_strings_end_the_reply_and_are_cut_from_it(tool_tokenizer):
         assert kept.endswith("END") and "more" not in kept
         plain = c.chat.completions.create(model="scripted", messages=QUESTION, max_tokens=3)
         assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
+
+
+def test_oversized_and_hostile_bodies_are_refused(served):
+    server, _ = served
+    url = server.url + "/chat/completions"
+    big = b'{"model": "tiny-tool", "messages": [{"role": "user", "content": "' + b"x" * (5 << 20) + b'"}]}'
+    r = httpx.post(url, content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    deep = b"[" * 100_000 + b"]" * 100_000  # nesting past the JSON parser's recursion limit
+    r = httpx.post(url, content=deep, timeout=60)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    c = openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny-tool", messages=QUESTION, stop=["y" * 10_000])
+    assert e.value.body["param"] == "stop"
+    assert httpx.get(server.base + "/health", timeout=10).status_code == 200  # still serving

@@ -193,8 +193,9 @@ class Gateway:
             stop = []
         elif isinstance(stop, str):
             stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 16:
-            raise _bad("`stop` must be a non-empty string or a list of at most 16 of them", "stop")
+        if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop) \
+                or len(stop) > 16:
+            raise _bad("`stop` must be a string of 1 to 256 characters or a list of at most 16 of them", "stop")
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise _bad("`seed` must be an integer", "seed")
