@@ -112,6 +112,15 @@ def test_cli_eval_json(tiny_model_dir, capsys):
     assert out["n"] == 6 and out["k"] == 2 and 0.0 <= out["accuracy"] <= 1.0 and 0.0 <= out["pass_at_k"] <= 1.0
 
 
+def test_cli_eval_shows_what_failed(tiny_model_dir, capsys):
+    # every episode's reward raises: counted wrong, and the first failure is printed, not hidden behind 0.000
+    assert main(["eval", str(tiny_model_dir), "eval.n=4", "eval.k=1", "task.reward=test_run:broken_reward",
+                 "reward.isolation=inline"]) == 0
+    out = capsys.readouterr().out
+    assert "accuracy (greedy) 0.000" in out and "4 reward_error" in out
+    assert "first failure: reward function `test_run:broken_reward` raised KeyError('solution')" in out
+
+
 def test_several_updates_per_batch_anchor_on_the_rollout_policy(tiny_model_dir, tmp_path):
     ctl = Controller(_cfg(tiny_model_dir, tmp_path / "run", "train.steps=1", "train.mini_batches=2",
                           "train.epochs=2", "train.lr=0.05"))

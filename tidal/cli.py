@@ -162,6 +162,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         print(f"{model_dir}: held-out accuracy (greedy) {res['accuracy']:.3f}  pass@{res['k']} {res['pass_at_k']:.3f}  "
               f"pass@1 (T={res['temperature']}) {res['pass_at_1']:.3f}  on {res['n']} problems  "
               f"(failed episodes, counted wrong: {failed}){tools}")
+        if res.get("first_error"):
+            print(f"  first failure: {res['first_error']}")
     return 0
 
 

@@ -37,6 +37,9 @@ def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_e
     # No reward said what is correct (a reward model alone): accuracy is unknown, not 0 (eval.reward).
     out: dict[str, Any] = {"n": len(rows), "accuracy": sum(correct) / len(rows) if judged or failed else None,
                            "failed": sum(failed.values()), "failed_by_status": dict(failed)}
+    first = next((e for e in episodes if not e.status.trainable), None)
+    if first is not None:  # a failure is counted wrong; what it was is said, not hidden behind 0.000
+        out["first_error"] = first.error
     tool_calls = sum(e.metrics.get("tools/calls", 0.0) for e in episodes)
     if tool_calls:
         errors = sum(v for e in episodes for key, v in e.metrics.items() if key.startswith("tools/errors/"))
