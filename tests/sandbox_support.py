@@ -8,6 +8,7 @@ TIDAL_REQUIRE_BWRAP=1, its absence is a failure, so CI never passes by skipping 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -35,10 +36,26 @@ def _pid_namespace(pid: str) -> str | None:
         return None
 
 
+_OTHER_POOL = re.compile(r"/tidal-sandbox-(\d+)-\d+(/|$)")
+
+
+def _in_another_live_pool(pid: str) -> bool:
+    """Whether the process sits in the run cgroup of another live process's sandbox pool
+    (tidal/sandbox/cgroup.py names them tidal-sandbox-<owner pid>-<n>): a suite running beside
+    this one. A process of ours, or one that left every pool's cgroup, still counts."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            owners = {int(m.group(1)) for line in f for m in [_OTHER_POOL.search(line)] if m}
+    except OSError:
+        return False
+    return bool(owners) and os.getpid() not in owners and all(os.path.exists(f"/proc/{o}") for o in owners)
+
+
 def sandbox_processes() -> list[str]:
     """Live (not zombie) processes that belong to a sandbox: run as the sandbox uid (when
-    that is not ours) or in a PID namespace other than ours. Zombies are left out: the
-    inner bubblewrap is reaped by the host's init, which may take a moment."""
+    that is not ours) or in a PID namespace other than ours, except those in another live
+    process's pool. Zombies are left out: the inner bubblewrap is reaped by the host's init,
+    which may take a moment."""
     own_uid, own_ns = os.geteuid(), _pid_namespace("self")
     uid = sandbox_uid(SandboxConfig())
     found = []
@@ -54,7 +71,8 @@ def sandbox_processes() -> list[str]:
             continue
         process_uid = int(fields["Uid"].split()[0])
         ns = _pid_namespace(pid)
-        if (uid != own_uid and process_uid == uid) or (ns is not None and ns != own_ns):
+        if ((uid != own_uid and process_uid == uid) or (ns is not None and ns != own_ns)) \
+                and not _in_another_live_pool(pid):
             found.append(f"{pid} uid={process_uid} {cmdline}")
     return found
 
