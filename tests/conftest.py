@@ -19,3 +19,12 @@ def tokenizer(tiny_model_dir):
     from tidal.models import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer():
+    """The embedded tiny tool model's tokenizer (tidal/models/assets/tiny-tool)."""
+    from tidal.models import load_tokenizer
+    from tidal.models.tool_model import TOOL_MODEL_DIR
+
+    return load_tokenizer(TOOL_MODEL_DIR)

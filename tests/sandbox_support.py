@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +84,33 @@ def wait_for_no_sandbox_processes(timeout_s: float = 5.0) -> list[str]:
     while (left := sandbox_processes()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
+
+
+def own_pool_cgroups() -> list[Path]:
+    """The pool cgroup directories this process has left (none may remain)."""
+    roots = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
+    return [d for root in roots if root.is_dir() for d in root.rglob(f"tidal-sandbox-{os.getpid()}-*")]
+
+
+def own_sandbox_processes() -> list[str]:
+    """Live processes of the sandbox uid that descend from this process (another tidal
+    process's sandboxes on the same machine are not ours to count)."""
+    uid, parents, found = sandbox_uid(SandboxConfig()), {}, []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        parents[int(pid)] = (int(fields["PPid"]), int(fields["Uid"].split()[0]), fields["State"].strip())
+    for pid, (ppid, process_uid, state) in parents.items():
+        if process_uid != uid or state.startswith("Z"):
+            continue
+        seen = set()
+        while ppid > 1 and ppid not in seen:
+            if ppid == os.getpid():
+                found.append(f"{pid} uid={process_uid} {state}")
+                break
+            seen.add(ppid)
+            ppid = parents.get(ppid, (0,))[0]
+    return found

@@ -34,11 +34,6 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def tool_tokenizer():
-    return load_tokenizer(TOOL_MODEL_DIR)
-
-
-@pytest.fixture(scope="module")
 def served(tool_tokenizer):
     """The tiny tool model behind a router, served on loopback."""
     torch.set_num_threads(2)
@@ -168,14 +163,18 @@ def test_a_malformed_call_stays_text(tool_tokenizer):
         assert r.choices[0].finish_reason == "stop"
 
 
-def test_tool_messages_render_into_the_next_prompt(client):
+def test_tool_messages_render_into_the_next_prompt(client, tool_tokenizer):
     history = [*QUESTION,
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "c1", "type": "function", "function": {"name": "calculator",
                                                                  "arguments": '{"expression": "347 * 28"}'}}]},
                {"role": "tool", "tool_call_id": "c1", "content": "9716"}]
-    r = client.chat.completions.create(model="tiny-tool", messages=history, tools=TOOLS, max_tokens=24, seed=0)
-    assert r.usage.prompt_tokens > 0 and r.choices[0].message.content is not None
+    r = client.chat.completions.create(model="tiny-tool", messages=history, tools=TOOLS, max_tokens=24, seed=0,
+                                       extra_body={"return_token_ids": True})
+    prompt = tool_tokenizer.decode(r.model_dump()["prompt_token_ids"])
+    # the call and its result are in the prompt, as the template renders them, then a new turn starts
+    assert '<tool_call>{"name": "calculator", "arguments": {"expression": "347 * 28"}}</tool_call>' in prompt
+    assert prompt.endswith("<tool_response>9716</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_errors_have_openai_shape(served, client):

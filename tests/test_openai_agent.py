@@ -22,7 +22,7 @@ from tidal.engines.scripted import ScriptedEngine
 from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.openai_agent import OpenAIAgentEnv
 from tidal.envs.tool_arith import make_rows
-from tidal.models import load_model, load_tokenizer, stop_token_ids
+from tidal.models import load_model, stop_token_ids
 from tidal.models.tool_model import TOOL_MODEL_DIR
 from tidal.rewards.pool import build_scorer
 from tidal.runtime.controller import Controller
@@ -102,11 +102,6 @@ class Tap:
 
     def resume(self):
         self.engine.resume()
-
-
-@pytest.fixture(scope="module")
-def tool_tokenizer():
-    return load_tokenizer(TOOL_MODEL_DIR)
 
 
 @pytest.fixture(scope="module")

@@ -24,12 +24,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sandbox_support import require_bwrap
+from sandbox_support import own_pool_cgroups, own_sandbox_processes, require_bwrap
 
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxStatus
 from tidal.sandbox import run_command_sync as run_command
 from tidal.sandbox import run_python_sync as run_python
-from tidal.sandbox.launch import sandbox_uid
 from tidal.sandbox.seccomp import CLONE_NEW_FLAGS, TIOCLINUX, TIOCSTI, denied_syscalls
 
 pyseccomp = pytest.importorskip("pyseccomp")
@@ -46,42 +45,12 @@ def _nr(name: str) -> int:
     return pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
 
 
-def _own_pool_cgroups() -> list[Path]:
-    """The pool cgroup directories this process has left (none may remain)."""
-    roots = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
-    return [d for root in roots if root.is_dir() for d in root.rglob(f"tidal-sandbox-{os.getpid()}-*")]
-
-
-def own_sandbox_processes() -> list[str]:
-    """Live processes of the sandbox uid that descend from this process (another tidal
-    process's sandboxes on the same machine are not ours to count)."""
-    uid, parents, found = sandbox_uid(SandboxConfig()), {}, []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        parents[int(pid)] = (int(fields["PPid"]), int(fields["Uid"].split()[0]), fields["State"].strip())
-    for pid, (ppid, process_uid, state) in parents.items():
-        if process_uid != uid or state.startswith("Z"):
-            continue
-        seen = set()
-        while ppid > 1 and ppid not in seen:
-            if ppid == os.getpid():
-                found.append(f"{pid} uid={process_uid} {state}")
-                break
-            seen.add(ppid)
-            ppid = parents.get(ppid, (0,))[0]
-    return found
-
-
 @pytest.fixture(scope="module", autouse=True)
 def host_is_clean():
     require_bwrap()
     yield
     assert own_sandbox_processes() == [], "sandbox processes outlived the attacks"
-    assert _own_pool_cgroups() == [], "sandbox cgroups left behind"
+    assert own_pool_cgroups() == [], "sandbox cgroups left behind"
 
 
 # -- 1. the syscall filter ---------------------------------------------------------------
@@ -316,7 +285,7 @@ def test_processes_that_detach_end_with_the_run():
     results, left = asyncio.run(go())
     assert [r.status for r in results] == [OK] * 3
     assert left == []
-    assert _own_pool_cgroups() == []
+    assert own_pool_cgroups() == []
 
 
 def test_the_init_can_also_be_moved_into_the_cgroup_while_bubblewrap_holds_it(monkeypatch):
@@ -327,7 +296,7 @@ def test_the_init_can_also_be_moved_into_the_cgroup_while_bubblewrap_holds_it(mo
     monkeypatch.setattr(cgroup, "THREAD_ENTRY", False)
     r = run_python(MEMFD, limits={"memory_bytes": 128 * MiB})
     assert r.status is MEMORY and "memory limit" in r.error
-    assert run_python(DETACH).status is OK and own_sandbox_processes() == [] and _own_pool_cgroups() == []
+    assert run_python(DETACH).status is OK and own_sandbox_processes() == [] and own_pool_cgroups() == []
 
 
 def test_processes_that_detach_control_survive_without_the_sandbox():

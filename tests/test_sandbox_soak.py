@@ -11,13 +11,11 @@ import asyncio
 import gc
 import os
 import time
-from pathlib import Path
 
 import pytest
-from sandbox_support import require_bwrap
+from sandbox_support import own_pool_cgroups, own_sandbox_processes, require_bwrap
 
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxStatus
-from tidal.sandbox.launch import sandbox_uid
 
 RUNS = int(os.environ.get("TIDAL_SANDBOX_SOAK_RUNS", "2000"))
 MiB = 1 << 20
@@ -51,35 +49,6 @@ RARE_ATTACKS = {
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _own_cgroups() -> list[Path]:
-    roots = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
-    return [d for root in roots if root.is_dir() for d in root.rglob(f"tidal-sandbox-{os.getpid()}-*")]
-
-
-def own_sandbox_processes() -> list[str]:
-    """Live processes of the sandbox uid that descend from this process (another tidal
-    process's sandboxes on the same machine are not ours to count)."""
-    uid, parents, found = sandbox_uid(SandboxConfig()), {}, []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue
-        parents[int(pid)] = (int(fields["PPid"]), int(fields["Uid"].split()[0]), fields["State"].strip())
-    for pid, (ppid, process_uid, state) in parents.items():
-        if process_uid != uid or state.startswith("Z"):
-            continue
-        seen = set()
-        while ppid > 1 and ppid not in seen:
-            if ppid == os.getpid():
-                found.append(f"{pid} uid={process_uid} {state}")
-                break
-            seen.add(ppid)
-            ppid = parents.get(ppid, (0,))[0]
-    return found
 
 
 @pytest.mark.slow
@@ -154,5 +123,5 @@ def test_soak_attacks_and_honest_runs():
           f"host RSS {baseline / MiB:.0f} -> {rss_after / MiB:.0f} MiB")
     assert wrong == [], wrong[:5]
     assert left == []
-    assert _own_cgroups() == []
+    assert own_pool_cgroups() == []
     assert rss_after - baseline < 50 * 1000 * 1000

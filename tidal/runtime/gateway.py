@@ -37,6 +37,7 @@ Choices made here:
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -104,7 +105,6 @@ class Gateway:
         self.stop_token_ids = tuple(stop_token_ids)
         self.max_sessions = max_sessions
         self.sessions: OrderedDict[str, Session] = OrderedDict()
-        self.session_params: dict[str, SamplingParams] = {}
         self._lock = threading.Lock()
         self._clients: dict[int, BatchingClient] = {}  # one per event loop (the server's)
         self.stats = {"requests": 0, "errors": 0, "sessions": 0}
@@ -115,23 +115,20 @@ class Gateway:
         """A rollout's episode: calls under `session_id` are recorded; sampling is `params`."""
         if SESSION_KEY_SEP in session_id or "/" in session_id:
             raise ValueError(f"gateway: a session id may not hold {SESSION_KEY_SEP!r} or '/': {session_id!r}")
-        session = Session(session_id, seed=seed, max_calls=max_calls, max_total_tokens=max_total_tokens)
+        session = Session(session_id, params, seed=seed, max_calls=max_calls, max_total_tokens=max_total_tokens)
         with self._lock:
             if session_id in self.sessions and self.sessions[session_id].open:
                 raise ValueError(f"gateway: session `{session_id}` is already open")
             self.sessions[session_id] = session
-            self.session_params[session_id] = params
             self.stats["sessions"] += 1
             while len(self.sessions) > self.max_sessions:
-                old, _ = self.sessions.popitem(last=False)
-                self.session_params.pop(old, None)
+                self.sessions.popitem(last=False)
         return session
 
     def close_session(self, session_id: str) -> Session | None:
         """No further call is taken under `session_id`; the record is handed back (and forgotten)."""
         with self._lock:
             session = self.sessions.pop(session_id, None)
-            self.session_params.pop(session_id, None)
         if session is not None:
             with session.lock:
                 session.open = False
@@ -261,7 +258,7 @@ class Gateway:
                 raise GatewayError(400, str(e), "invalid_request_error", None, f"session_{e.which}_limit") from None
             except KeyError as e:
                 raise GatewayError(404, str(e.args[0]), "invalid_request_error", None, "session_not_found") from None
-            run = self.session_params[session.id]
+            run = session.params
             asked = (temperature, top_p)
             overridden = asked != (run.temperature, run.top_p) and ("temperature" in body or "top_p" in body)
             call.overridden = overridden
@@ -310,8 +307,6 @@ class Gateway:
         return results
 
     def _client(self):
-        import asyncio
-
         loop = asyncio.get_running_loop()
         client = self._clients.get(id(loop))
         if client is None or client.loop is not loop:
@@ -459,8 +454,6 @@ class _LoopClient(BatchingClient):
         self.batches = deque(maxlen=1024)  # type: ignore[assignment] - a server runs for long: recent sizes only
 
     async def generate_many(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        import asyncio
-
         return list(await asyncio.gather(*(self.generate(r) for r in requests)))
 
 

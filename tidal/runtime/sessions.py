@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.types import Episode, ToolCallRecord, Turn
+from tidal.types import Episode, SamplingParams, ToolCallRecord, Turn
 
 
 @dataclass
@@ -74,14 +74,14 @@ class SessionLimit(Exception):
 class Session:
     """The record of one episode's calls. Thread-safe: an agent may call concurrently."""
 
-    def __init__(self, session_id: str, *, seed: int = 0, max_calls: int | None = None,
-                 max_total_tokens: int | None = None, training: bool = True):
+    def __init__(self, session_id: str, params: SamplingParams | None = None, *, seed: int = 0,
+                 max_calls: int | None = None, max_total_tokens: int | None = None):
         self.id = session_id
+        self.params = params  # the run's sampling: the session's calls are sampled with it
         self.secret = secrets.token_urlsafe(16)  # in the session's URL: only its own agent can call it
         self.seed = seed
         self.max_calls = max_calls
         self.max_total_tokens = max_total_tokens
-        self.training = training  # opened by a rollout: its sampling is the run's
         self.nodes: list[Node] = []
         self.calls: list[Call] = []
         self.open = True
@@ -130,7 +130,7 @@ class Session:
                 node = base  # the same prompt again (a retry): the same tokens
             else:
                 length = (base.length if base else 0) + len(new)
-                node = self._add(Node(len(self.nodes), base.id if base else None, "prompt", new, prompt_text, length))
+                node = self._append(Node(len(self.nodes), base.id if base else None, "prompt", new, prompt_text, length))
             if self.max_total_tokens is not None and node.length >= self.max_total_tokens:
                 self.limit_hit = "tokens"
                 raise SessionLimit(f"session `{self.id}`: the context holds {node.length} tokens, the episode's "
@@ -153,13 +153,13 @@ class Session:
                        tool_calls: list[ToolCallRecord], version: int) -> Node:
         with self.lock:
             p = self.nodes[call.prompt]
-            node = self._add(Node(len(self.nodes), p.id, "completion", list(token_ids), p.text + text_with_specials,
+            node = self._append(Node(len(self.nodes), p.id, "completion", list(token_ids), p.text + text_with_specials,
                                   p.length + len(token_ids), list(logprobs), list(versions), finish_reason, content,
                                   list(tool_calls), call.index, choice, version))
             call.completions.append(node.id)
             return node
 
-    def _add(self, node: Node) -> Node:
+    def _append(self, node: Node) -> Node:
         self.nodes.append(node)
         return node
 
