@@ -29,14 +29,22 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     """Byte-level BPE (digits always split, as Qwen does) trained on `corpus`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tok.decoder = decoders.ByteLevel()
+    return train_chatml_tokenizer(tok, corpus, vocab_size, CHAT_TEMPLATE)
+
+
+def train_chatml_tokenizer(tok, corpus, vocab_size: int, chat_template: str):
+    """Train a byte-level BPE `tok` on `corpus` and wrap it as an HF tokenizer with ChatML's
+    special tokens and `chat_template` (the embedded models' shared last steps)."""
+    from tokenizers import pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
@@ -46,7 +54,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 

@@ -31,7 +31,7 @@ import torch
 
 from tidal.envs.base import Action
 from tidal.envs.tool_arith import ToolArithEnv, make_rows
-from tidal.models.tiny import SPECIAL_TOKENS, build_model
+from tidal.models.tiny import SPECIAL_TOKENS, build_model, train_chatml_tokenizer
 
 TOOL_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-tool"
 
@@ -82,8 +82,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 768):
     taken from a `Qwen2Tokenizer` instance: built and loaded tokenizers then give the same
     tokens. The tool tags are added tokens that are not special (as in Qwen2.5): one token
     each, and kept when the rollout decodes with `skip_special_tokens=True`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
     qwen = Qwen2Tokenizer()._tokenizer
@@ -93,17 +92,7 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 768):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return train_chatml_tokenizer(tok, corpus, vocab_size, CHAT_TEMPLATE)
 
 
 # --------------------------------------------------------------------------------------------

@@ -372,33 +372,31 @@ class RunCgroup:
         """Kill every process in the cgroup, wait until none is left, and remove the cgroup
         or, empty and (almost) uncharged, keep it for another run of the pool. CgroupError
         (naming the survivors) if that takes longer than `timeout_s`."""
-        if self.removed:
-            return
         deadline = time.monotonic() + timeout_s
         delay = 0.001
-        while True:
-            members = self.pids()
-            if not members and self._release():
-                return
-            self.kill_members(members)
-            if time.monotonic() > deadline:
-                raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
-                                  f"{timeout_s:.0f} s")
+        while not self._teardown_round(deadline, timeout_s):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
 
     def destroy_sync(self, timeout_s: float) -> None:
         """`destroy` for a thread without an event loop (a start that failed half-way)."""
         deadline = time.monotonic() + timeout_s
-        while not self.removed:
-            members = self.pids()
-            if not members and self._release():
-                return
-            self.kill_members(members)
-            if time.monotonic() > deadline:
-                raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
-                                  f"{timeout_s:.0f} s")
+        while not self._teardown_round(deadline, timeout_s):
             time.sleep(0.005)
+
+    def _teardown_round(self, deadline: float, timeout_s: float) -> bool:
+        """One round of teardown: True once the cgroup is released (kept for reuse or removed);
+        otherwise its members are killed again, and past `deadline` CgroupError names them."""
+        if self.removed:
+            return True
+        members = self.pids()
+        if not members and self._release():
+            return True
+        self.kill_members(members)
+        if time.monotonic() > deadline:
+            raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
+                              f"{timeout_s:.0f} s")
+        return False
 
     def _release(self) -> bool:
         """An empty cgroup: keep it for another run if (almost) nothing is charged to it,
