@@ -53,11 +53,20 @@ def prompts(tok):
 
 @pytest.fixture(scope="module")
 def engine():
+    """Built and used while the caller runs torch on 1 thread (a trainer with run.threads=1):
+    OpenMP's default in the engine's worker thread is 2 here, and vLLM's CPU attention refuses
+    a kernel run whose thread count differs from its schedule's (CI failed on it after an
+    earlier test left 1 thread). test_controller_trains_with_vllm builds one at 2."""
+    import torch
+
     from tidal.engines.vllm_engine import VLLMEngine
 
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     eng = VLLMEngine(MODEL, mode="in_process", dtype="float32")
     yield eng
     eng.close()
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -291,6 +291,7 @@ class _InProcess:
         self._ids = itertools.count()
         self._stop = False
         self._error: BaseException | None = None
+        self._threads = threads
         self._thread = threading.Thread(target=self._loop, name="tidal-vllm", daemon=True)
         self._thread.start()
 
@@ -304,6 +305,14 @@ class _InProcess:
 
     def _loop(self) -> None:
         engine = self.llm.llm_engine
+        # OpenMP's thread count is per thread. torch sets this thread's on its first parallel op
+        # (to the last torch.set_num_threads of any thread); vLLM's CPU attention builds its
+        # schedule with the count at build time and refuses a kernel run with another
+        # ("Check failed: input->metadata->thread_num == thread_num"). Measured: with the caller at
+        # 1 thread, the first step built its schedule for 2 (OpenMP's default) and ran on 1.
+        # get_num_threads does torch's one-time set-up now; then the count is fixed here.
+        torch.get_num_threads()
+        torch.set_num_threads(self._threads)
         try:
             while True:
                 with self._cv:
