@@ -160,6 +160,33 @@ def test_math_timeout_applies_in_the_main_thread():
     assert time.monotonic() - t0 < 4.0
 
 
+
+def test_the_deadline_fires_again_after_a_swallowed_alarm():
+    """math-verify's one SIGALRM can land in a weakref callback, where Python ignores the
+    exception (seen in CI: the parse then finished and a too-costly answer counted as correct).
+    tidal's deadline repeats: a block that swallows the first alarm is still stopped, and
+    afterwards no alarm is pending and the previous handler is back."""
+    import signal
+
+    from tidal.rewards.math import _deadline, _OutOfTime
+
+    before = signal.getsignal(signal.SIGALRM)
+    swallowed, t0 = 0, time.monotonic()
+    with pytest.raises(_OutOfTime), _deadline(1):
+        while True:
+            try:
+                while True:
+                    pass
+            except _OutOfTime:
+                swallowed += 1
+                if swallowed > 1:
+                    raise
+    assert swallowed == 2
+    # 1 s, one more REFIRE_S (0.05 s), and a margin of 2 s for a loaded machine's scheduling.
+    assert time.monotonic() - t0 < 3.0
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) is before
+
 # -- code -----------------------------------------------------------------------------------
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"

@@ -20,10 +20,11 @@ fair): the completion has exactly one final answer, math-verify can parse it, an
 completion ends with it. Metrics
 (not reward): `math/no_answer`, `math/several_answers`.
 
-Timeouts: math-verify bounds its parse and its comparison with SIGALRM, which works only in
-a process's main thread. There `timeout_s` applies (an answer that runs out of it is
-wrong). In another thread (tidal's reward workers run synchronous rewards in a thread of
-their own), math-verify cannot be interrupted, and the reward pool's hard per-call timeout
+Timeouts: the parse and the comparison of an answer are bounded by SIGALRM (tidal's own,
+repeated until the block ends: math-verify's single alarm can be swallowed, `_deadline`),
+which works only in a process's main thread. There `timeout_s` applies (an answer that runs
+out of it is wrong). In another thread (tidal's reward workers run synchronous rewards in a
+thread of their own), math-verify cannot be interrupted, and the reward pool's hard per-call timeout
 (`reward.timeout_s`, which kills the worker) is the guard. Cheap checks keep the known
 pathological answers from reaching it, in every thread: an answer longer than
 `max_answer_chars`, or nesting brackets deeper than `max_nesting` (the LaTeX parser's time
@@ -34,10 +35,12 @@ whose parsed expression holds a huge power or factorial (a tower like `9^{9^{9^9
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
+import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,15 +249,19 @@ class MathReward:
         from math_verify import verify
 
         gold = self._parse_reference(reference)
-        target = self._parse(given)
-        if not target or _too_costly(target):
-            return False, False
-        equal = bool(verify(gold, target, timeout_seconds=self._timeout()))
+        try:
+            with _deadline(self._timeout()):
+                target = self._parse(given)
+                if not target or _too_costly(target):
+                    return False, False
+                equal = bool(verify(gold, target, timeout_seconds=None))
+        except _OutOfTime:
+            return False, False  # too costly to compare
         # Only math-verify's string fallback (`>`): not a formula, unless it is the reference.
         return equal, equal or any(not isinstance(t, str) for t in target)
 
     def _timeout(self) -> int | None:
-        # math-verify's timeout is SIGALRM: only the main thread may set it.
+        # The deadline is SIGALRM: only the main thread may set it.
         return self.timeout_s if threading.current_thread() is threading.main_thread() else None
 
     def _parse(self, text: str) -> list[Any]:
@@ -262,11 +269,16 @@ class MathReward:
 
         # The whole text is the answer: given to math-verify as one formula, never searched for numbers.
         return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                     parsing_timeout=self._timeout())
+                     parsing_timeout=None)
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 — one reward object per run; references repeat
     def _parse_reference(self, reference: str) -> list[Any]:
-        parsed = self._parse(_unwrap(reference))
+        try:
+            with _deadline(self._timeout()):
+                parsed = self._parse(_unwrap(reference))
+        except _OutOfTime:
+            raise ValueError(f"MathReward: math-verify did not parse the reference answer {reference[:200]!r} within "
+                             f"timeout_s={self.timeout_s} (column `{self.answer_column}`)") from None
         if not parsed:
             raise ValueError(f"MathReward: math-verify cannot parse the reference answer {reference[:200]!r} "
                              f"(column `{self.answer_column}`)")
@@ -274,3 +286,42 @@ class MathReward:
 
 
 score = MathReward()
+
+
+class _OutOfTime(BaseException):
+    """Raised by the deadline's alarm. A BaseException, so that no `except Exception` inside
+    math-verify or sympy turns it into a result."""
+
+
+REFIRE_S = 0.05  # the alarm repeats until the deadline is cleared
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int | None) -> Iterator[None]:
+    """Raise _OutOfTime in the block after `seconds` (None: no deadline). math-verify's own
+    timeout is one SIGALRM whose exception can land where Python ignores it (a weakref
+    callback during garbage collection: seen in CI, the parse then ran to completion and the
+    answer counted as correct); this alarm fires again every REFIRE_S until the block ends,
+    so a swallowed one is followed by another."""
+    if seconds is None:
+        yield
+        return
+    armed = [True]
+
+    def fire(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
+        yield
+    finally:
+        while True:  # an alarm may still land here, before `armed` is cleared: clear it again
+            try:
+                armed[0] = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+                break
+            except _OutOfTime:
+                continue
