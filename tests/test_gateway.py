@@ -298,7 +298,13 @@ def test_serve_policy_serves_a_model_until_interrupted(tmp_path):
                                       max_tokens=8, temperature=0)
         assert r.choices[0].message.content
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        try:
+            assert proc.wait(timeout=30) == 0
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # tidal's CLI prints every thread's stack on it
+            time.sleep(2)
+            proc.kill()
+            pytest.fail("serve-policy did not stop within 30 s of SIGINT; its threads:\n" + proc.communicate()[1][-8000:])
     finally:
         if proc.poll() is None:
             proc.kill()

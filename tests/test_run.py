@@ -177,5 +177,5 @@ def test_failure_budget_stops_the_run_with_exit_3_and_the_checkpoint_intact(tiny
     assert {p.name: p.read_bytes() for p in (ckpt / "model").iterdir()} == before  # untouched
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and steps[-1]["stopped/failure_budget"] == 1.0
-    log = (run / "tidal.log").read_text()  # the run's log keeps the function, the episode and the traceback
+    log = (run / "train.log").read_text()  # the run's log keeps the function, the episode and the traceback
     assert "test_run:broken_reward" in log and "Traceback" in log and "KeyError: 'solution'" in log

@@ -296,6 +296,15 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack on stderr (a run or a server that seems
+    stuck says where), and it goes on. Only from the main thread, where signals can be set."""
+    import faulthandler
+
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -358,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(r.startswith("-") for r in rest):
         p.error(f"unrecognized arguments: {' '.join(r for r in rest if r.startswith('-'))}")
     ns.args = [*ns.args, *rest]
+    _stacks_on_sigusr1()
     try:
         return ns.fn(ns)
     except USER_ERRORS as err:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidal.algorithms import AGGREGATIONS, ESTIMATORS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS
 from tidal.envs.arithmetic import ArithmeticConfig
@@ -239,6 +239,27 @@ class RunConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar.")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
     max_restarts: int = Field(3, ge=0, description="ray: how many times in a run a dead env worker is replaced (each logged); past it, its episodes keep failing typed until the failure budget stops the run.")
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["console", "jsonl"],
+        description="Where each step's metrics go, several at once (docs/observability.md). metrics.jsonl is always written; tensorboard, wandb and mlflow need their extra (pip install 'tidal[tensorboard]').")
+    log_samples: int = Field(0, ge=0, description="Every log_samples_every steps, a table of this many of the step's episodes (prompt, response, reward, status) on the console and in every logger with tables; 0: off.")
+    log_samples_every: int = Field(10, ge=1, description="Steps between two sample tables (run.log_samples).")
+    tensorboard_dir: str | None = Field(None, description="tensorboard: the event files' directory; default RUN/tensorboard.")
+    wandb_project: str = Field("tidal", description="wandb: the W&B project.")
+    wandb_entity: str | None = Field(None, description="wandb: the W&B entity (team or user); None: the account's default.")
+    wandb_mode: Literal["auto", "online", "offline"] = Field("auto", description="wandb: auto is online when this machine is logged in to W&B (WANDB_API_KEY or `wandb login`), else offline (files under RUN/wandb for `wandb sync`).")
+    mlflow_tracking_uri: str | None = Field(None, description="mlflow: the tracking URI (a server, or sqlite:///path.db); None: MLflow's default (MLFLOW_TRACKING_URI, else ./mlflow.db).")
+    mlflow_experiment: str = Field("tidal", description="mlflow: the experiment the run is logged under.")
+
+    @field_validator("loggers")
+    @classmethod
+    def _loggers_installed(cls, v: list[str]) -> list[str]:
+        from tidal.monitor.sinks import missing_extras
+
+        problems = missing_extras(v)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return list(dict.fromkeys(v))
 
 
 class EvalConfig(_Section):

@@ -29,7 +29,8 @@ from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.hacking import HackingMonitor
 from tidal.monitor.progress import Progress
-from tidal.monitor.sinks import JsonlSink
+from tidal.monitor.samples import sample_table
+from tidal.monitor.sinks import open_sinks
 from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import latest_good, prune, write_manifest
@@ -142,7 +143,7 @@ def staleness_metrics(episodes: list[Episode], version: int, per_step: int, k: i
 
 
 class RunLogHandler(logging.FileHandler):
-    """The run's tidal.log. Writing to it never raises into the code that logged: a handler
+    """The run's train.log. Writing to it never raises into the code that logged: a handler
     left open by a controller nobody closed, whose run directory is gone, reports the failure
     on stderr (logging's handleError) instead of failing the next run's start."""
 
@@ -198,8 +199,10 @@ class Controller:
             with (run_dir / "resumes.jsonl").open("a") as f:
                 f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from),
                                     **(resume_record or {})}) + "\n")
-        # The run's log (warnings of failed episodes with their tracebacks, hacking events, ...).
-        self._log_file = RunLogHandler(run_dir / "tidal.log")
+        # The run's log, train.log: the console's step lines and sample tables, tidal's messages
+        # (failed episodes with their tracebacks, hacking events, ...), Python warnings of any
+        # library, and the traceback of an error that stops the run.
+        self._log_file = RunLogHandler(run_dir / "train.log")
         self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         tidal_log = logging.getLogger("tidal")
         self._log_handlers: list[logging.Handler] = [self._log_file]
@@ -209,10 +212,20 @@ class Controller:
             console = logging.StreamHandler()
             console.setLevel(logging.WARNING)
             self._log_handlers.append(console)
-        for h in self._log_handlers:
-            tidal_log.addHandler(h)
+        self._captured_warnings = not logging.getLogger("py.warnings").handlers
+        if self._captured_warnings:
+            logging.captureWarnings(True)
+        for name in ("tidal", "py.warnings"):
+            for h in self._log_handlers:
+                logging.getLogger(name).addHandler(h)
         if tidal_log.getEffectiveLevel() > logging.INFO:
             tidal_log.setLevel(logging.INFO)
+        # What goes to train.log only: the console sink's lines (it prints them itself) and the
+        # traceback of an error that stops the run (the caller reports the error on the console).
+        self._file_log = logging.getLogger("tidal.run_log")
+        self._file_log.propagate = False
+        self._file_log.setLevel(logging.INFO)
+        self._file_log.addHandler(self._log_file)
 
         self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
         device = cfg.model.resolved_device()
@@ -256,7 +269,8 @@ class Controller:
         self._last_learn_end = self._t_start = time.perf_counter()
         if resume_from is not None:
             self._load(resume_from)
-        self.metrics = JsonlSink(run_dir / "metrics.jsonl", truncate_after=self.step if resume else None)
+        self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
+                                  self._file_log)
         self.monitor = HackingMonitor(**cfg.reward.monitor_args) if cfg.reward.monitors else None
         self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
 
@@ -330,6 +344,8 @@ class Controller:
                 with (self.paths.root / "hacking_events.jsonl").open("a") as f:
                     f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
         self.metrics.log(step, metrics)
+        if cfg.run.log_samples and step % cfg.run.log_samples_every == 0 and episodes:
+            self.metrics.table(step, *sample_table(step, episodes, cfg.run.log_samples, self.tokenizer))
         if self.episode_writer is not None:
             if self._writes_whole_steps:
                 self.episode_writer.write(step, episodes)
@@ -523,6 +539,10 @@ class Controller:
                         self._published = self.step
                         published.notify_all()
                     bar.update(self.step, last)
+        except BaseException as e:
+            # The whole account in train.log; the caller reports it on the console as before.
+            self._file_log.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__, e)
+            raise
         finally:
             stop.set()
             producer.join(timeout=5.0)  # mid-rollout it ends when the engines close
@@ -544,8 +564,12 @@ class Controller:
 
     def _close_log(self) -> None:
         for h in self._log_handlers:
-            logging.getLogger("tidal").removeHandler(h)
+            for name in ("tidal", "py.warnings"):
+                logging.getLogger(name).removeHandler(h)
             h.close()
+        self._file_log.removeHandler(self._log_file)
+        if self._log_handlers and self._captured_warnings:
+            logging.captureWarnings(False)
         self._log_handlers = []
 
     # -- checkpoints -------------------------------------------------------------------------
