@@ -302,7 +302,10 @@ def _stacks_on_sigusr1() -> None:
     import faulthandler
 
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+        try:  # the process's own stderr (a caller may have replaced sys.stderr with one that has no descriptor)
+            faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
+        except (AttributeError, ValueError, OSError):
+            pass  # no stderr descriptor at all: nothing to print the stacks on
 
 
 def main(argv: list[str] | None = None) -> int:
