@@ -53,6 +53,9 @@ def test_default_job_reaches_90_percent_held_out(tmp_path):
     after, start = json.loads(out.splitlines()[-1]), json.loads(before.splitlines()[-1])
     assert start["accuracy"] <= 0.5
     assert after["accuracy"] >= 0.9, (start, after)
+    # A healthy run: none of the health alerts (tidal/monitor/alerts.py) fires on it.
+    events = run / "events.jsonl"
+    assert not events.exists(), events.read_text()
 
 
 @pytest.mark.slow

@@ -269,6 +269,37 @@ class EvalConfig(_Section):
     reward: str | None = Field(None, description="The reward held-out evaluation measures accuracy with (its `correct` part), as a dotted or file path, e.g. the task's verifier when training on a reward model or a judge; None: the task's own rewards.")
 
 
+class AlertsConfig(_Section):
+    """Health alerts (tidal/monitor/alerts.py; docs/observability.md#health-alerts)."""
+
+    enabled: bool = Field(True, description="Health alerts: each an event in RUN/events.jsonl, a warning on the console and in train.log, and `alerts/<name>` in the metrics of its step.")
+    stop_on: list[str] = Field(default_factory=list, description="Alerts that stop the run (exit 3, the last checkpoint intact; the alerting step is not checkpointed), e.g. [entropy_collapse, kl_spike].")
+    warmup_steps: int = Field(5, ge=1, description="Steps before the rules that compare with the run's own past apply (their baseline).")
+    window: int = Field(20, ge=2, description="Steps of the recent median that spikes and jumps are measured against.")
+    entropy_collapse_ratio: float = Field(0.2, gt=0, lt=1, description="entropy_collapse: entropy below this fraction of its warm-up mean...")
+    entropy_collapse_reward_margin: float = Field(0.05, ge=0, description="...while the recent reward is at most this much above its warm-up mean.")
+    kl_spike_factor: float = Field(10.0, gt=1, description="kl_spike: kl over this many times its recent median...")
+    kl_spike_min: float = Field(0.01, ge=0, description="...and over this (nats/token).")
+    grad_norm_spike_factor: float = Field(10.0, gt=1, description="grad_norm_spike: grad_norm over this many times its recent median of nonzero norms...")
+    grad_norm_spike_min: float = Field(5.0, ge=0, description="...and over this (measured: the default job's norms reach 4 at small batches as most groups stop carrying signal).")
+    mismatch_growth_factor: float = Field(10.0, gt=1, description="mismatch_growth: mismatch_kl over this many times its warm-up mean...")
+    mismatch_min: float = Field(0.001, ge=0, description="...and over this (nats/token).")
+    failure_jump: float = Field(0.2, gt=0, le=1, description="failure_rate_jump: episodes/failed_frac over its recent median plus this.")
+    tool_error_jump: float = Field(0.2, gt=0, le=1, description="tool_error_rate_jump: tools/error_rate over its recent median plus this.")
+    throughput_drop_ratio: float = Field(0.2, gt=0, lt=1, description="throughput_drop: tokens_per_s under this fraction of its recent median...")
+    throughput_drop_steps: int = Field(3, ge=1, description="...for this many steps in a row.")
+
+    @field_validator("stop_on")
+    @classmethod
+    def _known_alerts(cls, v: list[str]) -> list[str]:
+        from tidal.monitor.alerts import ALERTS
+
+        unknown = [a for a in v if a not in ALERTS]
+        if unknown:
+            raise ValueError(f"unknown alert(s) {unknown}; the alerts are {list(ALERTS)}")
+        return v
+
+
 class TidalConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
@@ -281,6 +312,7 @@ class TidalConfig(_Section):
     run: RunConfig = Field(default_factory=RunConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
     @model_validator(mode="after")
     def _derived(self) -> TidalConfig:

@@ -26,6 +26,7 @@ from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
 from tidal.engines.factory import choose_engine_kind
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
+from tidal.monitor.alerts import AlertEvent, Alerts
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.hacking import HackingMonitor
 from tidal.monitor.progress import Progress
@@ -88,7 +89,8 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 
 class RunFailed(RuntimeError):
-    """The run stopped itself (the failure budget): its last checkpoint is intact."""
+    """The run stopped itself (the failure budget, non-finite steps, an alert of alerts.stop_on): its last
+    checkpoint is intact."""
 
 
 def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None) -> Rollout:
@@ -272,6 +274,7 @@ class Controller:
         self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
                                   self._file_log)
         self.monitor = HackingMonitor(**cfg.reward.monitor_args) if cfg.reward.monitors else None
+        self.alerts = Alerts(cfg.alerts) if cfg.alerts.enabled else None
         self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
 
     # -- the loop ---------------------------------------------------------------------------
@@ -337,12 +340,14 @@ class Controller:
                                   k=0)["accuracy"]
             if acc is not None:
                 metrics["eval/accuracy"] = acc
+        events = []
         if self.monitor is not None:
             events = self.monitor.update(step, episodes, metrics)
             metrics.update(self.monitor.metrics_of(events))
             if events:
                 with (self.paths.root / "hacking_events.jsonl").open("a") as f:
                     f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
+        alerts = self._alert(step, metrics, events)
         self.metrics.log(step, metrics)
         if cfg.run.log_samples and step % cfg.run.log_samples_every == 0 and episodes:
             self.metrics.table(step, *sample_table(step, episodes, cfg.run.log_samples, self.tokenizer))
@@ -352,6 +357,7 @@ class Controller:
             else:
                 self.episode_writer.end_step(step)
         self._check_nonfinite(step, metrics)
+        self._stop_on_alert(step, alerts)
         # A step over the failure budget, or with a non-finite gradient, is not checkpointed: the
         # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
         if ((cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps) \
@@ -454,6 +460,27 @@ class Controller:
                 f"reward.failure_budget={rc.failure_budget:g} for {self._over_budget} steps in a row "
                 f"(reward.failure_steps={rc.failure_steps}). First error: {first}. Nothing of step {step} was "
                 f"trained on; the last checkpoint is {last or 'none (no step was saved yet)'}.")
+
+    def _alert(self, step: int, metrics: dict[str, float], hacking_events: list) -> list[AlertEvent]:
+        """The step's health alerts: `alerts/<name>` in its metrics, RUN/events.jsonl, a warning."""
+        if self.alerts is None:
+            return []
+        fired = self.alerts.update(step, metrics, hacking_events)
+        for a in fired:
+            metrics[f"alerts/{a.alert}"] = 1.0
+            log.warning("alert %s at step %d: %s", a.alert, step, a.message)
+        if fired:
+            with (self.paths.root / "events.jsonl").open("a") as f:
+                f.writelines(json.dumps(a.to_dict()) + "\n" for a in fired)
+        return fired
+
+    def _stop_on_alert(self, step: int, fired: list[AlertEvent]) -> None:
+        stopping = [a for a in fired if a.alert in self.cfg.alerts.stop_on]
+        if stopping:
+            last = self.paths.latest_checkpoint()
+            raise RunFailed(f"stopping at step {step} on alert {stopping[0].alert} (alerts.stop_on): "
+                            f"{stopping[0].message}. Step {step} was not checkpointed; the last checkpoint is "
+                            f"{last or 'none (no step was saved yet)'}.")
 
     @property
     def _writes_whole_steps(self) -> bool:
