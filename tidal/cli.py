@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tidal.config import ConfigError, TidalConfig, load_config
 from tidal.envs.dataset import DatasetError
@@ -80,8 +81,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
     t0 = time.time()
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does: the step in flight is
     # abandoned, roles are closed, the last complete checkpoint stays (exit 143).
-    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
-        else None
+    previous = _catch_stop_signals()
     try:
         last = ctl.train()
     except KeyboardInterrupt as e:
@@ -92,8 +92,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
               file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        _restore_signals(previous)
         ctl.close()
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
@@ -106,6 +105,23 @@ class Terminated(KeyboardInterrupt):
 
 def _terminated(signum, frame):
     raise Terminated()
+
+
+def _catch_stop_signals() -> dict[int, Any]:
+    """SIGTERM raises Terminated and SIGINT KeyboardInterrupt in the main thread, so a run or a
+    server stops cleanly on either, also when it was started with SIGINT ignored (a shell's
+    background job, `nohup`), where Python would leave Ctrl-C and `kill -INT` without effect
+    (seen: a serve-policy started from a background job kept serving after SIGINT). Returns
+    the previous handlers for _restore_signals; none off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
+            signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
 
 
 def _config_for_model(model: str, config: str | None, overrides: list[str]) -> TidalConfig:
@@ -282,12 +298,14 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
           f"replica(s): {why}; POST /v1/chat/completions, /v1/completions, GET /v1/models"
           f"{'; token required' if server.token else ''})", file=sys.stderr, flush=True)
     stop = threading.Event()
+    previous = _catch_stop_signals()  # SIGINT or SIGTERM: close the server and the engines, exit 0
     try:
         while server.thread.is_alive() and not stop.wait(0.5):
             pass
     except KeyboardInterrupt:
         pass
     finally:
+        _restore_signals(previous)
         server.close()
         for e in engines:
             close = getattr(e, "close", None)
