@@ -285,8 +285,12 @@ def test_serve_policy_serves_a_model_until_interrupted(tmp_path):
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from tidal.cli import main; sys.exit(main())",
-                             "serve-policy", "default", "run.threads=1"], stderr=subprocess.PIPE, text=True)
+    # Started with SIGINT ignored, as a shell's background job is (the CI failure this replays):
+    # the server sets its own handler, so SIGINT still stops it.
+    serve = ["-c", "import sys; from tidal.cli import main; sys.exit(main())", "serve-policy", "default", "run.threads=1"]
+    ignoring_sigint = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                       f"os.execv(sys.executable, [sys.executable, *{serve!r}])")
+    proc = subprocess.Popen([sys.executable, "-c", ignoring_sigint], stderr=subprocess.PIPE, text=True)
     try:
         deadline, line = time.monotonic() + 120, ""
         while "serving" not in line and time.monotonic() < deadline and proc.poll() is None:
