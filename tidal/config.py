@@ -239,6 +239,7 @@ class RunConfig(_Section):
     progress: bool = Field(True, description="Show a progress bar.")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
     max_restarts: int = Field(3, ge=0, description="ray: how many times in a run a dead env worker is replaced (each logged); past it, its episodes keep failing typed until the failure budget stops the run.")
+    trace: bool = Field(False, description="Spans of every role and process (generate, env step, reward, forward/backward, optimizer, sync, save, eval) in Chrome's trace format: RUN/trace.json, for Perfetto (docs/observability.md#traces).")
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["console", "jsonl"],
         description="Where each step's metrics go, several at once (docs/observability.md). metrics.jsonl is always written; tensorboard, wandb and mlflow need their extra (pip install 'tidal[tensorboard]').")

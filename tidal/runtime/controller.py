@@ -26,6 +26,7 @@ from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
 from tidal.engines.factory import choose_engine_kind
 from tidal.envs.dataset import PromptSource
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
+from tidal.monitor import trace
 from tidal.monitor.alerts import AlertEvent, Alerts
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.hacking import HackingMonitor
@@ -229,6 +230,8 @@ class Controller:
         self._file_log.setLevel(logging.INFO)
         self._file_log.addHandler(self._log_file)
 
+        if cfg.run.trace:  # before the roles start: a trainer in this process records into the driver's track
+            trace.enable("driver")
         self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
         device = cfg.model.resolved_device()
         self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
@@ -287,7 +290,8 @@ class Controller:
         with self._source_lock:  # the data position a checkpoint of step-1 must restore
             self._source_before[step] = self.source.state_dict()
         t0 = time.perf_counter()
-        episodes, train_eps, baselines, metrics = self._sample(step)
+        with trace.span("rollout", cat="generate", step=step):
+            episodes, train_eps, baselines, metrics = self._sample(step)
         return Sampled(step, episodes, train_eps, baselines, metrics, t0, time.perf_counter())
 
     def _learn(self, s: Sampled, trainer_wait: float = 0.0) -> dict[str, float]:
@@ -310,10 +314,11 @@ class Controller:
                 # Several updates per batch: the policy before the first one is the PPO anchor.
                 batch.old_logprobs = self.trainer.logprobs(batch)
             per_update = []
-            for _ in range(cfg.train.epochs):
-                for mini in minis:
-                    m = self.trainer.forward_backward(batch.select(mini), kl_coef=self.kl_ctl.coef)
-                    per_update.append({**m, **self.trainer.optim_step()})
+            with trace.span("train", cat="train", step=step, updates=cfg.train.epochs * len(minis)):
+                for _ in range(cfg.train.epochs):
+                    for mini in minis:
+                        m = self.trainer.forward_backward(batch.select(mini), kl_coef=self.kl_ctl.coef)
+                        per_update.append({**m, **self.trainer.optim_step()})
             if per_update:
                 metrics.update({k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]})
             metrics["kl_coef"] = self.kl_ctl.coef
@@ -321,7 +326,8 @@ class Controller:
                 self.kl_ctl.update(metrics["kl"], len(batch))
         t_train = time.perf_counter() - t0
 
-        metrics.update(self.pusher.push(step))  # weight sync
+        with trace.span("sync", cat="sync", step=step):
+            metrics.update(self.pusher.push(step))  # weight sync
         self.step = step
         t1 = time.perf_counter()
         t_rollout = s.t_end - s.t_start
@@ -336,8 +342,9 @@ class Controller:
                         "time/elapsed_s": t1 - self._t_start,  # wall clock since the controller started
                         "time/overlap": self._overlap(t0, t1)})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.task.eval_rows:
-            acc = evaluate_engine(self.engine, self.eval_rollout, self.task.eval_rows[: cfg.eval.n], self.make_env,
-                                  k=0)["accuracy"]
+            with trace.span("eval", cat="eval", step=step):
+                acc = evaluate_engine(self.engine, self.eval_rollout, self.task.eval_rows[: cfg.eval.n],
+                                      self.make_env, k=0)["accuracy"]
             if acc is not None:
                 metrics["eval/accuracy"] = acc
         events = []
@@ -362,8 +369,23 @@ class Controller:
         # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
         if ((cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps) \
                 and not self._over_budget and not self._nonfinite:
-            self.save()
+            with trace.span("save", cat="save", step=step):
+                self.save()
+        self._flush_trace()
         return metrics
+
+    def _flush_trace(self) -> None:
+        """This step's spans of every process into RUN/trace.jsonl (the actors' by a call each)."""
+        if not self.cfg.run.trace:
+            return
+        events = trace.drain()
+        remote = [h for h in [*self.trainer.ranks, *self.roles.env_handles] if h.remote]
+        for handle in remote:
+            try:
+                events += handle.call("drain_trace", timeout_s=60.0)
+            except Exception as e:  # noqa: BLE001 - a trace must not stop the run
+                log.warning("run.trace: %s's spans could not be collected (%s: %s)", handle.role, type(e).__name__, e)
+        trace.append(self.paths.root / "trace.jsonl", events)
 
     def _check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
         """Non-finite gradients skip their update; a run that keeps producing them stops, with
@@ -579,6 +601,11 @@ class Controller:
 
     def close(self) -> None:
         """Stop the reward workers, the engines (a vLLM server process ends with its engine) and the actors."""
+        if self.cfg.run.trace and trace.enabled():
+            self._flush_trace()
+            n = trace.assemble(self.paths.root / "trace.jsonl", self.paths.root / "trace.json")
+            log.info("run.trace: %d events in %s (open it in https://ui.perfetto.dev)", n, self.paths.root / "trace.json")
+            trace.disable()
         for scorer in {id(s): s for s in (self.scorer, self.eval_scorer) if s is not None}.values():
             try:
                 asyncio.run(scorer.close())

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride
+from tidal.monitor import trace
 from tidal.rewards.contract import RewardInput, RewardOutcome
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
 
@@ -224,8 +225,9 @@ class Rollout:
                 break
             t1 = time.perf_counter()
             try:
-                res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", ep.tokens[seg:], params,
-                                                              session_id=spec.episode_id))
+                async with trace.async_span("generate", spec.episode_id, turn=turn):
+                    res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", ep.tokens[seg:],
+                                                                  params, session_id=spec.episode_id))
             except Exception as e:  # noqa: BLE001
                 return self._fail(ep, Status.ENGINE_ERROR, f"engine raised {type(e).__name__}({e}) on turn {turn}")
             gen_time += time.perf_counter() - t1
@@ -240,7 +242,8 @@ class Rollout:
                             last_turn=turn == self.max_turns - 1 or spent)
             t2 = time.perf_counter()
             try:
-                out = await env.step(action)
+                async with trace.async_span("env.step", spec.episode_id, turn=turn):
+                    out = await env.step(action)
             except RewardError as e:
                 return self._fail(ep, Status.REWARD_ERROR, str(e))
             except Exception as e:  # noqa: BLE001
@@ -310,11 +313,12 @@ class Rollout:
         if self.scorer is not None:
             t3 = time.perf_counter()
             inp = self._reward_input(ep, spec, prompt_text, prompt_messages, conversation, last_text)
-            if group is not None:
-                ep._scored = True  # type: ignore[attr-defined]
-                outcome = await group.submit(self.scorer, inp)
-            else:
-                outcome = (await self.scorer.score([inp]))[0]
+            async with trace.async_span("reward", spec.episode_id):
+                if group is not None:
+                    ep._scored = True  # type: ignore[attr-defined]
+                    outcome = await group.submit(self.scorer, inp)
+                else:
+                    outcome = (await self.scorer.score([inp]))[0]
             ep.metrics["reward_s"] = time.perf_counter() - t3
             if outcome.status != "ok":
                 st = Status.TIMEOUT if outcome.status == "timeout" else Status.REWARD_ERROR

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from tidal.config import TidalConfig
+from tidal.monitor import trace
 from tidal.types import GenerationRequest, GenerationResult
 
 log = logging.getLogger("tidal")
@@ -132,6 +133,8 @@ class TrainerWorker(_SyncReceiver):
         self.rank, self.world_size = rank, world_size
         self.engine_kind, self.log_dir = engine_kind, log_dir
         self.trainer = None
+        if cfg.run.trace and not trace.enabled():  # in its own process (Ray); in the driver it is on already
+            trace.enable(f"trainer rank {rank}")
         # Colocated and synchronous: the engine sleeps while this rank trains (memory back
         # to the trainer) and wakes with the new weights. With k > 0 it keeps generating.
         self._release_engine = engine_kind is not None and cfg.rollout.max_staleness == 0
@@ -173,18 +176,26 @@ class TrainerWorker(_SyncReceiver):
     # -- the Trainer's calls (each a collective when world_size > 1) --------------------------
     def forward_backward(self, batch, kl_coef: float | None = None, totals=None) -> dict[str, float]:
         self._training()
-        return self.trainer.forward_backward(batch, kl_coef=kl_coef, totals=totals)
+        with trace.span("forward_backward", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.forward_backward(batch, kl_coef=kl_coef, totals=totals)
 
     def optim_step(self) -> dict[str, float]:
-        return self.trainer.optim_step()
+        with trace.span("optim_step", cat="train", rank=self.rank):
+            return self.trainer.optim_step()
 
     def logprobs(self, batch) -> list[list[float]]:
         self._training()
-        return self.trainer.logprobs(batch)
+        with trace.span("logprobs", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.logprobs(batch)
 
     def ref_logprobs(self, batch) -> list[list[float]]:
         self._training()
-        return self.trainer.ref_logprobs(batch)
+        with trace.span("ref_logprobs", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.ref_logprobs(batch)
+
+    def drain_trace(self) -> list[dict]:
+        """This process's spans since the last call (`run.trace`)."""
+        return trace.drain()
 
     def values(self, batch) -> list[list[float]]:
         self._training()
@@ -380,16 +391,24 @@ class EnvWorker:
             set_threads(num_cpus)
         self.task = build_task(cfg.task)
         self.envs: dict[str, object] = {}
+        if cfg.run.trace and not trace.enabled():
+            trace.enable("env worker")
 
     async def reset(self, key: str, row: dict, seed: int) -> dict:
         env = self.task.make_env(row, seed)
         self.envs[key] = env
-        messages = await env.reset()
+        async with trace.async_span("env.reset", key):
+            messages = await env.reset()
         return {"messages": messages, "tools": getattr(env, "tools", None) or None,
                 "sampling": getattr(env, "sampling", None)}
 
     async def step(self, key: str, action):
-        return await self.envs[key].step(action)
+        async with trace.async_span("env.step", key):
+            return await self.envs[key].step(action)
+
+    def drain_trace(self) -> list[dict]:
+        """This process's spans since the last call (`run.trace`)."""
+        return trace.drain()
 
     async def run_agent(self, key: str, row: dict, seed: int, base_url: str, api_key: str):
         """An agent environment's whole episode, here: the agent calls the driver's gateway."""
