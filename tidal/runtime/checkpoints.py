@@ -89,9 +89,10 @@ def latest_good(root: Path) -> Path | None:
     return None
 
 
-def prune(root: Path, keep: int, newest: Path) -> None:
+def prune(root: Path, keep: int, newest: Path, protect: Path | None = None) -> None:
     """Keep `newest` and the `keep - 1` checkpoints before it; delete the older ones, and only
     once `newest` verified (otherwise nothing is deleted: the last good checkpoint stays).
+    `protect` (the run's best, eval.keep_best) is never deleted and does not count in `keep`.
     Directories after `newest` (left by an attempt that was resumed from earlier) are not
     touched: the run overwrites them when it gets there."""
     why = damage(newest)
@@ -100,6 +101,6 @@ def prune(root: Path, keep: int, newest: Path) -> None:
         return
     import shutil
 
-    older = [p for p in checkpoint_dirs(root) if p.name < newest.name]
+    older = [p for p in checkpoint_dirs(root) if p.name < newest.name and p != protect]
     for p in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import queue
 import shutil
 import threading
@@ -24,7 +25,7 @@ import torch
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
 from tidal.engines.factory import choose_engine_kind
-from tidal.envs.dataset import PromptSource
+from tidal.envs.dataset import DatasetError, PromptSource, load_prompts
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor import trace
 from tidal.monitor.alerts import AlertEvent, Alerts
@@ -263,6 +264,12 @@ class Controller:
         if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
             self.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
             self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer, self.gateway)
+        self.eval_sets = {}
+        for name, path in cfg.eval.sets.items():  # named by their key when they cannot load
+            try:
+                self.eval_sets[name] = load_prompts(path)[: cfg.eval.n]
+            except DatasetError as e:
+                raise DatasetError(f"eval.sets.{name}: {e}") from None
         self._over_budget = 0  # consecutive steps over the failure budget
         self._nonfinite = 0  # consecutive steps with a non-finite gradient (their updates skipped)
         self.step = 0
@@ -341,12 +348,8 @@ class Controller:
                         "time/trainer_wait_s": trainer_wait, "time/engine_wait_s": s.admission_wait,
                         "time/elapsed_s": t1 - self._t_start,  # wall clock since the controller started
                         "time/overlap": self._overlap(t0, t1)})
-        if cfg.run.eval_every and step % cfg.run.eval_every == 0 and self.task.eval_rows:
-            with trace.span("eval", cat="eval", step=step):
-                acc = evaluate_engine(self.engine, self.eval_rollout, self.task.eval_rows[: cfg.eval.n],
-                                      self.make_env, k=0)["accuracy"]
-            if acc is not None:
-                metrics["eval/accuracy"] = acc
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0:
+            metrics.update(self._evaluate(step))
         events = []
         if self.monitor is not None:
             events = self.monitor.update(step, episodes, metrics)
@@ -367,12 +370,60 @@ class Controller:
         self._stop_on_alert(step, alerts)
         # A step over the failure budget, or with a non-finite gradient, is not checkpointed: the
         # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
-        if ((cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps) \
-                and not self._over_budget and not self._nonfinite:
+        healthy = not self._over_budget and not self._nonfinite
+        best = healthy and self._improves_best(metrics)
+        if healthy and (best or (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps):
             with trace.span("save", cat="save", step=step):
-                self.save()
+                saved = self.save()
+            if best:
+                self._record_best(step, metrics[cfg.eval.keep_best], saved)
         self._flush_trace()
         return metrics
+
+    # -- evaluation during training ---------------------------------------------------------
+    def _evaluate(self, step: int) -> dict[str, float]:
+        """Held-out greedy accuracy (eval/accuracy) on eval.n problems, every eval.k_every steps
+        also pass@k and pass@1 at eval.temperature, and the accuracy of each of eval.sets."""
+        cfg, out = self.cfg, {}
+        sampled = bool(cfg.eval.k_every) and step > 0 and step % cfg.eval.k_every == 0
+        with trace.span("eval", cat="eval", step=step):
+            if self.task.eval_rows:
+                res = evaluate_engine(self.engine, self.eval_rollout, self.task.eval_rows[: cfg.eval.n], self.make_env,
+                                      k=cfg.eval.k if sampled else 0, temperature=cfg.eval.temperature)
+                if res["accuracy"] is not None:
+                    out["eval/accuracy"] = res["accuracy"]
+                if sampled and res.get("pass_at_k") is not None:
+                    out["eval/pass_at_k"], out["eval/pass_at_1"] = res["pass_at_k"], res["pass_at_1"]
+            for name, rows in self.eval_sets.items():
+                res = evaluate_engine(self.engine, self.eval_rollout, rows, self.make_env, k=0)
+                if res["accuracy"] is not None:
+                    out[f"eval/{name}/accuracy"] = res["accuracy"]
+        return out
+
+    def _best_path(self) -> Path:
+        return self.paths.checkpoints / "best.json"
+
+    def _best(self) -> dict | None:
+        path = self._best_path()
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def _improves_best(self, metrics: dict[str, float]) -> bool:
+        key = self.cfg.eval.keep_best
+        if not key or key not in metrics or not math.isfinite(metrics[key]):
+            return False
+        best = self._best()
+        if best is None:
+            return True
+        return metrics[key] > best["value"] if self.cfg.eval.best_mode == "max" else metrics[key] < best["value"]
+
+    def _record_best(self, step: int, value: float, path: Path) -> None:
+        record = {"step": step, "metric": self.cfg.eval.keep_best, "mode": self.cfg.eval.best_mode, "value": value,
+                  "checkpoint": str(path)}
+        tmp = self._best_path().with_name("best.json.tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.replace(self._best_path())
+        prune(self.paths.checkpoints, self.cfg.run.keep_checkpoints, path, protect=path)  # the best before it may go
+        log.info("eval.keep_best: step %d is the best so far (%s %.4f): %s", step, record["metric"], value, path)
 
     def _flush_trace(self) -> None:
         """This step's spans of every process into RUN/trace.jsonl (the actors' by a call each)."""
@@ -575,6 +626,8 @@ class Controller:
         producer = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
         last: dict[str, float] = {}
         self._last_learn_end = time.perf_counter()
+        if cfg.eval.at_start and cfg.run.eval_every and self.step == 0:
+            self.metrics.log(0, self._evaluate(0))  # the starting weights, as step 0
         producer.start()
         try:
             with Progress(total=cfg.train.steps, initial=self.step, enabled=cfg.run.progress) as bar:
@@ -642,7 +695,9 @@ class Controller:
         write_manifest(tmp)  # every file fsynced, sized and hashed before the rename
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        prune(self.paths.checkpoints, self.cfg.run.keep_checkpoints, final)
+        best = self._best()
+        prune(self.paths.checkpoints, self.cfg.run.keep_checkpoints, final,
+              protect=Path(best["checkpoint"]) if best else None)
         return final
 
     def _load(self, ckpt: Path) -> None:
