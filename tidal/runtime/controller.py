@@ -13,7 +13,9 @@ import asyncio
 import json
 import logging
 import math
+import os
 import queue
+import re
 import shutil
 import threading
 import time
@@ -88,6 +90,26 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     m["episodes"] = float(n if episodes else 0)
     m["episodes/failed_frac"] = (len(episodes) - len(ok)) / n if episodes else 0.0
     return m
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The file-system error behind `e`: an OSError in its chain (a trainer rank's error holds
+    the rank's as its cause), or one that a library reports in its message as Rust's I/O errors
+    read, "(os error 28)" (safetensors' SafetensorError is no OSError); None otherwise."""
+    for _ in range(8):
+        if e is None:
+            return None
+        if isinstance(e, OSError):
+            return e
+        m = _RUST_OS_ERROR.search(str(e))
+        if m:
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 class RunFailed(RuntimeError):
@@ -681,18 +703,32 @@ class Controller:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:
-        """Write to a temporary directory and rename: a checkpoint exists whole or not at all."""
+        """Write to a temporary directory and rename: a checkpoint exists whole or not at all.
+        A write that fails for the file system (a full disk, a quota, an I/O error) removes
+        the partial directory and stops the run (RunFailed), naming the step, the path, the
+        reason and the last good checkpoint, which stays as it was."""
         final = self.paths.checkpoint(self.step)
         tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.trainer.save(tmp)
-        with self._source_lock:  # prompts already taken for later steps are not consumed yet
-            data = self._source_before.get(self.step + 1) or self.source.state_dict()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            self.trainer.save(tmp)
+            with self._source_lock:  # prompts already taken for later steps are not consumed yet
+                data = self._source_before.get(self.step + 1) or self.source.state_dict()
+            write_json(tmp / "controller.json", {"step": self.step, "data": data, "engine_version": self.engine.version,
+                                                 "kl": self.kl_ctl.state_dict()})
+            write_manifest(tmp)  # every file fsynced, sized and hashed before the rename
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            cause = _os_error(e)
+            if cause is None:
+                raise
+            last = self.paths.latest_checkpoint()
+            raise RunFailed(f"step {self.step}: the checkpoint could not be written to {final} ({cause}); nothing of "
+                            f"it was kept and the last good checkpoint is {last or 'none (no step was saved yet)'}. "
+                            f"Free space, then continue with: tidal train --resume run.dir={self.paths.root}") from e
+        with self._source_lock:
             self._source_before = {s: d for s, d in self._source_before.items() if s > self.step}
-        write_json(tmp / "controller.json", {"step": self.step, "data": data,
-                                             "engine_version": self.engine.version, "kl": self.kl_ctl.state_dict()})
-        write_manifest(tmp)  # every file fsynced, sized and hashed before the rename
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         best = self._best()
