@@ -215,6 +215,7 @@ class PlacementConfig(_Section):
     call_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one remote call (a trainer step, a weight sync); past it the role is reported hung, with role, call and step.")
     collective_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one torch.distributed collective of trainer ranks and weight broadcast.")
     start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
+    ping_s: float = Field(30.0, gt=0.0, description="An env worker with a call pending this long is pinged; one that does not answer the ping within as long is hung (stopped, deadlocked): killed and replaced as a dead one is (run.max_restarts).")
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
 
 

@@ -219,4 +219,5 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
                  reward_handles=rewards, env_handles=envs,
                  envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s, agent=cfg.task.agent,
-                                 respawn=respawn_env, max_restarts=cfg.run.max_restarts) if envs else None)
+                                 respawn=respawn_env, max_restarts=cfg.run.max_restarts,
+                                 ping_s=pl.ping_s) if envs else None)

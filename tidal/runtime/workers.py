@@ -434,15 +434,19 @@ class RemoteEnvs:
     there). Errors come back as the environment's own exceptions (a RewardError stays one).
 
     A worker that dies is replaced (`respawn(i)` starts a new actor in its slot), up to
-    `max_restarts` times in a run, each logged. Episodes whose environment lived on it end
+    `max_restarts` times in a run, each logged. A worker that hangs (SIGSTOP, a deadlock) is
+    found by a ping: a call pending `ping_s` makes the pool ping its worker (one ping per worker
+    at a time), and a worker that does not answer within `ping_s` is killed, so the calls
+    waiting on it see it die and it is replaced the same way. Episodes whose environment lived on it end
     `env_error` (their state is gone); a call that starts an episode (`reset`, `run_agent`) is
     retried on the replacement, since nothing had happened yet."""
 
     STARTS = ("reset", "run_agent")  # calls that may be retried on a replacement
 
     def __init__(self, handles: list, name: str, timeout_s: float = 600.0, agent: str | None = None,
-                 respawn: Callable[[int], Any] | None = None, max_restarts: int = 3):
-        self.handles, self.name, self.timeout_s = handles, name, timeout_s
+                 respawn: Callable[[int], Any] | None = None, max_restarts: int = 3, ping_s: float = 30.0):
+        self.handles, self.name, self.timeout_s, self.ping_s = handles, name, timeout_s, ping_s
+        self._pinging: dict[int, asyncio.Future] = {}
         self.agent = agent  # task.agent: the task's environment is an agent (RemoteEnv.run_agent)
         self.live = [0] * len(handles)
         self.served = [0] * len(handles)  # episodes started, per worker
@@ -458,11 +462,47 @@ class RemoteEnvs:
 
         handle = self.handles[i]
         try:
-            return await handle.acall(method, *args, timeout_s=self.timeout_s)
+            return await self._watched(i, handle, handle.acall(method, *args, timeout_s=self.timeout_s))
         except RoleDied:
             if not await self._replace(i, handle) or method not in self.STARTS:
                 raise
         return await self.handles[i].acall(method, *args, timeout_s=self.timeout_s)
+
+    async def _watched(self, i: int, handle, call):
+        """Await `call` on worker i, pinging the worker whenever the call has been pending for
+        `ping_s`; a worker that does not answer its ping is killed (the call then fails as
+        RoleDied)."""
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.ping_s)
+                if done:
+                    return task.result()
+                if not await self._answers(i, handle):
+                    # the call ends with RayActorError → RoleDied, or its own timeout
+                    return await asyncio.wait_for(asyncio.shield(task), self.ping_s * 3)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _answers(self, i: int, handle) -> bool:
+        """Whether worker i answers a ping within ping_s; one that does not is killed, once."""
+        if i in self._pinging:
+            return bool(await asyncio.shield(self._pinging[i]))
+        fut = asyncio.get_running_loop().create_future()
+        self._pinging[i] = fut
+        try:
+            await handle.acall("pid", timeout_s=self.ping_s)
+            fut.set_result(True)
+        except Exception as e:  # noqa: BLE001 - no answer, for whatever reason, is the finding
+            log.warning("env worker %d did not answer a ping within %g s (%s: %s): killed as hung; it is replaced "
+                        "as a dead one is", i, self.ping_s, type(e).__name__, e)
+            with contextlib.suppress(Exception):
+                handle.kill()
+            fut.set_result(False)
+        finally:
+            del self._pinging[i]
+        return fut.result()
 
     async def _replace(self, i: int, dead) -> bool:
         """Replace the dead worker of slot i (once, however many calls saw it die); True when
