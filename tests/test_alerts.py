@@ -90,6 +90,14 @@ def test_hacking_events_are_alerts():
     assert "divergence" in fired[0].message and "part_dominance" in fired[1].message
 
 
+def test_length_correlation_is_not_an_alert_by_default():
+    """It fires on the healthy default job (the format part correlates with length)."""
+    event = HackingEvent("length_correlation", 5, "reward correlates with length", value=0.7, threshold=0.5)
+    assert Alerts(AlertsConfig()).update(5, healthy(5), [event]) == []
+    fired = Alerts(AlertsConfig(hacking_kinds=["length_correlation"])).update(5, healthy(5), [event])
+    assert [(e.alert, e.step) for e in fired] == [("reward_hacking", 5)]
+
+
 def test_unknown_stop_on_alert_is_named():
     with pytest.raises(ConfigError, match=r"alerts\.stop_on.*unknown alert\(s\) \['entropy'\]"):
         load_config(None, ["alerts.stop_on=[entropy]"])

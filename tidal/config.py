@@ -295,6 +295,17 @@ class AlertsConfig(_Section):
     tool_error_jump: float = Field(0.2, gt=0, le=1, description="tool_error_rate_jump: tools/error_rate over its recent median plus this.")
     throughput_drop_ratio: float = Field(0.2, gt=0, lt=1, description="throughput_drop: tokens_per_s under this fraction of its recent median...")
     throughput_drop_steps: int = Field(3, ge=1, description="...for this many steps in a row.")
+    hacking_kinds: list[str] = Field(default_factory=lambda: ["divergence", "part_dominance", "verifier_errors", "judge_disagreement"], description="Reward-hacking monitor events that are alerts (divergence as reward_up_eval_down, the others as reward_hacking). length_correlation is left out by default: it fires on the healthy default job (measured: Spearman r 0.57-0.70 between the format part and length, in 4 and 15 steps of two 60-step runs); its events stay in hacking_events.jsonl and the metrics.")
+
+    @field_validator("hacking_kinds")
+    @classmethod
+    def _known_kinds(cls, v: list[str]) -> list[str]:
+        from tidal.monitor.hacking import KINDS
+
+        unknown = [k for k in v if k not in KINDS]
+        if unknown:
+            raise ValueError(f"unknown hacking monitor(s) {unknown}; the monitors are {list(KINDS)}")
+        return v
 
     @field_validator("stop_on")
     @classmethod

@@ -19,7 +19,7 @@ that the default job never reaches (tests/test_alerts.py runs it).
 | `tool_error_rate_jump` | `tools/error_rate` > its recent median + `tool_error_jump` |
 | `throughput_drop` | `tokens_per_s` < `throughput_drop_ratio` × its recent median for `throughput_drop_steps` steps in a row |
 | `reward_up_eval_down` | the `divergence` hacking monitor fired: the training reward's trend rises while held-out accuracy's falls (needs `reward.monitors`) |
-| `reward_hacking` | any other hacking monitor fired (length correlation, part dominance, verifier errors, judge disagreement) |
+| `reward_hacking` | another hacking monitor of `hacking_kinds` fired (part dominance, verifier errors, judge disagreement; length correlation is left out by default: it fires on the healthy default job) |
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class Alerts:
             if verdict is not None and verdict[0]:
                 holding[name] = verdict[1:]
         for event in hacking_events or []:
+            if event.kind not in self.cfg.hacking_kinds:
+                continue
             name = "reward_up_eval_down" if event.kind == "divergence" else "reward_hacking"
             if name not in holding:
                 holding[name] = (event.value, event.threshold, f"hacking monitor `{event.kind}`: {event.message}")
