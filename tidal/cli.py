@@ -27,8 +27,10 @@ from tidal.config import ConfigError, TidalConfig, load_config
 from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
 from tidal.rewards.pool import RewardLoadError
+from tidal.runtime.replay import ReplayError
 
-USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError)
+USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError,
+               ReplayError)
 RUN_FAILED_EXIT = 3  # the run stopped itself (failure budget); its last checkpoint is intact
 
 
@@ -181,6 +183,15 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         if res.get("first_error"):
             print(f"  first failure: {res['first_error']}")
     return 0
+
+
+def cmd_replay(ns: argparse.Namespace) -> int:
+    """Run one recorded episode again and say whether it reproduces (tidal/runtime/replay.py)."""
+    from tidal.runtime.replay import replay
+
+    res = replay(ns.run_dir, ns.episode_id, ns.checkpoint)
+    print(json.dumps(res.to_dict()) if ns.json else res.summary())
+    return 0 if res.reproduced else 1
 
 
 def cmd_build(ns: argparse.Namespace) -> int:
@@ -375,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="raw logits, sigmoid, or standardized by the held-out score stats of tidal_rm.json")
     s.add_argument("--log-level", default="warning", help="uvicorn log level")
     s.set_defaults(fn=cmd_serve_rm, args=[])
+    rp = sub.add_parser("replay", help="run one recorded episode again and say whether it reproduces")
+    rp.add_argument("run_dir", help="the run's directory")
+    rp.add_argument("episode_id", help="the episode's id, as in its step's Parquet file (e.g. s12-p3-e5)")
+    rp.add_argument("--checkpoint", default=None, help="weights to replay with (default: the run's checkpoint of "
+                    "the version that generated the episode)")
+    rp.add_argument("--json", action="store_true", help="the report as JSON")
+    rp.set_defaults(fn=cmd_replay, args=[])
     sp = sub.add_parser("serve-policy", help="serve a model or checkpoint through an OpenAI-compatible API")
     sp.add_argument("model", help="model directory, checkpoint directory, or 'default'")
     sp.add_argument("args", nargs="*", help="CONFIG.yaml and/or overrides: engine.kind=vllm, engine.replicas=2, "
