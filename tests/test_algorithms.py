@@ -37,6 +37,11 @@ from tidal.algorithms import (
 
 # ---------------------------------------------------------------- group_advantages
 
+# Tolerances in this file: the expected values are exact or hand-computed to 6 digits, and the code
+# under test is a few float32 ops on small tensors, so atol=1e-5 / approx(abs=1e-5) absorbs the 6-digit
+# rounding of the written constants and float32 rounding (~1e-7 relative) only; a bare assert_close
+# (float32: rtol 1.3e-6, atol 1e-5) likewise. No comparison here is between two summation orders
+# (the data-parallel one is tests/test_aggregation_dp.py).
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
 GROUPS = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
 

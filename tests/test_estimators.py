@@ -57,7 +57,8 @@ def test_estimator_trains_end_to_end(name, tmp_path):
         assert math.isfinite(metrics["kl"]) and metrics["kl_coef"] == algo.kl_coef
         assert algo.kl_estimator == "k1" or metrics["kl"] >= 0  # k1 alone may be negative
     if algo.is_level != "none":
-        # fp32 engine and trainer agree, so the importance weight is 1 and nothing is rejected
+        # fp32 engine and trainer agree (log-prob gaps ≤ ~1e-6, tests/test_engine.py), so the importance
+        # weight is 1 to ~1e-6 and nothing is rejected; 1e-3 is far over that noise on any CPU
         assert metrics["is_weight"] == pytest.approx(1.0, abs=1e-3) and metrics["rejected_frac"] == 0
 
 

@@ -78,6 +78,7 @@ def test_length_correlation_quiet_when_reward_ignores_length():
     rng = random.Random(1)
     eps = [ep(i, f"g{i // 8}", reward=float(rng.random() < 0.5), length=rng.randint(5, 60)) for i in range(32)]
     assert mon.update(1, eps, {}) == []
+    # seeded data (a fixed value); for independent samples r's std over 32 is ~1/sqrt(31) = 0.18: 0.5 is ~2.8σ
     assert abs(mon.stats["hacking/length_corr"]) < 0.5
 
 

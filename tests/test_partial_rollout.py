@@ -45,6 +45,13 @@ def perturbed():
             for n, p in load_model(MODEL).named_parameters()}
 
 
+# The engine's batched tail (left padding, a 64-row KV cache from the old weights) vs a per-row reference
+# continuation, on perturbed weights (larger activations than the shipped ones). Measured here ≤ 1.8e-5
+# (18% of the 1e-4 once used: too thin for another CPU's kernels); 1e-3 leaves 55x. The bug it guards —
+# the tail on a cache rebuilt with the new weights, or on the old weights — differs by ≥ 0.45.
+TAIL_LOGPROB_TOL = 1e-3
+
+
 def _engine(tokenizer, slow: bool = False, **kw) -> TorchEngine:
     engine = TorchEngine(load_model(MODEL), tokenizer.pad_token_id, **kw)
     if slow:
@@ -166,7 +173,8 @@ def test_partial_rollout_switches_weights_between_decode_steps(tokenizer, pertur
     for i in range(0, 64, 9):
         want, want_lp = _reference_continuation(old, new, reqs[i].prompt_ids, res[i].token_ids, k)
         assert res[i].token_ids[k:] == want
-        torch.testing.assert_close(torch.tensor(res[i].logprobs[k:]), torch.tensor(want_lp), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(res[i].logprobs[k:]), torch.tensor(want_lp), atol=TAIL_LOGPROB_TOL,
+                                   rtol=0)
 
 
 def test_partial_rollout_with_rows_joining_and_leaving(tokenizer, perturbed):
@@ -185,7 +193,7 @@ def test_partial_rollout_with_rows_joining_and_leaving(tokenizer, perturbed):
     for req, r, k in zip(reqs, res, splits):
         want, want_lp = _reference_continuation(old, new, req.prompt_ids, r.token_ids, k)
         assert r.token_ids[k:] == want
-        torch.testing.assert_close(torch.tensor(r.logprobs[k:]), torch.tensor(want_lp), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(r.logprobs[k:]), torch.tensor(want_lp), atol=TAIL_LOGPROB_TOL, rtol=0)
 
 
 def test_sampled_partial_rollout_keeps_the_seeded_prefix(tokenizer, perturbed):

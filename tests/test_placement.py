@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from engine_checks import LOGPROB_TOL
 
 from tidal.config import ConfigError, load_config
 from tidal.runtime.controller import Controller
@@ -34,7 +35,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 def same_training(a: dict, b: dict, tol: float = 1e-5) -> None:
-    """The run's numbers, not its timings, agree."""
+    """The run's numbers, not its timings, agree. Ray vs local runs one trainer's code in one
+    process either way (only torch's thread count may differ): measured bit-equal here, so 1e-5
+    is slack for thread-count summation order; 2 FSDP ranks vs 1 process pass tol=1e-4 (below)."""
     for k, v in a.items():
         if k.startswith(("time/", "engines/")) or k.endswith("per_s") or k in ("logprob_abs_diff", "mismatch_kl",
                                                                                "logprob_max_abs_diff"):
@@ -218,6 +221,8 @@ def test_two_fsdp_ranks_train_as_one_process(tmp_path, ray_local):
     ctl = _train(config(tmp_path, "placement.mode=ray", "placement.trainer_ranks=2", *common))
     assert ctl.trainer.world_size == 2 and ctl.trainer.version == 4
     for a, b in zip(metrics(tmp_path / "local"), metrics(tmp_path / "run")):
+        # sharded sums over 4 optimizer steps: measured ≤ 3.4e-7 on grad_norm ~0.5 (0.34% of 1e-4);
+        # a mis-ordered or dropped shard moves loss and grad_norm by percents
         same_training(a, b, tol=1e-4)
 
 
@@ -354,4 +359,5 @@ def test_vllm_engine_actor_gets_weights_by_broadcast(tmp_path, ray_local):
     finally:
         ctl.close()
     for m in metrics(tmp_path / "run"):
-        assert m["logprob_max_abs_diff"] < 5e-4 and m["episodes/engine_error"] == 0
+        # vLLM vs the trainer: the engine contract's bound (tests/engine_checks.py LOGPROB_TOL, which says why)
+        assert m["logprob_max_abs_diff"] < LOGPROB_TOL and m["episodes/engine_error"] == 0

@@ -71,7 +71,10 @@ def test_generation_ends_at_the_first_completion_and_keeps_the_token(engine, tok
         assert g.token_ids == res.token_ids[:k], (req.params.stop, g.token_ids, res.token_ids)
         assert g.finish_reason == "stop"
         assert len(g.logprobs) == len(g.token_ids) == len(g.token_versions)
-        assert g.logprobs == pytest.approx(res.logprobs[:k], abs=1e-5)  # same batch rounding as the free run
+        # not bit-equal: rows that stop leave the batch, so the others run at other matmul shapes; measured
+        # ≤ 9.5e-7 (1-2 ulps of |log p| ~ 5; 10% of the 1e-5 once used). 1e-4 leaves 100x for other CPUs'
+        # kernels; a log-prob from the wrong position or weights is off by 0.1 and more.
+        assert g.logprobs == pytest.approx(res.logprobs[:k], abs=1e-4)
         before = tokenizer.decode(g.token_ids[:-1], skip_special_tokens=True)
         assert not any(s in before for s in req.params.stop)  # not earlier
     assert sum(k < len(r.token_ids) for k, r in zip(cuts, free)) >= len(free) // 2  # most really stopped early
