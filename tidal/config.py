@@ -302,20 +302,21 @@ class AlertsConfig(_Section):
     def _known_kinds(cls, v: list[str]) -> list[str]:
         from tidal.monitor.hacking import KINDS
 
-        unknown = [k for k in v if k not in KINDS]
-        if unknown:
-            raise ValueError(f"unknown hacking monitor(s) {unknown}; the monitors are {list(KINDS)}")
-        return v
+        return _only_known(v, KINDS, "hacking monitor(s)")
 
     @field_validator("stop_on")
     @classmethod
     def _known_alerts(cls, v: list[str]) -> list[str]:
         from tidal.monitor.alerts import ALERTS
 
-        unknown = [a for a in v if a not in ALERTS]
-        if unknown:
-            raise ValueError(f"unknown alert(s) {unknown}; the alerts are {list(ALERTS)}")
-        return v
+        return _only_known(v, ALERTS, "alert(s)")
+
+
+def _only_known(values: list[str], known: tuple[str, ...], what: str) -> list[str]:
+    unknown = [x for x in values if x not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; they are {list(known)}")
+    return values
 
 
 class TidalConfig(_Section):
