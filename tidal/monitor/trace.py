@@ -29,7 +29,7 @@ from typing import Any
 _lock = threading.Lock()
 _events: list[dict[str, Any]] = []
 _enabled = False
-MAX_BUFFERED = 1_000_000  # a process that is never drained keeps its last spans, not all of them
+MAX_BUFFERED = 200_000  # a process that is never drained keeps its last spans (~40 MB), not all of them
 
 
 def enable(role: str) -> None:
