@@ -21,7 +21,7 @@ Modes of a request:
   (the turn reports come from the code's own process: as trustworthy as the code,
   docs/sandbox.md; the session's end is reported by the supervisor).
 
-Only built-in modules (`gc`, `posix`, not `os`: importing `os` alone costs a millisecond per
+Only built-in modules (`posix`, not `os`: importing `os` alone costs a millisecond per
 run), `resource`, and `_ctypes` for prctl where the filter is off.
 """
 # ruff: noqa: S102, BLE001, S110 — executing arbitrary code, and outliving whatever it raises, is this file's job.
@@ -298,9 +298,6 @@ def main():
     # process supervises, the child becomes the code's process. Frozen first, the objects of
     # the interpreter's start are left out of the child's collections, which would otherwise
     # write to (and so copy) pages the two processes share (measured: 0.5-0.7 ms of CPU per run).
-    import gc
-
-    gc.freeze()
     pid = posix.fork()
     if pid:
         posix.close(request_fd)
