@@ -288,7 +288,7 @@ class AlertsConfig(_Section):
     kl_spike_factor: float = Field(10.0, gt=1, description="kl_spike: kl over this many times its recent median...")
     kl_spike_min: float = Field(0.01, ge=0, description="...and over this (nats/token).")
     grad_norm_spike_factor: float = Field(10.0, gt=1, description="grad_norm_spike: grad_norm over this many times its recent median of nonzero norms...")
-    grad_norm_spike_min: float = Field(5.0, ge=0, description="...and over this (measured: the default job's norms reach 4 at small batches as most groups stop carrying signal).")
+    grad_norm_spike_min: float = Field(10.0, ge=0, description="...and over this, 10x the default train.grad_clip (measured: the default job's norm reaches 4.1 at 8 prompts a step as most groups stop carrying signal; 10 leaves room for another CPU's trajectory).")
     mismatch_growth_factor: float = Field(10.0, gt=1, description="mismatch_growth: mismatch_kl over this many times its warm-up mean...")
     mismatch_min: float = Field(0.001, ge=0, description="...and over this (nats/token).")
     failure_jump: float = Field(0.2, gt=0, le=1, description="failure_rate_jump: episodes/failed_frac over its recent median plus this.")
