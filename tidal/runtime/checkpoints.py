@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 log = logging.getLogger("tidal")
@@ -104,3 +105,35 @@ def prune(root: Path, keep: int, newest: Path, protect: Path | None = None) -> N
     older = [p for p in checkpoint_dirs(root) if p.name < newest.name and p != protect]
     for p in older[: max(0, len(older) - (keep - 1))]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def read_best(root: Path) -> dict | None:
+    """The run's best checkpoint by eval.keep_best (`root/best.json`), or None."""
+    path = root / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_best(root: Path, record: dict) -> None:
+    tmp = root / "best.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(root / "best.json")
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def file_system_error(e: BaseException) -> OSError | None:
+    """The file-system error behind `e`: an OSError in its chain (a trainer rank's error holds
+    the rank's as its cause), or one that a library reports in its message as Rust's I/O errors
+    read, "(os error 28)" (safetensors' SafetensorError is no OSError); None otherwise."""
+    for _ in range(8):
+        if e is None:
+            return None
+        if isinstance(e, OSError):
+            return e
+        m = _RUST_OS_ERROR.search(str(e))
+        if m:
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None

@@ -13,9 +13,7 @@ import asyncio
 import json
 import logging
 import math
-import os
 import queue
-import re
 import shutil
 import threading
 import time
@@ -34,14 +32,16 @@ from tidal.monitor.alerts import AlertEvent, Alerts
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.hacking import HackingMonitor
 from tidal.monitor.progress import Progress
+from tidal.monitor.run_log import RunLog
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.batch import build_batch, informative, shape_rewards
-from tidal.runtime.checkpoints import latest_good, prune, write_manifest
-from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.checkpoints import file_system_error, latest_good, prune, read_best, write_best, write_manifest
+from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout, group_specs
+from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime.tasks import Task, build_task
 from tidal.types import Episode, SamplingParams
 
@@ -53,63 +53,6 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
-
-
-# Episode metrics summed over a step's episodes (counts), not averaged.
-SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors", "judge/injection",
-                   "math/no_answer", "math/several_answers")
-
-
-def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
-    n = max(len(episodes), 1)
-    ok = [e for e in episodes if e.status.trainable]
-    m: dict[str, float] = {f"episodes/{s}": 0.0 for s in ("ok", "truncated", "env_error", "reward_error", "engine_error", "timeout")}
-    for e in episodes:
-        m[f"episodes/{e.status.value}"] += 1
-    judged = [e for e in ok if "correct" in e.metrics]  # a reward model alone says nothing of correctness
-    if judged:
-        m["accuracy"] = sum(e.metrics["correct"] for e in judged) / len(judged)
-    if ok:
-        m["reward"] = sum(e.reward for e in ok) / len(ok)
-        m["response_tokens"] = sum(e.num_policy_tokens for e in ok) / len(ok)
-        m["turns"] = sum(len(e.turns) for e in ok) / len(ok)
-        parts = {k for e in ok for k in e.reward_parts}
-        for k in sorted(parts):
-            m[f"reward/{k}"] = sum(e.reward_parts.get(k, 0.0) for e in ok) / len(ok)
-    means: dict[str, list[float]] = {}
-    for e in episodes:
-        for k, v in e.metrics.items():
-            if k.startswith(SUMMED_PREFIXES):
-                m[k] = m.get(k, 0.0) + v
-            elif "/" in k:  # an environment's or a reward's own metric (code/runs, shell/checks_passed, ...)
-                means.setdefault(k, []).append(v)
-    for k, vs in means.items():  # the mean over the episodes that report it
-        m.setdefault(k, sum(vs) / len(vs))
-    if m.get("tools/calls"):
-        m["tools/error_rate"] = sum(v for k, v in m.items() if k.startswith("tools/errors/")) / m["tools/calls"]
-    m["episodes"] = float(n if episodes else 0)
-    m["episodes/failed_frac"] = (len(episodes) - len(ok)) / n if episodes else 0.0
-    return m
-
-
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-def _os_error(e: BaseException) -> OSError | None:
-    """The file-system error behind `e`: an OSError in its chain (a trainer rank's error holds
-    the rank's as its cause), or one that a library reports in its message as Rust's I/O errors
-    read, "(os error 28)" (safetensors' SafetensorError is no OSError); None otherwise."""
-    for _ in range(8):
-        if e is None:
-            return None
-        if isinstance(e, OSError):
-            return e
-        m = _RUST_OS_ERROR.search(str(e))
-        if m:
-            code = int(m.group(1))
-            return OSError(code, os.strerror(code))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 class RunFailed(RuntimeError):
@@ -148,36 +91,6 @@ class Sampled:
     t_start: float
     t_end: float
     admission_wait: float = 0.0  # time the rollout waited for fresh enough weights
-
-
-def staleness_metrics(episodes: list[Episode], version: int, per_step: int, k: int) -> dict[str, float]:
-    """Version lag, in training steps, of every trained policy token against the weights it is
-    trained with (`version`, the trainer's before this step's update): max, token mean and the
-    fraction of tokens at each lag 0..k (a lag beyond k would break the bound; it is counted
-    in `staleness/over_bound`)."""
-    lags = [(version - v) // per_step for e in episodes for v, m in zip(e.versions, e.loss_mask) if m]
-    if not lags:
-        return {}
-    out = {"staleness/max": float(max(lags)), "staleness/mean": sum(lags) / len(lags),
-           "staleness/over_bound": float(sum(lag > k for lag in lags)) / len(lags)}
-    for j in range(k + 1):
-        out[f"staleness/lag{j}_frac"] = sum(lag == j for lag in lags) / len(lags)
-    if out["staleness/over_bound"]:
-        log.error("staleness bound broken: %d trained tokens are more than %d steps old (max %d)",
-                  sum(lag > k for lag in lags), k, max(lags))
-    return out
-
-
-class RunLogHandler(logging.FileHandler):
-    """The run's train.log. Writing to it never raises into the code that logged: a handler
-    left open by a controller nobody closed, whose run directory is gone, reports the failure
-    on stderr (logging's handleError) instead of failing the next run's start."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            super().emit(record)
-        except OSError:
-            self.handleError(record)
 
 
 @dataclass
@@ -225,33 +138,7 @@ class Controller:
             with (run_dir / "resumes.jsonl").open("a") as f:
                 f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from),
                                     **(resume_record or {})}) + "\n")
-        # The run's log, train.log: the console's step lines and sample tables, tidal's messages
-        # (failed episodes with their tracebacks, hacking events, ...), Python warnings of any
-        # library, and the traceback of an error that stops the run.
-        self._log_file = RunLogHandler(run_dir / "train.log")
-        self._log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        tidal_log = logging.getLogger("tidal")
-        self._log_handlers: list[logging.Handler] = [self._log_file]
-        if not logging.getLogger().handlers and not tidal_log.handlers:
-            # Nobody configured logging: warnings still reach the console (as Python's last
-            # resort would print them, which a handler on "tidal" would otherwise silence).
-            console = logging.StreamHandler()
-            console.setLevel(logging.WARNING)
-            self._log_handlers.append(console)
-        self._captured_warnings = not logging.getLogger("py.warnings").handlers
-        if self._captured_warnings:
-            logging.captureWarnings(True)
-        for name in ("tidal", "py.warnings"):
-            for h in self._log_handlers:
-                logging.getLogger(name).addHandler(h)
-        if tidal_log.getEffectiveLevel() > logging.INFO:
-            tidal_log.setLevel(logging.INFO)
-        # What goes to train.log only: the console sink's lines (it prints them itself) and the
-        # traceback of an error that stops the run (the caller reports the error on the console).
-        self._file_log = logging.getLogger("tidal.run_log")
-        self._file_log.propagate = False
-        self._file_log.setLevel(logging.INFO)
-        self._file_log.addHandler(self._log_file)
+        self.run_log = RunLog(run_dir / "train.log")  # train.log (tidal/monitor/run_log.py)
 
         if cfg.run.trace:  # before the roles start: a trainer in this process records into the driver's track
             trace.enable("driver")
@@ -304,7 +191,7 @@ class Controller:
         if resume_from is not None:
             self._load(resume_from)
         self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
-                                  self._file_log)
+                                  self.run_log.file)
         self.monitor = HackingMonitor(**cfg.reward.monitor_args) if cfg.reward.monitors else None
         self.alerts = Alerts(cfg.alerts) if cfg.alerts.enabled else None
         self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
@@ -404,48 +291,23 @@ class Controller:
 
     # -- evaluation during training ---------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, float]:
-        """Held-out greedy accuracy (eval/accuracy) on eval.n problems, every eval.k_every steps
-        also pass@k and pass@1 at eval.temperature, and the accuracy of each of eval.sets."""
-        cfg, out = self.cfg, {}
-        sampled = bool(cfg.eval.k_every) and step > 0 and step % cfg.eval.k_every == 0
         with trace.span("eval", cat="eval", step=step):
-            if self.task.eval_rows:
-                res = evaluate_engine(self.engine, self.eval_rollout, self.task.eval_rows[: cfg.eval.n], self.make_env,
-                                      k=cfg.eval.k if sampled else 0, temperature=cfg.eval.temperature)
-                if res["accuracy"] is not None:
-                    out["eval/accuracy"] = res["accuracy"]
-                if sampled and res.get("pass_at_k") is not None:
-                    out["eval/pass_at_k"], out["eval/pass_at_1"] = res["pass_at_k"], res["pass_at_1"]
-            for name, rows in self.eval_sets.items():
-                res = evaluate_engine(self.engine, self.eval_rollout, rows, self.make_env, k=0)
-                if res["accuracy"] is not None:
-                    out[f"eval/{name}/accuracy"] = res["accuracy"]
-        return out
-
-    def _best_path(self) -> Path:
-        return self.paths.checkpoints / "best.json"
-
-    def _best(self) -> dict | None:
-        path = self._best_path()
-        return json.loads(path.read_text()) if path.is_file() else None
+            return evaluate_during_training(self.engine, self.eval_rollout, self.task.eval_rows, self.eval_sets,
+                                            self.make_env, self.cfg.eval, step)
 
     def _improves_best(self, metrics: dict[str, float]) -> bool:
         key = self.cfg.eval.keep_best
         if not key or key not in metrics or not math.isfinite(metrics[key]):
             return False
-        best = self._best()
-        if best is None:
-            return True
-        return metrics[key] > best["value"] if self.cfg.eval.best_mode == "max" else metrics[key] < best["value"]
+        best = read_best(self.paths.checkpoints)
+        return best is None or (metrics[key] > best["value"] if self.cfg.eval.best_mode == "max"
+                                else metrics[key] < best["value"])
 
     def _record_best(self, step: int, value: float, path: Path) -> None:
-        record = {"step": step, "metric": self.cfg.eval.keep_best, "mode": self.cfg.eval.best_mode, "value": value,
-                  "checkpoint": str(path)}
-        tmp = self._best_path().with_name("best.json.tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        tmp.replace(self._best_path())
+        write_best(self.paths.checkpoints, {"step": step, "metric": self.cfg.eval.keep_best,
+                                            "mode": self.cfg.eval.best_mode, "value": value, "checkpoint": str(path)})
         prune(self.paths.checkpoints, self.cfg.run.keep_checkpoints, path, protect=path)  # the best before it may go
-        log.info("eval.keep_best: step %d is the best so far (%s %.4f): %s", step, record["metric"], value, path)
+        log.info("eval.keep_best: step %d is the best so far (%s %.4f): %s", step, self.cfg.eval.keep_best, value, path)
 
     def _flush_trace(self) -> None:
         """This step's spans of every process into RUN/trace.jsonl (the actors' by a call each)."""
@@ -665,13 +527,13 @@ class Controller:
                     bar.update(self.step, last)
         except BaseException as e:
             # The whole account in train.log; the caller reports it on the console as before.
-            self._file_log.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__, e)
+            self.run_log.file.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__, e)
             raise
         finally:
             stop.set()
             producer.join(timeout=5.0)  # mid-rollout it ends when the engines close
             self.metrics.close()
-            self._close_log()
+            self.run_log.close()
         return last
 
     def close(self) -> None:
@@ -689,17 +551,8 @@ class Controller:
         if self.gateway is not None:
             self.gateway.close()
         self.roles.close()
-        self._close_log()
+        self.run_log.close()
 
-    def _close_log(self) -> None:
-        for h in self._log_handlers:
-            for name in ("tidal", "py.warnings"):
-                logging.getLogger(name).removeHandler(h)
-            h.close()
-        self._file_log.removeHandler(self._log_file)
-        if self._log_handlers and self._captured_warnings:
-            logging.captureWarnings(False)
-        self._log_handlers = []
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:
@@ -720,7 +573,7 @@ class Controller:
             write_manifest(tmp)  # every file fsynced, sized and hashed before the rename
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            cause = _os_error(e)
+            cause = file_system_error(e)
             if cause is None:
                 raise
             last = self.paths.latest_checkpoint()
@@ -731,7 +584,7 @@ class Controller:
             self._source_before = {s: d for s, d in self._source_before.items() if s > self.step}
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        best = self._best()
+        best = read_best(self.paths.checkpoints)
         prune(self.paths.checkpoints, self.cfg.run.keep_checkpoints, final,
               protect=Path(best["checkpoint"]) if best else None)
         return final

@@ -53,3 +53,25 @@ def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_e
                     "pass_at_k": sum(pass_at_k(k, int(c), k) for c in per_row) / len(rows) if known else None,
                     "pass_at_1": sum(c / k for c in per_row) / len(rows) if known else None})
     return out
+
+
+def evaluate_during_training(engine, rollout: Rollout, eval_rows: list[dict[str, Any]],
+                             sets: dict[str, list[dict[str, Any]]], make_env: Callable, cfg: Any,
+                             step: int) -> dict[str, float]:
+    """A training step's evaluation (`cfg` an EvalConfig): held-out greedy accuracy
+    (eval/accuracy) on cfg.n problems; every cfg.k_every steps also pass@k and pass@1 at
+    cfg.temperature; the accuracy of each of cfg.sets (eval/<name>/accuracy)."""
+    out: dict[str, float] = {}
+    sampled = bool(cfg.k_every) and step > 0 and step % cfg.k_every == 0
+    if eval_rows:
+        res = evaluate_engine(engine, rollout, eval_rows[: cfg.n], make_env, k=cfg.k if sampled else 0,
+                              temperature=cfg.temperature)
+        if res["accuracy"] is not None:
+            out["eval/accuracy"] = res["accuracy"]
+        if sampled and res.get("pass_at_k") is not None:
+            out["eval/pass_at_k"], out["eval/pass_at_1"] = res["pass_at_k"], res["pass_at_1"]
+    for name, rows in sets.items():
+        res = evaluate_engine(engine, rollout, rows, make_env, k=0)
+        if res["accuracy"] is not None:
+            out[f"eval/{name}/accuracy"] = res["accuracy"]
+    return out
