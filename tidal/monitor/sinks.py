@@ -269,12 +269,10 @@ class Sinks:
 
 
 def open_sinks(cfg: Any, run_dir: Path, resume_step: int | None, config: dict, file_log: logging.Logger) -> Sinks:
-    """The sinks of `cfg.run.loggers` for the run in `run_dir`. The W&B and MLflow run ids are
-    kept in RUN/sinks.json, so a resumed run continues the same runs there."""
+    """The sinks of `cfg.run.loggers` for the run in `run_dir` (their client libraries were
+    checked when the config loaded). The W&B and MLflow run ids are kept in RUN/sinks.json, so a
+    resumed run continues the same runs there."""
     run = cfg.run
-    problems = missing_extras(run.loggers)
-    if problems:
-        raise ValueError("run.loggers: " + "; ".join(problems))
     ids_path = run_dir / "sinks.json"
     ids = json.loads(ids_path.read_text()) if resume_step is not None and ids_path.is_file() else {}
     sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", truncate_after=resume_step)]
