@@ -7,6 +7,7 @@
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
     tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
+    tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
 """
@@ -325,6 +326,43 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboard(ns: argparse.Namespace) -> int:
+    """A web page over run directories (tidal/monitor/dashboard): curves, episodes, config diff."""
+    import os
+    import secrets
+
+    from tidal.monitor.dashboard.data import DashboardError
+    from tidal.monitor.dashboard.server import DashboardServer, MissingDashboardExtra
+    from tidal.runtime.placement import is_loopback
+
+    token = None
+    if ns.token_env:
+        token = os.environ.get(ns.token_env)
+        if not token:
+            print(f"tidal: error: --token-env {ns.token_env}: the environment variable is not set", file=sys.stderr)
+            return 2
+    elif not is_loopback(ns.host):
+        token = secrets.token_urlsafe(24)  # off loopback never without one; printed once, in the address below
+    try:
+        server = DashboardServer(ns.run_dirs + ns.args, ns.host, ns.port, token)
+    except (DashboardError, MissingDashboardExtra) as e:
+        print(f"tidal: error: {e}", file=sys.stderr)
+        return 2
+    address = server.url + (f"?token={token}" if token and not ns.token_env else "")
+    print(f"tidal: dashboard of {len(server.runs)} run(s) on {address}" + (" (token required)" if token else ""),
+          file=sys.stderr, flush=True)
+    previous = _catch_stop_signals()
+    try:
+        while server.thread.is_alive():
+            server.thread.join(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        _restore_signals(previous)
+        server.close()
+    return 0
+
+
 def _stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's stack on stderr (a run or a server that seems
     stuck says where), and it goes on. Only from the main thread, where signals can be set."""
@@ -401,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--port", type=int, default=None, help="port (default: a free one, printed)")
     sp.add_argument("--token-env", default=None, help="name of an environment variable holding the bearer token")
     sp.set_defaults(fn=cmd_serve_policy)
+    d = sub.add_parser("dashboard", help="a web page of runs: curves, episodes, config diff (pip install "
+                       "'tidal[dashboard]')")
+    d.add_argument("run_dirs", nargs="+", help="run directories (several: curves overlaid, configs compared)")
+    d.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; elsewhere a token "
+                   "is required: --token-env, or a random one printed in the address)")
+    d.add_argument("--port", type=int, default=8765, help="port (0: a free one, printed; default 8765)")
+    d.add_argument("--token-env", default=None, help="name of an environment variable holding the token")
+    d.set_defaults(fn=cmd_dashboard, args=[])
     # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
     ns, rest = p.parse_known_args(argv)
     if any(r.startswith("-") for r in rest):

@@ -73,6 +73,12 @@ def step_file(directory: Path, step: int, part: int = 0) -> Path:
     return directory / (f"step_{step:06d}.parquet" if part == 0 else f"step_{step:06d}.part{part:04d}.parquet")
 
 
+def file_step(path: str | Path) -> int | None:
+    """The step a store file holds (`step_00000N.parquet`, `.partK` too); None for other names."""
+    m = _FILE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def episode_files(path: str | Path) -> list[Path]:
     """The store's files under `path` (a directory) in step and part order; a file is itself."""
     p = Path(path)
@@ -127,7 +133,7 @@ def episodes_table(episodes: list[Episode], texts: list[str] | None = None, step
     return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
 
 
-def _batch_decoder(tokenizer):
+def batch_decoder(tokenizer):
     """`seqs -> texts`, special tokens kept. A Hugging Face tokenizer backed by the `tokenizers`
     library decodes a whole row group in one native call (measured 2x a per-episode
     `decode` loop, 4x `batch_decode`); it gives the same text unless the tokenizer cleans up
@@ -190,7 +196,7 @@ class EpisodeWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = tokenizer
         self.decode_text = tokenizer is not None if decode_text is None else decode_text
-        self._decode = _batch_decoder(tokenizer) if self.decode_text else None
+        self._decode = batch_decoder(tokenizer) if self.decode_text else None
         self.row_group_episodes = row_group_episodes
         self.row_group_tokens = row_group_tokens
         self.max_file_bytes = max_file_bytes

@@ -1,0 +1,325 @@
+"""What `tidal dashboard` reads from a run directory, read as the run writes it.
+
+- `metrics.jsonl` and the event files are read incrementally: a byte offset per file, a
+  half-written last line left for the next read, so a live run costs only its new lines. A
+  step logged again (a resume that lost its last checkpoint re-runs steps) replaces the rows
+  from that step on, and the reader says so (`reset`), so curves never show a step twice.
+- `config.yaml` is flattened to `section.key` leaves for the config diff.
+- The Parquet episode store is queried through DuckDB: filters and the page's order and limit
+  pushed into the scan, only the columns a view shows (never `tokens`/`logprobs` for the
+  list), and the step range pruned by file name before DuckDB opens a file, so a list page of
+  a 1,000,000-episode run reads a few columns, and one episode reads one step's file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tidal.monitor.episodes import batch_decoder, episode_files, file_step
+
+LIST_COLUMNS = ("step", "episode_id", "group_id", "task_id", "env", "status", "error", "reward", "prompt_len")
+STATUSES = ("ok", "truncated", "env_error", "reward_error", "engine_error", "timeout")
+MAX_PAGE = 500
+
+
+class DashboardError(ValueError):
+    """A request the dashboard cannot answer (unknown run, bad filter, missing episode)."""
+
+
+def _finite(v: Any) -> Any:
+    return v if not isinstance(v, float) or math.isfinite(v) else None
+
+
+@dataclass
+class _Tail:
+    """Complete lines appended to a file since the last read."""
+
+    path: Path
+    offset: int = 0
+    inode: int | None = None
+
+    def read(self) -> tuple[list[dict[str, Any]], bool]:
+        """New JSON lines, and whether the file was replaced or truncated (then: all of it)."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return [], False
+        restarted = self.inode is not None and (st.st_ino != self.inode or st.st_size < self.offset)
+        if restarted:
+            self.offset = 0
+        self.inode = st.st_ino
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1  # a line without its newline is still being written
+        self.offset += end
+        rows = []
+        for line in chunk[:end].splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a torn line (a crash mid-write) is skipped, not fatal to the page
+        return rows, restarted
+
+
+@dataclass
+class Metrics:
+    """A run's metrics as columns: `steps`, and each key's values aligned with them (None
+    where a step did not log the key, or logged a non-finite value)."""
+
+    steps: list[int] = field(default_factory=list)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    generation: int = 0  # bumped when rows were replaced: a client holding rows must start over
+
+    def add(self, row: dict[str, Any]) -> bool:
+        """Append one row; True when it replaced rows (its step was logged before)."""
+        step = row.get("step")
+        if not isinstance(step, int):
+            return False
+        replaced = bool(self.steps) and step <= self.steps[-1]
+        if replaced:
+            keep = next((i for i, s in enumerate(self.steps) if s >= step), len(self.steps))
+            del self.steps[keep:]
+            for col in self.columns.values():
+                del col[keep:]
+            self.generation += 1
+        n = len(self.steps)
+        self.steps.append(step)
+        for key, value in row.items():
+            if key == "step" or not isinstance(value, int | float | type(None)) or isinstance(value, bool):
+                continue
+            col = self.columns.get(key)
+            if col is None:
+                col = self.columns[key] = [None] * n
+            col.append(_finite(float(value)) if value is not None else None)
+        for col in self.columns.values():
+            if len(col) < n + 1:
+                col.append(None)
+        return replaced
+
+
+class RunView:
+    """One run directory, as the dashboard shows it. Thread-safe: the server answers requests
+    on several threads."""
+
+    def __init__(self, root: str | Path, name: str | None = None):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise DashboardError(f"run directory `{self.root}` does not exist")
+        if not any((self.root / f).exists() for f in ("metrics.jsonl", "config.yaml", "episodes")):
+            raise DashboardError(f"`{self.root}` is not a tidal run directory (no metrics.jsonl, config.yaml or "
+                                 "episodes/)")
+        self.name = name or self.root.name
+        self._lock = threading.Lock()
+        self._metrics = Metrics()
+        self._metrics_tail = _Tail(self.root / "metrics.jsonl")
+        self._event_tails = {"alert": _Tail(self.root / "events.jsonl"),
+                             "hacking": _Tail(self.root / "hacking_events.jsonl")}
+        self._events: dict[str, list[dict[str, Any]]] = {"alert": [], "hacking": []}
+        self._tokenizer: Any = None
+        self._tokenizer_error: str | None = None
+        self._facets: tuple[tuple, dict[str, Any]] | None = None
+
+    # -- metrics and events -------------------------------------------------------------
+
+    def metrics(self, since: int = 0, generation: int | None = None) -> dict[str, Any]:
+        """Rows from index `since` on, as columns. A client that holds rows of an older
+        `generation` (rows since replaced) gets everything again, with `reset: true`."""
+        with self._lock:
+            rows, restarted = self._metrics_tail.read()
+            if restarted:
+                gen = self._metrics.generation + 1
+                self._metrics = Metrics(generation=gen)
+            for row in rows:
+                self._metrics.add(row)
+            m = self._metrics
+            reset = generation is not None and generation != m.generation
+            start = 0 if reset else max(0, min(since, len(m.steps)))
+            return {"generation": m.generation, "reset": reset, "start": start, "total": len(m.steps),
+                    "steps": m.steps[start:], "columns": {k: v[start:] for k, v in m.columns.items()}}
+
+    def events(self) -> list[dict[str, Any]]:
+        """Alerts (events.jsonl) and reward-hacking monitor events (hacking_events.jsonl), each
+        with its `kind`, `step` and a one-line `message`."""
+        with self._lock:
+            for kind, tail in self._event_tails.items():
+                rows, restarted = tail.read()
+                if restarted:
+                    self._events[kind] = []
+                for r in rows:
+                    if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+                        continue
+                    name = r.get("alert") or r.get("monitor") or r.get("kind") or kind
+                    message = r.get("message") or r.get("detail") or json.dumps(
+                        {k: v for k, v in r.items() if k not in ("examples", "episodes")})[:300]
+                    self._events[kind].append({"kind": kind, "name": str(name), "step": r["step"],
+                                               "message": str(message)})
+            return [e for kind in ("alert", "hacking") for e in self._events[kind]]
+
+    def config(self) -> dict[str, Any]:
+        """config.yaml as `section.key: value` leaves ({} when the run has none yet)."""
+        path = self.root / "config.yaml"
+        if not path.is_file():
+            return {}
+        data = yaml.safe_load(path.read_text()) or {}
+        flat: dict[str, Any] = {}
+
+        def walk(prefix: str, node: Any) -> None:
+            if isinstance(node, dict) and node:
+                for k, v in node.items():
+                    walk(f"{prefix}.{k}" if prefix else str(k), v)
+            else:
+                flat[prefix] = node
+        walk("", data)
+        return flat
+
+    # -- episodes -----------------------------------------------------------------------
+
+    def _files(self, step_min: int | None = None, step_max: int | None = None) -> list[str]:
+        directory = self.root / "episodes"
+        if not directory.is_dir():
+            return []
+        out = []
+        for f in episode_files(directory):
+            step = file_step(f)
+            if (step_min is None or step >= step_min) and (step_max is None or step <= step_max):
+                out.append(str(f))
+        return out
+
+    def facets(self, con) -> dict[str, Any]:
+        """Episode counts by env and status, and the step range, for the filters. Cached until
+        the store's file list changes."""
+        files = self._files()
+        key = (len(files), files[-1] if files else None, _mtime(files[-1]) if files else None)
+        if self._facets is not None and self._facets[0] == key:
+            return self._facets[1]
+        result: dict[str, Any] = {"episodes": 0, "envs": {}, "statuses": {}, "step_min": None, "step_max": None}
+        if files:
+            rows = con.execute("SELECT env, status, count(*), min(step), max(step) FROM read_parquet(?) "
+                               "GROUP BY env, status", [files]).fetchall()
+            for env, status, n, lo, hi in rows:
+                result["episodes"] += n
+                result["envs"][env] = result["envs"].get(env, 0) + n
+                result["statuses"][status] = result["statuses"].get(status, 0) + n
+                result["step_min"] = lo if result["step_min"] is None else min(lo, result["step_min"])
+                result["step_max"] = hi if result["step_max"] is None else max(hi, result["step_max"])
+        self._facets = (key, result)
+        return result
+
+    def episodes(self, con, *, step_min: int | None = None, step_max: int | None = None,
+                 reward_min: float | None = None, reward_max: float | None = None, status: list[str] | None = None,
+                 env: str | None = None, text: str | None = None, offset: int = 0, limit: int = 50,
+                 order: str = "newest") -> dict[str, Any]:
+        """One page of episodes matching every filter given, and how many match in all."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise DashboardError(f"limit must be between 1 and {MAX_PAGE} (got {limit})")
+        if offset < 0:
+            raise DashboardError(f"offset must be at least 0 (got {offset})")
+        orders = {"newest": "step DESC, episode_id", "oldest": "step, episode_id",
+                  "reward_high": "reward DESC NULLS LAST, step DESC, episode_id",
+                  "reward_low": "reward ASC NULLS LAST, step DESC, episode_id"}
+        if order not in orders:
+            raise DashboardError(f"order must be one of {', '.join(orders)} (got {order!r})")
+        files = self._files(step_min, step_max)
+        if not files:
+            return {"total": 0, "rows": [], "offset": offset}
+        where, params = ["TRUE"], []
+        if step_min is not None:
+            where.append("step >= ?")
+            params.append(step_min)
+        if step_max is not None:
+            where.append("step <= ?")
+            params.append(step_max)
+        if reward_min is not None:
+            where.append("reward >= ?")
+            params.append(reward_min)
+        if reward_max is not None:
+            where.append("reward <= ?")
+            params.append(reward_max)
+        if status:
+            bad = [s for s in status if s not in STATUSES]
+            if bad:
+                raise DashboardError(f"unknown status {bad[0]!r} (statuses: {', '.join(STATUSES)})")
+            where.append(f"status IN ({', '.join('?' for _ in status)})")
+            params += status
+        if env:
+            where.append("env = ?")
+            params.append(env)
+        if text:
+            # Case-insensitive substring of the episode's text, its error or its id.
+            where.append("(contains(lower(text), ?) OR contains(lower(coalesce(error, '')), ?) "
+                         "OR contains(lower(episode_id), ?))")
+            params += [text.lower()] * 3
+        cond = " AND ".join(where)
+        cols = ", ".join(LIST_COLUMNS)
+        total = con.execute(f"SELECT count(*) FROM read_parquet(?) WHERE {cond}", [files, *params]).fetchone()[0]
+        rows = con.execute(
+            f"SELECT {cols}, len(tokens) AS n_tokens, len(turns) AS n_turns, "
+            f"list_sum(loss_mask::INTEGER[]) AS policy_tokens "
+            f"FROM read_parquet(?) WHERE {cond} ORDER BY {orders[order]} LIMIT ? OFFSET ?",
+            [files, *params, limit, offset]).fetchall()
+        names = [*LIST_COLUMNS, "n_tokens", "n_turns", "policy_tokens"]
+        return {"total": total, "offset": offset,
+                "rows": [{k: _finite(v) for k, v in zip(names, r)} for r in rows]}
+
+    def episode(self, con, episode_id: str, step: int | None = None) -> dict[str, Any]:
+        """One episode whole, with each token's text (decoded alone) beside its id, loss mask,
+        log-prob and weight version."""
+        files = self._files(step, step)
+        if not files:
+            raise DashboardError(f"no episode `{episode_id}`" + (f" at step {step}" if step is not None else ""))
+        cur = con.execute("SELECT * FROM read_parquet(?) WHERE episode_id = ? LIMIT 1", [files, episode_id])
+        names = [d[0] for d in cur.description]
+        row = cur.fetchone()
+        if row is None:
+            raise DashboardError(f"no episode `{episode_id}`" + (f" at step {step}" if step is not None else ""))
+        ep = dict(zip(names, row))
+        for key in ("reward_parts", "metrics"):
+            ep[key] = {k: _finite(v) for k, v in (ep.get(key) or {}).items()}
+        ep["logprobs"] = [_finite(float(x)) for x in ep["logprobs"] or []]
+        for k in ("reward", "outcome_reward"):
+            ep[k] = _finite(ep.get(k))
+        ep["seed"] = None if ep.get("seed") is None else str(ep["seed"])  # 64-bit: past a JavaScript number
+        ep["pieces"], ep["pieces_note"] = self._pieces(ep["tokens"] or [])
+        return ep
+
+    def _pieces(self, tokens: list[int]) -> tuple[list[str] | None, str | None]:
+        tok = self._load_tokenizer()
+        if tok is None:
+            return None, self._tokenizer_error
+        return batch_decoder(tok)([[t] for t in tokens]), None
+
+    def _load_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None and self._tokenizer_error is None:
+                path = self.config().get("model.path", "default")
+                try:
+                    from tidal.models import load_tokenizer
+
+                    self._tokenizer = load_tokenizer(path)
+                except Exception as e:  # noqa: BLE001 (any failure: the page shows token ids, and says why)
+                    self._tokenizer_error = f"token ids only: the run's tokenizer ({path}) did not load: {e}"
+            return self._tokenizer
+
+
+def _mtime(path: str) -> float | None:
+    try:
+        return Path(path).stat().st_mtime
+    except OSError:
+        return None
+
+
+def config_diff(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The keys whose values differ between the runs' flattened configs, each with every run's
+    value (None where a run lacks the key)."""
+    keys = sorted(set().union(*configs)) if configs else []
+    return [{"key": k, "values": [c.get(k) for c in configs]} for k in keys
+            if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in configs}) > 1]

@@ -1,0 +1,257 @@
+"""`tidal dashboard RUN_DIR [RUN_DIR ...]`: a web page over run directories.
+
+The page (static/index.html, app.js, style.css) draws with Plotly (plotly.js as shipped in the
+`plotly` Python package, served from it: nothing is fetched from a CDN and no plotting code
+is ours) and asks this server's JSON routes for data (tidal/monitor/dashboard/data.py):
+
+    GET /api/runs                     the runs, their episode facets (envs, statuses, steps)
+    GET /api/metrics?run=I&since=N    metric rows from N on, as columns (live: the page polls)
+    GET /api/events?run=I             alerts and reward-hacking events
+    GET /api/config                   each run's config and the keys that differ between runs
+    GET /api/episodes?run=I&...       a filtered page of episodes
+    GET /api/episode?run=I&id=E       one episode whole, with its tokens' texts
+
+Binding: 127.0.0.1 unless told otherwise. Off loopback a token is required on every route
+(`Authorization: Bearer T`, or the cookie set by opening `/?token=T` once). On loopback
+without a token the Host header must be a loopback name, so a web page elsewhere cannot reach
+the dashboard through DNS rebinding. Episode texts are model output: the page only ever puts
+them into the document as text, and the Content-Security-Policy allows no inline script.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from tidal.monitor.dashboard.data import DashboardError, RunView, config_diff
+from tidal.runtime.placement import is_loopback
+
+log = logging.getLogger("tidal")
+
+COOKIE = "tidal_dashboard"
+STATIC = Path(str(resources.files("tidal.monitor.dashboard") / "static"))
+SECURITY_HEADERS = {
+    # plotly.js sets element styles from script (allowed by 'unsafe-inline' for styles only)
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "img-src 'self' data: blob:; connect-src 'self'; frame-ancestors 'none'; "
+                               "base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+class MissingDashboardExtra(RuntimeError):
+    pass
+
+
+def plotly_js() -> Path:
+    """plotly.min.js from the installed `plotly` package (the `dashboard` extra)."""
+    try:
+        import plotly
+    except ImportError:
+        raise MissingDashboardExtra("tidal dashboard needs the `dashboard` extra: pip install 'tidal[dashboard]' "
+                                    "(plotly and duckdb)") from None
+    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    if not path.is_file():
+        raise MissingDashboardExtra(f"the installed plotly ({plotly.__version__}) ships no {path.name}")
+    return path
+
+
+def connect():
+    """An in-memory DuckDB for the store's Parquet files (the `dashboard` extra)."""
+    try:
+        import duckdb
+    except ImportError:
+        raise MissingDashboardExtra("tidal dashboard needs the `dashboard` extra: pip install 'tidal[dashboard]' "
+                                    "(plotly and duckdb)") from None
+    con = duckdb.connect(":memory:")
+    con.execute("SET threads = 2")
+    con.execute("SET parquet_metadata_cache = true")  # footers read once per file, not per request
+    return con
+
+
+def _int(request: Request, name: str, default: int | None = None) -> int | None:
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise DashboardError(f"query parameter `{name}` must be an integer (got {raw!r})") from None
+
+
+def _float(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name)
+    if raw in (None, ""):
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise DashboardError(f"query parameter `{name}` must be a number (got {raw!r})") from None
+
+
+def build_app(runs: list[RunView], token: str | None = None, check_host: bool = True) -> Starlette:
+    if not runs:
+        raise DashboardError("the dashboard needs at least one run directory")
+    con = connect()
+    js = plotly_js()
+    expected = token.encode() if token else None
+    files = {"app.js": STATIC / "app.js", "style.css": STATIC / "style.css", "plotly.min.js": js}
+
+    def refused(request: Request) -> Response | None:
+        if check_host and expected is None:
+            host = _host_name(request.headers.get("host", ""))
+            if host not in LOOPBACK_NAMES:
+                return JSONResponse({"error": f"host `{host}` is not a loopback name"}, 403, headers=SECURITY_HEADERS)
+        if expected is None:
+            return None
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else request.cookies.get(COOKIE, "")
+        if hmac.compare_digest(given.encode(), expected):
+            return None
+        return JSONResponse({"error": "a token is required: open /?token=<dashboard token> once, or send "
+                                      "Authorization: Bearer <token>"}, 401, headers=SECURITY_HEADERS)
+
+    def run_of(request: Request) -> RunView:
+        i = _int(request, "run", 0)
+        if not 0 <= i < len(runs):
+            raise DashboardError(f"no run {i} (runs 0..{len(runs) - 1})")
+        return runs[i]
+
+    def api(fn):
+        def endpoint(request: Request) -> Response:
+            bad = refused(request)
+            if bad is not None:
+                return bad
+            try:
+                return JSONResponse(fn(request), headers=SECURITY_HEADERS)
+            except DashboardError as e:
+                return JSONResponse({"error": str(e)}, 400, headers=SECURITY_HEADERS)
+            except Exception as e:  # the page shows it; the server goes on serving
+                log.exception("dashboard: %s failed", request.url.path)
+                return JSONResponse({"error": f"{request.url.path}: {type(e).__name__}: {e}"}, 500,
+                                    headers=SECURITY_HEADERS)
+        return endpoint
+
+    def index(request: Request) -> Response:
+        given = request.query_params.get("token")
+        if expected is not None and given is not None:
+            if not hmac.compare_digest(given.encode(), expected):
+                return JSONResponse({"error": "wrong token"}, 401, headers=SECURITY_HEADERS)
+            response = RedirectResponse("/", 303, headers=SECURITY_HEADERS)  # the token leaves the address bar
+            response.set_cookie(COOKIE, given, httponly=True, samesite="strict")
+            return response
+        bad = refused(request)
+        if bad is not None:
+            return bad
+        return FileResponse(STATIC / "index.html", headers=SECURITY_HEADERS)
+
+    def static(request: Request) -> Response:
+        bad = refused(request)
+        if bad is not None:
+            return bad
+        path = files.get(request.path_params["name"])
+        if path is None:
+            return JSONResponse({"error": "not found"}, 404, headers=SECURITY_HEADERS)
+        return FileResponse(path, headers={**SECURITY_HEADERS, "Cache-Control": "max-age=3600"})
+
+    def runs_route(request: Request) -> Any:
+        return {"runs": [{"index": i, "name": r.name, "path": str(r.root), "episodes": r.facets(con.cursor())}
+                         for i, r in enumerate(runs)]}
+
+    def metrics_route(request: Request) -> Any:
+        return run_of(request).metrics(_int(request, "since", 0), _int(request, "generation"))
+
+    def events_route(request: Request) -> Any:
+        return {"events": run_of(request).events()}
+
+    def config_route(request: Request) -> Any:
+        configs = [r.config() for r in runs]
+        return {"runs": [r.name for r in runs], "configs": configs, "diff": config_diff(configs)}
+
+    def episodes_route(request: Request) -> Any:
+        q = request.query_params
+        statuses = [s for s in q.get("status", "").split(",") if s]
+        return run_of(request).episodes(
+            con.cursor(), step_min=_int(request, "step_min"), step_max=_int(request, "step_max"),
+            reward_min=_float(request, "reward_min"), reward_max=_float(request, "reward_max"),
+            status=statuses or None, env=q.get("env") or None, text=q.get("text") or None,
+            offset=_int(request, "offset", 0), limit=_int(request, "limit", 50), order=q.get("order", "newest"))
+
+    def episode_route(request: Request) -> Any:
+        eid = request.query_params.get("id")
+        if not eid:
+            raise DashboardError("query parameter `id` (an episode id) is required")
+        return run_of(request).episode(con.cursor(), eid, _int(request, "step"))
+
+    return Starlette(routes=[
+        Route("/", index), Route("/static/{name}", static),
+        Route("/api/runs", api(runs_route)), Route("/api/metrics", api(metrics_route)),
+        Route("/api/events", api(events_route)), Route("/api/config", api(config_route)),
+        Route("/api/episodes", api(episodes_route)), Route("/api/episode", api(episode_route)),
+    ])
+
+
+class DashboardServer:
+    """uvicorn serving the dashboard on a daemon thread (`tidal dashboard` waits on it; tests
+    and notebooks use it directly)."""
+
+    def __init__(self, run_dirs: list[str | Path], host: str = "127.0.0.1", port: int = 0,
+                 token: str | None = None, start_timeout_s: float = 30.0):
+        if not is_loopback(host) and not token:
+            raise DashboardError(f"dashboard: binding {host} (not loopback) needs a token (--token-env)")
+        import uvicorn
+
+        names = _unique_names([Path(d) for d in run_dirs])
+        self.runs = [RunView(d, n) for d, n in zip(run_dirs, names)]
+        self.host, self.token = host, token
+        config = uvicorn.Config(build_app(self.runs, token), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="tidal-dashboard", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise DashboardError(f"dashboard: the server did not start on {host}:{port} within "
+                                     f"{start_timeout_s:g} s (is the port taken?)")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        shown = f"[{host}]" if ":" in host else host
+        self.url = f"http://{shown}:{self.port}/"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def __enter__(self) -> DashboardServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _host_name(header: str) -> str:
+    """The name in a Host header, without its port (`[::1]:8080` -> `[::1]`)."""
+    if header.startswith("["):
+        return header.split("]")[0] + "]"
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _unique_names(dirs: list[Path]) -> list[str]:
+    """Each run's directory name; the parent's name added where two runs share one."""
+    names = [d.resolve().name for d in dirs]
+    return [f"{d.resolve().parent.name}/{n}" if names.count(n) > 1 else n for d, n in zip(dirs, names)]
