@@ -124,9 +124,10 @@ class RunView:
         self._event_tails = {"alert": _Tail(self.root / "events.jsonl"),
                              "hacking": _Tail(self.root / "hacking_events.jsonl")}
         self._events: dict[str, list[dict[str, Any]]] = {"alert": [], "hacking": []}
+        self._tokenizer_lock = threading.Lock()
         self._tokenizer: Any = None
         self._tokenizer_error: str | None = None
-        self._facets: tuple[tuple, dict[str, Any]] | None = None
+        self._per_file: dict[tuple, list[tuple]] = {}  # (path, mtime) -> its facet rows
 
     # -- metrics and events -------------------------------------------------------------
 
@@ -194,24 +195,34 @@ class RunView:
                 out.append(str(f))
         return out
 
+    def _file_facets(self, con, files: list[str]) -> dict[str, list[tuple]]:
+        """Per store file: (env, status, count, min step, max step) rows. Each file is read once
+        (a closed file never changes; a resumed run that rewrites a step gets a new mtime)."""
+        keys = {f: (f, _mtime(f)) for f in files}
+        with self._lock:
+            missing = [f for f in files if keys[f] not in self._per_file]
+        if missing:
+            rows = con.execute("SELECT filename, env, status, count(*), min(step), max(step) "
+                               "FROM read_parquet(?, filename = true) GROUP BY ALL", [missing]).fetchall()
+            found: dict[str, list[tuple]] = {f: [] for f in missing}
+            for name, *rest in rows:
+                found.setdefault(name, []).append(tuple(rest))
+            with self._lock:
+                for f in missing:
+                    self._per_file[keys[f]] = found.get(f, [])
+        with self._lock:
+            return {f: self._per_file[keys[f]] for f in files}
+
     def facets(self, con) -> dict[str, Any]:
-        """Episode counts by env and status, and the step range, for the filters. Cached until
-        the store's file list changes."""
-        files = self._files()
-        key = (len(files), files[-1] if files else None, _mtime(files[-1]) if files else None)
-        if self._facets is not None and self._facets[0] == key:
-            return self._facets[1]
+        """Episode counts by env and status, and the step range, for the filters."""
         result: dict[str, Any] = {"episodes": 0, "envs": {}, "statuses": {}, "step_min": None, "step_max": None}
-        if files:
-            rows = con.execute("SELECT env, status, count(*), min(step), max(step) FROM read_parquet(?) "
-                               "GROUP BY env, status", [files]).fetchall()
+        for rows in self._file_facets(con, self._files()).values():
             for env, status, n, lo, hi in rows:
                 result["episodes"] += n
                 result["envs"][env] = result["envs"].get(env, 0) + n
                 result["statuses"][status] = result["statuses"].get(status, 0) + n
                 result["step_min"] = lo if result["step_min"] is None else min(lo, result["step_min"])
                 result["step_max"] = hi if result["step_max"] is None else max(hi, result["step_max"])
-        self._facets = (key, result)
         return result
 
     def episodes(self, con, *, step_min: int | None = None, step_max: int | None = None,
@@ -260,15 +271,50 @@ class RunView:
             params += [text.lower()] * 3
         cond = " AND ".join(where)
         cols = ", ".join(LIST_COLUMNS)
-        total = con.execute(f"SELECT count(*) FROM read_parquet(?) WHERE {cond}", [files, *params]).fetchone()[0]
+        if order in ("newest", "oldest"):
+            total, files, offset_in = self._page_files(con, files, cond, params, order == "newest", offset, limit)
+        else:
+            total = con.execute(f"SELECT count(*) FROM read_parquet(?) WHERE {cond}", [files, *params]).fetchone()[0]
+            offset_in = offset
+        if not files:
+            return {"total": total, "rows": [], "offset": offset}
         rows = con.execute(
             f"SELECT {cols}, len(tokens) AS n_tokens, len(turns) AS n_turns, "
             f"list_sum(loss_mask::INTEGER[]) AS policy_tokens "
             f"FROM read_parquet(?) WHERE {cond} ORDER BY {orders[order]} LIMIT ? OFFSET ?",
-            [files, *params, limit, offset]).fetchall()
+            [files, *params, limit, offset_in]).fetchall()
         names = [*LIST_COLUMNS, "n_tokens", "n_turns", "policy_tokens"]
         return {"total": total, "offset": offset,
                 "rows": [{k: _finite(v) for k, v in zip(names, r)} for r in rows]}
+
+    def _page_files(self, con, files: list[str], cond: str, params: list, newest: bool, offset: int,
+                    limit: int) -> tuple[int, list[str], int]:
+        """For a page in step order: how many episodes match in all, the files that hold the
+        page (whole steps: a step's parts sort together) and the page's offset within them.
+        Counts per file come from the facets (no filter) or one grouped scan of the filter's
+        columns, so the page itself reads only its own steps."""
+        if cond == "TRUE":
+            counts = {f: sum(r[2] for r in rows) for f, rows in self._file_facets(con, files).items()}
+        else:
+            counts = dict.fromkeys(files, 0)
+            counts.update(con.execute(f"SELECT filename, count(*) FROM read_parquet(?, filename = true) "
+                                      f"WHERE {cond} GROUP BY filename", [files, *params]).fetchall())
+        by_step: dict[int, list[str]] = {}
+        for f in files:
+            by_step.setdefault(file_step(f), []).append(f)
+        total = sum(counts.values())
+        skip, chosen, held = offset, [], 0
+        for step in sorted(by_step, reverse=newest):
+            n = sum(counts[f] for f in by_step[step])
+            if not chosen and skip >= n:  # the page starts after this step
+                skip -= n
+                continue
+            if n:
+                chosen += by_step[step]
+                held += n
+            if held - skip >= limit:
+                break
+        return total, chosen, skip
 
     def episode(self, con, episode_id: str, step: int | None = None) -> dict[str, Any]:
         """One episode whole, with each token's text (decoded alone) beside its id, loss mask,
@@ -297,8 +343,12 @@ class RunView:
             return None, self._tokenizer_error
         return batch_decoder(tok)([[t] for t in tokens]), None
 
+    def warm(self) -> None:
+        """Load what the first opened episode needs (the run's tokenizer)."""
+        self._load_tokenizer()
+
     def _load_tokenizer(self):
-        with self._lock:
+        with self._tokenizer_lock:  # not self._lock: a load takes a second, and the curves must not wait
             if self._tokenizer is None and self._tokenizer_error is None:
                 path = self.config().get("model.path", "default")
                 try:

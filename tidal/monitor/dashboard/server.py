@@ -217,6 +217,8 @@ class DashboardServer:
 
         names = _unique_names([Path(d) for d in run_dirs])
         self.runs = [RunView(d, n) for d, n in zip(run_dirs, names)]
+        for run in self.runs:  # the tokenizers load in the background: the first opened episode need not wait
+            threading.Thread(target=run.warm, name="tidal-dashboard-warm", daemon=True).start()
         self.host, self.token = host, token
         config = uvicorn.Config(build_app(self.runs, token), host=host, port=port, log_level="warning",
                                 access_log=False, lifespan="off")

@@ -1,0 +1,243 @@
+"""`tidal dashboard` (tidal/monitor/dashboard): its routes against the run directories of
+two real training runs (each value compared with what the run wrote, read back with pyarrow
+and json), its refusals, and its security checks. The page itself is tested in a real
+browser in tests/test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pyarrow.dataset as ds
+import pytest
+from starlette.testclient import TestClient
+
+from tidal.cli import main as cli_main
+from tidal.models import load_tokenizer
+from tidal.monitor.dashboard.data import DashboardError, RunView
+from tidal.monitor.dashboard.server import COOKIE, DashboardServer, build_app
+
+pytest.importorskip("duckdb", reason="the dashboard extra (duckdb, plotly) is in the dev extra")
+
+
+@pytest.fixture(scope="module")
+def runs(dashboard_runs):
+    return dashboard_runs
+
+
+@pytest.fixture(scope="module")
+def client(runs):
+    return TestClient(build_app([RunView(runs[0]), RunView(runs[1])]), base_url="http://127.0.0.1")
+
+
+def jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def store(run_dir):
+    return ds.dataset(str(run_dir / "episodes"), format="parquet").to_table().to_pylist()
+
+
+def test_metrics_are_the_runs_metrics_jsonl(client, runs):
+    for i, run in enumerate(runs):
+        got = client.get("/api/metrics", params={"run": i}).json()
+        rows = jsonl(run / "metrics.jsonl")
+        assert got["steps"] == [r["step"] for r in rows]
+        keys = {k for r in rows for k in r if k != "step"}
+        assert set(got["columns"]) == keys
+        for key in keys:
+            want = [r.get(key) for r in rows]
+            want = [None if v is None or (isinstance(v, float) and not math.isfinite(v)) else float(v) for v in want]
+            assert got["columns"][key] == want, key  # exact: JSON floats round-trip
+    # run a evaluated its starting weights: a step-0 row with only eval metrics
+    a = client.get("/api/metrics", params={"run": 0}).json()
+    assert a["steps"][0] == 0 and a["columns"]["reward"][0] is None and a["columns"]["eval/accuracy"][0] is not None
+
+
+def test_metrics_are_read_as_they_are_written(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.6}\n')
+    view = RunView(tmp_path)
+    first = view.metrics()
+    assert first["steps"] == [1, 2] and first["columns"]["reward"] == [0.5, 0.6]
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "rew')  # a line still being written is not read
+        f.flush()
+        assert view.metrics(since=2)["steps"] == []
+        f.write('ard": 0.7, "kl": NaN}\n')
+    third = view.metrics(since=2, generation=first["generation"])
+    assert third["steps"] == [3] and third["columns"] == {"reward": [0.7], "kl": [None]} and not third["reset"]
+    # a resume that lost its last checkpoint logs step 2 again: rows from step 2 on are replaced
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "reward": 0.9}\n')
+    again = view.metrics(since=3, generation=first["generation"])
+    assert again["reset"] and again["steps"] == [1, 2] and again["columns"]["reward"] == [0.5, 0.9]
+    assert again["columns"]["kl"] == [None, None]
+
+
+def test_events_are_alerts_and_hacking_events(client):
+    events = client.get("/api/events", params={"run": 1}).json()["events"]
+    assert [(e["kind"], e["name"], e["step"]) for e in events] == [("alert", "kl_spike", 2),
+                                                                   ("hacking", "part_dominance", 3)]
+    assert events[0]["message"] == "kl 0.5 at step 2"
+    assert client.get("/api/events", params={"run": 0}).json()["events"] == []
+
+
+def test_the_config_diff_names_what_differs(client, runs):
+    got = client.get("/api/config").json()
+    diff = {d["key"]: d["values"] for d in got["diff"]}
+    assert diff["train.lr"] == [3e-4, 1e-4]
+    assert diff["train.steps"] == [4, 3]
+    assert diff["run.dir"] == [str(runs[0]), str(runs[1])]
+    assert all(len({json.dumps(v) for v in values}) > 1 for values in diff.values())
+    assert "model.path" not in diff and got["configs"][0]["model.path"] == got["configs"][1]["model.path"]
+
+
+@pytest.mark.parametrize("params, keep", [
+    ({}, lambda e: True),
+    ({"step_min": 2, "step_max": 3}, lambda e: 2 <= e["step"] <= 3),
+    ({"reward_min": 1.0}, lambda e: e["reward"] >= 1.0),
+    ({"reward_max": 0.5, "step_min": 4}, lambda e: e["reward"] <= 0.5 and e["step"] >= 4),
+    ({"status": "ok"}, lambda e: e["status"] == "ok"),
+    ({"status": "truncated,timeout"}, lambda e: e["status"] in ("truncated", "timeout")),
+    ({"env": "arithmetic"}, lambda e: e["env"] == "arithmetic"),
+    ({"env": "nothing-like-it"}, lambda e: False),
+    ({"text": "WHAT IS 1"}, lambda e: "what is 1" in e["text"].lower()),
+    ({"text": "s3-p1-"}, lambda e: "s3-p1-" in e["episode_id"]),
+])
+def test_episode_filters_match_the_store(client, runs, params, keep):
+    want = [e for e in store(runs[0]) if keep(e)]
+    got = client.get("/api/episodes", params={"run": 0, "limit": 500, **params}).json()
+    assert got["total"] == len(want)
+    assert sorted(r["episode_id"] for r in got["rows"]) == sorted(e["episode_id"] for e in want)
+    steps = [r["step"] for r in got["rows"]]
+    assert steps == sorted(steps, reverse=True)  # newest first
+    by_id = {e["episode_id"]: e for e in want}
+    for r in got["rows"]:
+        e = by_id[r["episode_id"]]
+        assert (r["reward"], r["status"], r["n_tokens"], r["policy_tokens"]) == (
+            e["reward"], e["status"], len(e["tokens"]), sum(e["loss_mask"]))
+
+
+def test_episode_pages_do_not_overlap(client, runs):
+    total = len(store(runs[0]))
+    seen = []
+    for offset in range(0, total, 50):
+        seen += [r["episode_id"] for r in client.get("/api/episodes", params={"run": 0, "offset": offset,
+                                                                              "order": "oldest"}).json()["rows"]]
+    assert len(seen) == total == len(set(seen))
+
+
+def test_an_episode_is_shown_token_by_token(client, runs):
+    tokenizer = load_tokenizer("default")  # the runs' model
+    recorded = next(e for e in store(runs[0]) if e["step"] == 3)
+    got = client.get("/api/episode", params={"run": 0, "id": recorded["episode_id"], "step": 3}).json()
+    assert got["tokens"] == recorded["tokens"] and got["loss_mask"] == recorded["loss_mask"]
+    assert got["versions"] == recorded["versions"] and got["prompt_len"] == recorded["prompt_len"]
+    assert got["logprobs"] == pytest.approx(recorded["logprobs"], abs=0)  # float32 in the store, exact in JSON
+    assert got["seed"] == str(recorded["seed"])  # a 64-bit seed as text: past what a JavaScript number holds
+    assert len(got["pieces"]) == len(got["tokens"]) and got["pieces_note"] is None
+    assert got["pieces"] == [tokenizer.decode([t]) for t in recorded["tokens"]]
+    assert "".join(got["pieces"]) == recorded["text"]  # as the model saw it (special tokens kept)
+    assert got["turns"][0]["start"] == recorded["prompt_len"]
+
+
+@pytest.mark.parametrize("path, params, names", [
+    ("/api/episodes", {"limit": 0}, "limit"),
+    ("/api/episodes", {"limit": 501}, "limit"),
+    ("/api/episodes", {"offset": -1}, "offset"),
+    ("/api/episodes", {"step_min": "two"}, "step_min"),
+    ("/api/episodes", {"reward_max": "high"}, "reward_max"),
+    ("/api/episodes", {"status": "fine"}, "status"),
+    ("/api/episodes", {"order": "random; DROP TABLE x"}, "order"),
+    ("/api/episodes", {"run": 7}, "no run 7"),
+    ("/api/metrics", {"run": -1}, "no run -1"),
+    ("/api/episode", {}, "id"),
+    ("/api/episode", {"id": "s1-p0-e0' OR '1'='1"}, "no episode"),
+    ("/api/episode", {"id": "s1-p0-e0", "step": 99}, "at step 99"),
+])
+def test_bad_requests_name_what_is_wrong(client, path, params, names):
+    r = client.get(path, params=params)
+    assert r.status_code == 400
+    assert names in r.json()["error"]
+
+
+def test_a_text_filter_is_a_parameter_not_sql(client, runs):
+    total = len(store(runs[0]))
+    for text in ("' OR 1=1 --", "%", "_", "\\"):
+        got = client.get("/api/episodes", params={"run": 0, "text": text}).json()
+        assert got["total"] == sum(text in e["text"].lower() or text in e["episode_id"] for e in store(runs[0]))
+        assert got["total"] < total or text in ("%", "_")
+
+
+def test_off_loopback_a_token_is_required(runs):
+    with pytest.raises(DashboardError, match="needs a token"):
+        DashboardServer([runs[0]], host="0.0.0.0")
+    c = TestClient(build_app([RunView(runs[0])], token="s3cret"), base_url="http://10.1.2.3:8765")
+    for path in ("/", "/api/runs", "/api/metrics", "/api/episodes", "/static/app.js", "/static/plotly.min.js"):
+        assert c.get(path).status_code == 401, path
+    assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert c.get("/?token=wrong", follow_redirects=False).status_code == 401
+    opened = c.get("/?token=s3cret", follow_redirects=False)
+    assert opened.status_code == 303 and opened.headers["location"] == "/"  # the token leaves the address
+    assert "httponly" in opened.headers["set-cookie"].lower() and "samesite=strict" in opened.headers[
+        "set-cookie"].lower()
+    assert c.cookies.get(COOKIE) == "s3cret"
+    assert c.get("/api/runs").status_code == 200 and c.get("/").status_code == 200
+
+
+def test_on_loopback_other_host_names_are_refused(runs):
+    """A page on another site that rebinds its DNS name to 127.0.0.1 sends its own Host."""
+    app = build_app([RunView(runs[0])])
+    for host in ("127.0.0.1", "localhost:8765", "[::1]:8765"):
+        assert TestClient(app, base_url=f"http://{host}").get("/api/runs").status_code == 200, host
+    for host in ("evil.example", "evil.example:8765", "127.0.0.1.evil.example"):
+        r = TestClient(app, base_url=f"http://{host}").get("/api/runs")
+        assert r.status_code == 403 and "not a loopback name" in r.json()["error"], host
+
+
+def test_pages_forbid_inline_script_and_framing(client):
+    r = client.get("/")
+    csp = r.headers["content-security-policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp.split("script-src")[1].split(";")[0]
+    assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    assert client.get("/static/../../config.yaml").status_code == 404
+    assert client.get("/static/index.html").status_code == 404  # only the page's assets, by name
+
+
+def test_the_cli_names_a_missing_run_directory(tmp_path, capsys):
+    assert cli_main(["dashboard", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli_main(["dashboard", str(tmp_path / "empty")]) == 2
+    assert "not a tidal run directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("order", ["newest", "oldest"])
+@pytest.mark.parametrize("params", [{}, {"reward_min": 1.0}, {"text": "what is 1"}])
+def test_pages_in_step_order_are_a_sort_of_the_store_when_steps_span_files(runs, tmp_path, order, params):
+    """Pages in step order read only the steps they hold; with a step's episodes split over
+    several files (parts), the pages still concatenate to one sort of all matching episodes."""
+    from tidal.monitor.episodes import EpisodeWriter, iter_episodes
+
+    run = tmp_path / "parts"
+    (run / "episodes").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    with EpisodeWriter(run / "episodes", load_tokenizer("default"), max_file_episodes=7, row_group_episodes=3) as w:
+        for e in iter_episodes(runs[0] / "episodes"):
+            w.add(e)
+    assert len(list((run / "episodes").glob("step_000003.part*.parquet"))) > 3
+    keep = {"reward_min": lambda e: e["reward"] >= 1.0, "text": lambda e: "what is 1" in e["text"].lower()}
+    want = [e for e in store(run) if all(keep[k](e) for k in params)]
+    want.sort(key=lambda e: e["episode_id"])
+    want.sort(key=lambda e: e["step"], reverse=order == "newest")
+    c = TestClient(build_app([RunView(run)]), base_url="http://127.0.0.1")
+    got, offset = [], 0
+    while True:
+        page = c.get("/api/episodes", params={"order": order, "limit": 13, "offset": offset, **params}).json()
+        assert page["total"] == len(want)
+        if not page["rows"]:
+            break
+        got += [r["episode_id"] for r in page["rows"]]
+        offset += 13
+    assert got == [e["episode_id"] for e in want]
