@@ -104,6 +104,13 @@ def test_the_page_draws_both_runs_curves(page, server, dashboard_runs, tmp_path)
     lines = reward.locator(".scatterlayer .trace path.js-line")
     assert lines.count() == 4
     assert all(len(lines.nth(i).get_attribute("d") or "") > 10 for i in range(4))
+    # a metric logged on some steps only (run a evaluates at steps 0, 2 and 4): its points joined and marked
+    evals = chart(page, "eval/accuracy")
+    assert evals.get_attribute("data-points") == "3"
+    traces = evals.locator(".scatterlayer .trace")  # run a's raw and smoothed lines, then the events' markers
+    assert traces.count() == 3
+    assert traces.nth(1).locator("path.point").count() == 3 and len(traces.nth(1).locator("path.js-line")
+                                                                   .get_attribute("d")) > 10
     img = shot(reward, "curves", tmp_path)
     for r, rgb in RUN_COLORS.items():
         assert pixels_near(img, rgb) > 100, f"run {r}'s line is not drawn in {rgb}"

@@ -150,7 +150,7 @@ function drawCharts() {
       const ys = m.columns[name], xs = xValues(m), color = COLORS[r % COLORS.length];
       const kind = ys.length > 2000 ? "scattergl" : "scatter";
       const present = ys.filter((v) => v !== null).length;
-      const sparse = present < ys.length / 2;  // logged every k steps (evaluations): joined, with markers
+      const sparse = present < ys.length;  // not logged every step (evaluations): joined, with markers
       points += present;
       lastStep = m.steps.length ? Math.max(lastStep ?? -Infinity, m.steps[m.steps.length - 1]) : lastStep;
       if (weight > 0) {
