@@ -82,6 +82,15 @@ def test_events_are_alerts_and_hacking_events(client):
     assert client.get("/api/events", params={"run": 0}).json()["events"] == []
 
 
+def test_a_restart_is_an_event_of_its_own_kind(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    (tmp_path / "events.jsonl").write_text(json.dumps(
+        {"kind": "restart", "step": 3, "role": "trainer rank 1", "checkpoint": "c", "restart": 1,
+         "message": "trainer rank 1 lost at step 3"}) + "\n")
+    assert RunView(tmp_path).events() == [{"kind": "restart", "name": "trainer rank 1", "step": 3,
+                                           "message": "trainer rank 1 lost at step 3"}]
+
+
 def test_the_config_diff_names_what_differs(client, runs):
     got = client.get("/api/config").json()
     diff = {d["key"]: d["values"] for d in got["diff"]}

@@ -50,6 +50,7 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def cmd_train(ns: argparse.Namespace) -> int:
     from tidal.runtime.controller import Controller
+    from tidal.runtime.recovery import Recovering
 
     config, overrides = _split_args(ns.args)
     record = None
@@ -82,21 +83,26 @@ def cmd_train(ns: argparse.Namespace) -> int:
           f"{cfg.rollout.samples_per_prompt} episodes per step, {cfg.train.steps} steps; engine {ctl.engine_choice})",
           file=sys.stderr)
     t0 = time.time()
+    # A lost trainer rank restarts the roles from the last checkpoint (run.max_restarts).
+    runner = Recovering(ctl, lambda rec: Controller(cfg, resume=True, resume_record=rec))
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does: the step in flight is
     # abandoned, roles are closed, the last complete checkpoint stays (exit 143).
     previous = _catch_stop_signals()
     try:
-        last = ctl.train()
+        last = runner.train()
+        ctl = runner.ctl
     except KeyboardInterrupt as e:
         ckpt = ctl.paths.latest_checkpoint()
         how = "SIGTERM" if isinstance(e, Terminated) else "an interrupt"
-        print(f"tidal: stopped by {how} during step {ctl.step + 1}; the last complete checkpoint is "
+        step = runner.ctl.step + 1 if runner.ctl is not None else "(restarting)"
+        print(f"tidal: stopped by {how} during step {step}; the last complete checkpoint is "
               f"{ckpt or 'none (no step was saved yet)'} (continue with: tidal train --resume run.dir={ctl.paths.root})",
               file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:
         _restore_signals(previous)
-        ctl.close()
+        if runner.ctl is not None:
+            runner.ctl.close()
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
     return 0

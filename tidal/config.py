@@ -239,7 +239,7 @@ class RunConfig(_Section):
     write_episodes: bool = Field(True, description="Write every step's episodes to Parquet.")
     progress: bool = Field(True, description="Show a progress bar.")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default).")
-    max_restarts: int = Field(3, ge=0, description="ray: how many times in a run a dead env worker is replaced (each logged); past it, its episodes keep failing typed until the failure budget stops the run.")
+    max_restarts: int = Field(3, ge=0, description="ray: how many times in a run a dead env worker is replaced (each logged; past it, its episodes keep failing typed until the failure budget stops the run), and how many times a lost trainer rank restarts every role from the last checkpoint (tidal/runtime/recovery.py; each an event in RUN/events.jsonl; past it, the run stops naming the rank).")
     trace: bool = Field(False, description="Spans of every role and process (generate, env step, reward, forward/backward, optimizer, sync, save, eval) in Chrome's trace format: RUN/trace.json, for Perfetto (docs/observability.md#traces).")
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         default_factory=lambda: ["console", "jsonl"],

@@ -148,8 +148,8 @@ class RunView:
                     "steps": m.steps[start:], "columns": {k: v[start:] for k, v in m.columns.items()}}
 
     def events(self) -> list[dict[str, Any]]:
-        """Alerts (events.jsonl) and reward-hacking monitor events (hacking_events.jsonl), each
-        with its `kind`, `step` and a one-line `message`."""
+        """Alerts and restarts (events.jsonl) and reward-hacking monitor events
+        (hacking_events.jsonl), each with its `kind`, `name`, `step` and a one-line `message`."""
         with self._lock:
             for kind, tail in self._event_tails.items():
                 rows, restarted = tail.read()
@@ -158,10 +158,11 @@ class RunView:
                 for r in rows:
                     if not isinstance(r, dict) or not isinstance(r.get("step"), int):
                         continue
-                    name = r.get("alert") or r.get("monitor") or r.get("kind") or kind
+                    name = r.get("alert") or r.get("monitor") or r.get("role") or r.get("kind") or kind
                     message = r.get("message") or r.get("detail") or json.dumps(
                         {k: v for k, v in r.items() if k not in ("examples", "episodes")})[:300]
-                    self._events[kind].append({"kind": kind, "name": str(name), "step": r["step"],
+                    shown = r["kind"] if kind == "alert" and r.get("kind") in ("alert", "restart") else kind
+                    self._events[kind].append({"kind": shown, "name": str(name), "step": r["step"],
                                                "message": str(message)})
             return [e for kind in ("alert", "hacking") for e in self._events[kind]]
 

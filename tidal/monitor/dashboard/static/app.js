@@ -120,7 +120,7 @@ function eventShapes(yref) {
         x = i >= 0 && m.columns["time/elapsed_s"] ? m.columns["time/elapsed_s"][i] : null;
         if (x === null) continue;
       }
-      const color = e.kind === "alert" ? "#d62728" : "#ff7f0e";
+      const color = {alert: "#d62728", hacking: "#ff7f0e", restart: "#9467bd"}[e.kind] || "#7f7f7f";
       shapes.push({type: "line", x0: x, x1: x, xref: "x", y0: 0, y1: 1, yref: yref,
                    line: {color, width: 1, dash: "dot"}});
       marks.push({x, text: `${state.runs[r].name}: ${e.kind} ${e.name} at step ${e.step}: ${e.message}`, color});
