@@ -73,6 +73,25 @@ def test_stopped_replica_is_skipped_and_its_requests_resent(replicas, tiny_model
     assert router.version == 10  # only live replicas count
 
 
+def test_a_replaced_replica_takes_requests_only_once_marked_up(replicas, tiny_model_dir):
+    router = Router(replicas, names=["a", "b"])
+    asyncio.run(router.generate(_requests(0, range(6))))
+    replicas[1].close()
+    fresh = RecordingEngine(load_model(tiny_model_dir), pad_token_id=0)
+    fresh.update_weights(20, dict(fresh.model.named_parameters()))  # answers as "b" (version 20)
+    assert 1 in router.sessions.values()
+    router.replace(1, fresh)
+    assert 1 not in router.sessions.values()  # its prefix cache went with the old replica
+    assert router.up == [True, False]  # no weights yet, as far as the router knows: not used
+    assert _served_by(asyncio.run(router.generate(_requests(1, range(6))))) == [0] * 6 and fresh.batches == []
+    router.mark_up(1)
+    # the sessions that were sticky to the closed replica were forgotten: dispatch is by load again
+    again = asyncio.run(router.generate(_requests(2, range(6, 12))))
+    assert sorted(_served_by(again)) == [0] * 3 + [1] * 3 and sum(fresh.batches) == 3
+    with pytest.raises(IndexError, match="no replica 2"):
+        router.replace(2, fresh)
+
+
 def test_back_pressure_bounds_requests_in_flight(replicas):
     router = Router(replicas[:1], max_inflight=3)
 

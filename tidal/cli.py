@@ -296,7 +296,7 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
             print(f"tidal: error: --token-env {ns.token_env}: the environment variable is not set", file=sys.stderr)
             return 2
         cfg.gateway.token = token
-    from tidal.runtime.placement import is_loopback
+    from tidal.net import is_loopback
 
     if not is_loopback(cfg.gateway.host) and not cfg.gateway.token:
         print(f"tidal: error: --host {cfg.gateway.host} is not loopback: give the clients' token with --token-env",
@@ -339,7 +339,7 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
 
     from tidal.monitor.dashboard.data import DashboardError
     from tidal.monitor.dashboard.server import DashboardServer, MissingDashboardExtra
-    from tidal.runtime.placement import is_loopback
+    from tidal.net import is_loopback
 
     token = None
     if ns.token_env:

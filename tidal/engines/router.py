@@ -111,6 +111,19 @@ class Router:
         self.up[i], self.down_reason[i] = False, reason
         self._wake_all()  # requests waiting for this replica's room learn that it is gone
 
+    def replace(self, i: int, replica) -> None:
+        """Put `replica` in slot `i` (a restarted one). It stays down until `mark_up` (it has
+        no weights yet), and the sessions that were sticky to the old one are forgotten (its
+        prefix cache went with it)."""
+        with self._lock:
+            if not 0 <= i < len(self.replicas):
+                raise IndexError(f"router: no replica {i} (replicas 0..{len(self.replicas) - 1})")
+            self.replicas[i] = replica
+            self.up[i] = False
+            self.down_reason[i] = self.down_reason[i] or "replaced"
+            for session in [s for s, j in self.sessions.items() if j == i]:
+                del self.sessions[session]
+
     def mark_up(self, i: int) -> None:
         """A restarted replica (holding current weights) takes requests again."""
         self.up[i], self.down_reason[i] = True, ""

@@ -22,7 +22,6 @@ as `{"error": {"code": N, "type": "...", "message": "..."}}`.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import socket
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict
 
+from tidal.net import is_loopback
 from tidal.rewards.rm import RewardModelError, RewardModelPool, Transform, transform_scores
 
 MAX_TEXTS = 4096  # most texts in one request; a larger one is answered 413
@@ -37,13 +37,6 @@ MAX_TEXTS = 4096  # most texts in one request; a larger one is answered 413
 
 class ServeError(ValueError):
     """A server that must not start as configured (e.g. a public address without a token)."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def check_bind(host: str, token: str | None) -> None:

@@ -26,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tidal.net import is_loopback
 from tidal.runtime.gateway import Gateway, GatewayError
-from tidal.runtime.placement import is_loopback
 
 log = logging.getLogger("tidal")
 

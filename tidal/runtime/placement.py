@@ -14,7 +14,6 @@ This module is the only place that knows about Ray (with workers.py and handles.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tidal.config import TidalConfig
 from tidal.engines.router import Router
+from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher
 from tidal.runtime.trainer_group import TrainerGroup
@@ -37,13 +37,6 @@ from tidal.runtime.workers import (
 )
 
 log = logging.getLogger("tidal")
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def keep_on_loopback() -> None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from tidal.runtime.handles import Handle, gather
+from tidal.runtime.workers import RemoteEngine
 
 log = logging.getLogger("tidal")
 
@@ -84,7 +85,8 @@ class _RemoteSync:
             old = self.handles[i]
             old.kill()
             self.handles[i] = self.respawn(i)
-            self.router.replicas[i].handle = self.handles[i]
+            gone = self.router.replicas[i]
+            self.router.replace(i, RemoteEngine(self.handles[i], gone.name, timeout_s=gone.timeout_s, version=-1))
             self.owner.restarts += 1
             msg = (f"step {step}: {self.router.names[i]} was down ({why}); replaced by a new actor "
                    f"that receives weights v{self.trainer.version} before it takes requests")

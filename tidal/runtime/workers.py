@@ -26,6 +26,7 @@ import torch
 
 from tidal.config import TidalConfig
 from tidal.monitor import trace
+from tidal.net import is_loopback
 from tidal.types import GenerationRequest, GenerationResult
 
 log = logging.getLogger("tidal")
@@ -159,7 +160,6 @@ class TrainerWorker(_SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
-            from tidal.runtime.placement import is_loopback
             from tidal.trainer.distributed import init_distributed
 
             if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name

@@ -34,7 +34,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 
 from tidal.monitor.dashboard.data import DashboardError, RunView, config_diff
-from tidal.runtime.placement import is_loopback
+from tidal.net import is_loopback
 
 log = logging.getLogger("tidal")
 
