@@ -28,6 +28,8 @@ def quiet() -> HackingMonitor:
 def test_correlations_match_their_definitions():
     # By hand: deviations (-1, 0, 1) and (-1, 1, 0): r = 1 / sqrt(2 * 2) = 0.5 (exact up to float rounding).
     assert pearson([1.0, 2.0, 3.0], [1.0, 3.0, 2.0]) == pytest.approx(0.5, abs=1e-12)
+    # plain pytest.approx in this file (rel 1e-6): hand values (0.1, 1/3, 18/5) against a few float
+    # operations on them, which round alike on every CPU; the margin is decimal representation only
     assert spearman([1.0, 2.0, 3.0, 4.0], [1.0, 10.0, 100.0, 1000.0]) == pytest.approx(1.0)  # monotone: ranks agree
     assert spearman([1.0, 2.0, 2.0, 3.0], [3.0, 2.0, 2.0, 1.0]) == pytest.approx(-1.0)  # ties share a rank
     assert pearson([1.0, 1.0], [1.0, 2.0]) != pearson([1.0, 1.0], [1.0, 2.0])  # constant side: NaN

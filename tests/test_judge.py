@@ -179,6 +179,8 @@ def test_score_is_normalized_and_the_request_is_delimited(srv):
     srv.plans["ok"] = [("reply", "The response matches the reference.\nScore: 7")]
     j = judge(srv, api_key="sk-test", scale=(0, 10))
     parts = run(j("case=ok the answer is 12", prompt="What is 5+7?", answer="12"))
+    # plain pytest.approx in this file (rel 1e-6): hand values (0.1, 1/3, 18/5) against a few float
+    # operations on them, which round alike on every CPU; the margin is decimal representation only
     assert parts == {"judge": pytest.approx(0.7), "judge_injection": 0.0}
     (req,) = srv.requests
     body = req["body"]

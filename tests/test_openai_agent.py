@@ -205,6 +205,8 @@ def test_what_the_agent_returns_is_its_reward(tapped, tool_tokenizer):
     (ep,) = run_agents(server, tool_tokenizer, "test_openai_agent:scoring_agent", make_rows("train", 1, seed=3),
                        samples=1)
     assert ep.status.trainable and ep.reward_parts["agent_says"] == 0.25
+    # plain pytest.approx in this file (rel 1e-6): hand values (0.1, 1/3, 18/5) against a few float
+    # operations on them, which round alike on every CPU; the margin is decimal representation only
     assert ep.reward == pytest.approx(0.25 + ep.reward_parts["length"]) and ep.turns[-1].reward == ep.reward
 
 

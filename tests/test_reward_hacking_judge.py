@@ -202,6 +202,8 @@ def test_every_attack_scores_zero_without_a_request_and_honest_answers_are_judge
     for r in results[: len(attacks)]:
         assert r.parts == {"judge": 0.0, "judge_injection": 0.0} and r.injection and r.raw == ""
     for r in results[len(attacks):]:
+        # plain pytest.approx in this file (rel 1e-6): hand values (0.1, 1/3, 18/5) against a few float
+        # operations on them, which round alike on every CPU; the margin is decimal representation only
         assert r.parts == {"judge": pytest.approx(0.9), "judge_injection": 0.0} and not r.injection
     # Only the honest answers reached the judge (as the judge sees them: `<s>`, `<|` broken up).
     assert sorted(seen) == sorted(neutralize(t, "unused-boundary") for t in HONEST.values())
