@@ -344,6 +344,22 @@ def test_dead_trainer_rank_stops_the_run_with_role_call_and_step(tmp_path, ray_l
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport, colocate", [("broadcast", "false"), ("disk", "false"), ("inprocess", "true")])
+def test_each_transport_brings_the_engines_to_the_trainers_weights(tmp_path, ray_local, transport, colocate):
+    ctl = Controller(config(tmp_path, "placement.mode=ray", f"placement.weight_sync={transport}",
+                            f"placement.colocate={colocate}"))
+    try:
+        assert ctl.pusher.describe == transport
+        ctl.train()
+        handle = ctl.pusher.engine_handles[0] if colocate == "false" else ctl.trainer.ranks[0]
+        assert handle.call("engine_version") == 2 and ctl.engine.version == 2
+    finally:
+        ctl.close()
+    for m in metrics(tmp_path / "run"):  # the engine sampled with the trainer's weights of the step before
+        assert m["logprob_max_abs_diff"] < LOGPROB_TOL, m  # the engine contract's bound (LOGPROB_TOL says why)
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_engine_actor_gets_weights_by_broadcast(tmp_path, ray_local):
     """vLLM in process inside an engine actor: weights arrive by checksummed broadcast and the

@@ -23,7 +23,7 @@ from tidal.config import TidalConfig
 from tidal.engines.router import Router
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, RoleError, gather
-from tidal.runtime.sync import WeightPusher
+from tidal.runtime.sync import WeightPusher, choose_transport
 from tidal.runtime.trainer_group import TrainerGroup
 from tidal.runtime.workers import (
     EngineWorker,
@@ -201,9 +201,7 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
         h.call("pid", timeout_s=pl.start_timeout_s)
         return h
 
-    transport = pl.weight_sync
-    if transport == "auto":
-        transport = "inprocess" if colocated else "broadcast"
+    transport = choose_transport(pl.weight_sync, colocated)
     sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
     pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)

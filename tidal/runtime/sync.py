@@ -3,7 +3,8 @@ trainer's current version, whichever transport moves the bytes (tidal.weightsync
 
 in_driver (placement.mode=local): the Trainer's tensors go straight into the engines.
 remote (placement.mode=ray): every trainer rank gathers the full weights (a collective
-under FSDP2); then, by `placement.weight_sync`,
+under FSDP2); then, by `placement.weight_sync` (resolved in `choose_transport`, the one place;
+each transport a class with one `deliver` in TRANSPORTS),
   inprocess  each colocated rank loads them into its own engine;
   broadcast  rank 0 broadcasts them in buckets over a group of rank 0 and the engine
              actors, created for the purpose and re-formed when a replica is replaced;
@@ -49,7 +50,7 @@ class WeightPusher:
     def remote(cls, cfg, trainer, router, handles: list[Handle], transport: str, sync_dir: Path,
                respawn=None) -> WeightPusher:
         pusher = cls(None, transport)
-        pusher._state = _RemoteSync(cfg, trainer, router, handles, transport, sync_dir, respawn, pusher)
+        pusher._state = _RemoteSync(cfg, trainer, router, handles, TRANSPORTS[transport](), sync_dir, respawn, pusher)
         pusher._push = pusher._state.push
         return pusher
 
@@ -61,13 +62,72 @@ class WeightPusher:
         return self._push(step)
 
 
+def choose_transport(weight_sync: str, colocated: bool) -> str:
+    """The one place a transport is chosen (placement.weight_sync): `auto` moves weights in
+    process where each trainer rank hosts its engine, and broadcasts them otherwise."""
+    if weight_sync == "auto":
+        return "inprocess" if colocated else "broadcast"
+    return weight_sync
+
+
+class _InProcess:
+    """Colocated: each trainer rank loads the gathered weights into its own engine."""
+
+    def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
+        out = gather([h.submit("push_weights", "inprocess") for h in sync.trainer.ranks], step=step,
+                     timeout_s=sync.timeout_s)
+        return {i: out[i]["version"] for i in targets}
+
+
+class _Broadcast:
+    """Rank 0 broadcasts in buckets over a group of itself and the engine actors, formed
+    again whenever the set of live engines changed (a replica replaced)."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.members: list[Handle] | None = None
+
+    def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
+        self._ensure_group(sync, [sync.handles[i] for i in targets])
+        ranks = sync.trainer.ranks
+        subs = [h.submit("push_weights", "broadcast", sync.options) for h in ranks]
+        subs += [sync.handles[i].submit("sync_recv") for i in targets]
+        out = gather(subs, step=step, timeout_s=sync.timeout_s)
+        return {i: o["version"] for i, o in zip(targets, out[len(ranks):])}
+
+    def _ensure_group(self, sync: _RemoteSync, live: list[Handle]) -> None:
+        if self.members is not None and [id(h) for h in live] == [id(h) for h in self.members]:
+            return
+        self.epoch += 1
+        rank0 = sync.trainer.ranks[0]
+        addr, port = rank0.call("where", timeout_s=sync.timeout_s)
+        world, name = 1 + len(live), f"tidal-weights-{self.epoch}"
+        args = {"backend": sync.backend(), "timeout_s": sync.cfg.placement.collective_timeout_s}
+        gather([rank0.submit("sync_join", addr, port, 0, world, name, **args)]
+               + [h.submit("sync_join", addr, port, r, world, name, **args) for r, h in enumerate(live, start=1)],
+               timeout_s=sync.timeout_s)
+        self.members = live
+
+
+class _Disk:
+    """Rank 0 writes safetensors to a shared directory; every engine loads the file."""
+
+    def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
+        out = gather([h.submit("push_weights", "disk", sync.options) for h in sync.trainer.ranks], step=step,
+                     timeout_s=sync.timeout_s)
+        got = gather([sync.handles[i].submit("load_weights_file", out[0]["path"]) for i in targets], step=step,
+                     timeout_s=sync.timeout_s)
+        return dict(zip(targets, got))
+
+
+TRANSPORTS = {"inprocess": _InProcess, "broadcast": _Broadcast, "disk": _Disk}
+
+
 class _RemoteSync:
     def __init__(self, cfg, trainer, router, handles, transport, sync_dir, respawn, owner: WeightPusher):
         self.cfg, self.trainer, self.router = cfg, trainer, router
         self.handles, self.transport, self.sync_dir = handles, transport, Path(sync_dir)
         self.respawn, self.owner = respawn, owner
-        self.group_epoch = 0
-        self.group_members: list[Handle] | None = None
         pl = cfg.placement
         self.options = {"bucket_mb": pl.weight_sync_bucket_mb, "checksum": pl.weight_sync_checksum,
                         "dir": str(self.sync_dir)}
@@ -95,21 +155,7 @@ class _RemoteSync:
             replaced.append(i)
         return replaced
 
-    def _ensure_group(self) -> None:
-        live = [h for i, h in enumerate(self.handles) if self.router.up[i] or self._pending_up.get(i)]
-        if self.group_members is not None and [id(h) for h in live] == [id(h) for h in self.group_members]:
-            return
-        self.group_epoch += 1
-        addr, port = self.trainer.ranks[0].call("where", timeout_s=self.timeout_s)
-        world = 1 + len(live)
-        name = f"tidal-weights-{self.group_epoch}"
-        args = {"backend": self._backend(), "timeout_s": self.cfg.placement.collective_timeout_s}
-        gather([self.trainer.ranks[0].submit("sync_join", addr, port, 0, world, name, **args)]
-               + [h.submit("sync_join", addr, port, r, world, name, **args) for r, h in enumerate(live, start=1)],
-               timeout_s=self.timeout_s)
-        self.group_members = live
-
-    def _backend(self) -> str:
+    def backend(self) -> str:
         b = self.cfg.placement.backend
         if b != "auto":
             return b
@@ -139,22 +185,7 @@ class _RemoteSync:
         self._check_alive(step)
         self._pending_up = {i: True for i in self._replace_dead(step)}
         targets = [i for i, up in enumerate(self.router.up) if up or self._pending_up.get(i)]
-        ranks = self.trainer.ranks
-        if self.transport == "inprocess":  # colocated: the engines are the ranks
-            out = gather([h.submit("push_weights", "inprocess") for h in ranks], step=step, timeout_s=self.timeout_s)
-            versions = {i: out[i]["version"] for i in targets}
-        elif self.transport == "broadcast":
-            self._ensure_group()
-            subs = [h.submit("push_weights", "broadcast", self.options) for h in ranks]
-            subs += [self.handles[i].submit("sync_recv") for i in targets]
-            out = gather(subs, step=step, timeout_s=self.timeout_s)
-            versions = {i: o["version"] for i, o in zip(targets, out[len(ranks):])}
-        else:  # disk
-            out = gather([h.submit("push_weights", "disk", self.options) for h in ranks], step=step, timeout_s=self.timeout_s)
-            path = out[0]["path"]
-            got = gather([self.handles[i].submit("load_weights_file", path) for i in targets], step=step,
-                         timeout_s=self.timeout_s)
-            versions = dict(zip(targets, got))
+        versions = self.transport.deliver(self, targets, step)
         want = self.trainer.version
         for i, v in versions.items():
             if v != want:
