@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import textwrap
 import time
 from pathlib import Path
@@ -229,6 +230,18 @@ def test_worker_that_exits_is_replaced_and_its_call_retried_once(sync_pool, rewa
     assert sync_pool.restarts == restarts + 2  # once for the first run, once for the retry
     ready(sync_pool, 2)
     assert [o.status for o in run(sync_pool, ["ok"] * 4)[0]] == ["ok"] * 4
+
+
+def test_a_worker_killed_from_outside_is_replaced_and_no_call_is_lost(sync_pool, rewards_file):
+    """kill -9 of a reward worker (the OOM killer, an operator): the next calls it would have
+    taken go to the others or to its replacement; every one is answered."""
+    victim = min(ready(sync_pool, 2))
+    restarts = sync_pool.restarts
+    os.kill(victim, signal.SIGKILL)
+    assert gone(victim)
+    outs, _ = run(sync_pool, ["ok"] * 6)
+    assert [o.status for o in outs] == ["ok"] * 6 and all(o.reward == 1.1 for o in outs)
+    assert victim not in ready(sync_pool, 2) and sync_pool.restarts == restarts + 1
 
 
 def test_a_reward_that_cannot_be_imported_fails_the_start_naming_its_key(rewards_file):
