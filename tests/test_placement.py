@@ -325,6 +325,8 @@ def test_engine_dead_after_its_rollout_is_replaced_at_the_weight_sync(tmp_path, 
         assert m["engines/restarted"] == 1 and m["episodes"] == 16
         assert all(ctl.engine.up) and [h.call("engine_version") for h in ctl.pusher.engine_handles] == [1, 1]
         assert "found dead before the weight sync of step 1" in ctl.pusher.events[-1]
+        events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+        assert [(e["kind"], e["role"], e["step"]) for e in events] == [("restart", "engine replica0", 1)]
         assert ctl.train_step()["episodes"] == 16
     finally:
         ctl.close()

@@ -5,6 +5,7 @@ worker killed between steps loses no episode."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -41,6 +42,8 @@ def test_a_killed_env_worker_is_replaced_and_no_episode_is_lost(tmp_path, caplog
         assert ctl.roles.envs.restarts == 1 and "env worker 0 died; replaced (restart 1" in caplog.text
         assert second["episodes/ok"] + second.get("episodes/truncated", 0) == 16  # every episode ran
         assert ctl.roles.env_handles[0].call("pid") != pid  # the slot holds the replacement
+        events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+        assert [(e["kind"], e["role"], e["step"], e["restart"]) for e in events] == [("restart", "env worker 0", 2, 1)]
         # past run.max_restarts a dead worker stays dead: its episodes end env_error, typed
         os.kill(ctl.roles.env_handles[0].call("pid"), signal.SIGKILL)
         time.sleep(1.0)

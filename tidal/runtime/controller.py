@@ -40,6 +40,7 @@ from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import file_system_error, latest_good, prune, read_best, write_best, write_manifest
 from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.placement import build_roles
+from tidal.runtime.recovery import role_restarts
 from tidal.runtime.rollout import Rollout, group_specs
 from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime.tasks import Task, build_task
@@ -419,16 +420,15 @@ class Controller:
                 f"trained on; the last checkpoint is {last or 'none (no step was saved yet)'}.")
 
     def _alert(self, step: int, metrics: dict[str, float], hacking_events: list) -> list[AlertEvent]:
-        """The step's health alerts: `alerts/<name>` in its metrics, RUN/events.jsonl, a warning."""
-        if self.alerts is None:
-            return []
-        fired = self.alerts.update(step, metrics, hacking_events)
+        """The step's health alerts (`alerts/<name>` in its metrics, a warning) and the roles'
+        replacements during it (engine replicas, env workers): each a line of RUN/events.jsonl."""
+        fired = self.alerts.update(step, metrics, hacking_events) if self.alerts is not None else []
         for a in fired:
             metrics[f"alerts/{a.alert}"] = 1.0
             log.warning("alert %s at step %d: %s", a.alert, step, a.message)
-        if fired:
+        if events := [a.to_dict() for a in fired] + role_restarts(self.roles, step):
             with (self.paths.root / "events.jsonl").open("a") as f:
-                f.writelines(json.dumps(a.to_dict()) + "\n" for a in fired)
+                f.writelines(json.dumps(e) + "\n" for e in events)
         return fired
 
     def _stop_on_alert(self, step: int, fired: list[AlertEvent]) -> None:

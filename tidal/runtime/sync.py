@@ -34,6 +34,7 @@ class WeightPusher:
         self.describe = describe
         self.restarts = 0  # engine replicas replaced so far
         self.events: list[str] = []  # what happened to replicas, newest last
+        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (recovery.role_restarts)
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:
@@ -152,6 +153,8 @@ class _RemoteSync:
                    f"that receives weights v{self.trainer.version} before it takes requests")
             log.warning(msg)
             self.owner.events.append(msg)
+            self.owner.restart_events.append({"role": self.router.names[i], "restart": self.owner.restarts,
+                                              "message": msg})
             replaced.append(i)
         return replaced
 

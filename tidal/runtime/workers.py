@@ -451,6 +451,7 @@ class RemoteEnvs:
         self.live = [0] * len(handles)
         self.served = [0] * len(handles)  # episodes started, per worker
         self.respawn, self.max_restarts, self.restarts = respawn, max_restarts, 0
+        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (recovery.role_restarts)
         self._replacing: dict[int, asyncio.Future] = {}
         self._ids = iter(range(1 << 62))
 
@@ -522,8 +523,11 @@ class RemoteEnvs:
             self.handles[i] = await asyncio.to_thread(self.respawn, i)
             with contextlib.suppress(Exception):
                 dead.kill()
-            log.warning("env worker %d died; replaced (restart %d of run.max_restarts=%d); the episodes it hosted "
-                        "ended env_error", i, self.restarts, self.max_restarts)
+            msg = (f"env worker {i} died; replaced (restart {self.restarts} of run.max_restarts={self.max_restarts}); "
+                   "the episodes it hosted ended env_error")
+            log.warning("%s", msg)
+            self.restart_events.append({"role": f"env worker {i}", "restart": self.restarts,
+                                        "max_restarts": self.max_restarts, "message": msg})
             fut.set_result(True)
         except Exception as e:  # noqa: BLE001 - a failed replacement is logged; the calls see the death
             log.error("replacing env worker %d failed: %s(%s)", i, type(e).__name__, e)
