@@ -126,6 +126,7 @@ class AlgorithmConfig(_Section):
     clip_high: float = Field(0.28, ge=0.0, description="Ratio clip above 1 (clip-higher when > clip_low; GSPO: ~4e-4).")
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1 bounding the loss of negative advantages (ppo only); None: off.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (the loss subtracts coef × entropy).")
+    loss: str | None = Field(None, description="The per-token objective: a dotted or file path (`my_pkg.losses:MyLoss`) to a class built with this section, or a function, called with tidal.algorithms.objective.LossInputs and returning a LossOutput (tidal/algorithms/objective.py); None: tidal's PolicyObjective (policy_loss, IS weight, rejection, KL, entropy, loss_agg).")
     loss_agg: str = Field("token-mean", description=f"Loss aggregation, one of {AGGREGATIONS}.")
     loss_norm_len: int | None = Field(None, ge=1, description="Constant length of seq-mean-token-sum-norm (Dr.GRPO); None: rollout.max_new_tokens.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient against the frozen reference; 0 loads no reference model.")

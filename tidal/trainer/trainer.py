@@ -24,16 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.algorithms import (
-    aggregate,
-    entropy_from_logits,
-    importance_weights,
-    kl_estimate,
-    policy_loss,
-    rejection_mask,
-    token_logprobs,
-)
+from tidal.algorithms import entropy_from_logits, kl_estimate, token_logprobs
+from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
+from tidal.importing import import_object
 from tidal.models import load_model
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
@@ -104,6 +98,7 @@ class Trainer:
                  dtype: str = "float32", temperature: float = 1.0, pad_token_id: int = 0, device: str = "cpu",
                  norm_len: int = 1):
         self.train_cfg, self.algo = train, algo
+        self.objective = build_objective(algo, import_object)  # algorithm.loss, or tidal's PolicyObjective
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
@@ -227,8 +222,8 @@ class Trainer:
         if totals is None and self.world_size > 1:
             totals = tuple(dp.all_reduce(list(batch.totals()), "sum", self.device))
         total_tokens, total_seqs = totals if totals is not None else batch.totals()
-        sums = {k: 0.0 for k in ("loss", "pg_loss", "kl", "entropy", "clip_frac", "logprob_abs_diff", "mismatch_kl",
-                                 "is_weight", "is_truncated_frac", "rejected_frac", "value_loss", "value_clip_frac")}
+        own = ("loss", "entropy", "logprob_abs_diff", "mismatch_kl", "value_loss", "value_clip_frac")
+        sums = dict.fromkeys((*own, *self.objective.metric_keys), 0.0)
         max_diff = 0.0
         for idx in self._micro_batches(batch):
             if idx is None:
@@ -236,30 +231,26 @@ class Trainer:
                 continue
             toks = [batch.tokens[i] for i in idx]
             pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
+            # forward
             logits, targets = self._forward(self.model, toks)
-            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
             logp = token_logprobs(logits, targets, self.temperature)
-            behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
-            prox = logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i] for i in idx])
-            anchor = behav if algo.anchor == "behaviour" else prox
-            adv = pad([batch.advantages[i] for i in idx])
-            weight, truncated = importance_weights(prox, behav, mask, algo.is_level, algo.is_cap)
-            keep = rejection_mask(prox, behav, mask, algo.rejection, algo.reject_low, algo.reject_high)
-            pg_BT, clipped_BT = policy_loss(algo.policy_loss, logp, anchor, adv, mask, algo.clip_low, algo.clip_high,
-                                            algo.dual_clip)
-            loss_BT = weight * pg_BT
+            ref_logp = None
             if kl_in_loss:
                 with torch.no_grad():
                     ref_logp = token_logprobs(self._forward(self.ref_model, toks)[0], targets, self.temperature)
-                kl_BT = kl_estimate(logp, ref_logp, algo.kl_estimator)
-                loss_BT = loss_BT + kl_coef * kl_BT
-                sums["kl"] += float((kl_BT.detach() * mask).sum())
-            entropy_BT = entropy_from_logits(logits if algo.entropy_coef > 0 else logits.detach(), self.temperature)
-            if algo.entropy_coef > 0:
-                loss_BT = loss_BT - algo.entropy_coef * entropy_BT
-            # Rejected tokens add nothing, but the denominators stay those of the batch as
-            # sampled: rejection never depends on how the batch is split.
-            loss = aggregate(loss_BT, keep, algo.loss_agg, total_tokens, total_seqs, self.norm_len)
+            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
+            behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
+            x = LossInputs(
+                logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
+                                                                                           for i in idx]),
+                behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
+                entropy=entropy_from_logits(logits if self.objective.entropy_grad else logits.detach(),
+                                            self.temperature),
+                total_tokens=total_tokens, total_seqs=total_seqs, norm_len=self.norm_len, ref_logp=ref_logp,
+                kl_coef=kl_coef)
+            # loss
+            out = self.objective(x)
+            # backward
             if with_critic:
                 ids, attn = self._inputs(toks)
                 v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
@@ -267,16 +258,14 @@ class Trainer:
                 v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
                 for k, v in v_sums.items():
                     sums[k] += v
-            loss.backward()
-            with torch.no_grad():
+            out.loss.backward()
+            for k, v in out.sums.items():
+                if k in sums:
+                    sums[k] += v
+            with torch.no_grad():  # what the trainer itself reports: the loss, entropy, engine/trainer mismatch
                 m = mask.float()
-                sums["loss"] += float(loss)
-                sums["pg_loss"] += float((pg_BT * m).sum())
-                sums["entropy"] += float((entropy_BT.detach() * m).sum())
-                sums["clip_frac"] += float((clipped_BT.float() * m).sum())
-                sums["is_weight"] += float((weight * m).sum())
-                sums["is_truncated_frac"] += float(truncated.float().sum())
-                sums["rejected_frac"] += float((mask & ~keep).float().sum())
+                sums["loss"] += float(out.loss)
+                sums["entropy"] += float((x.entropy.detach() * m).sum())
                 diff = (logp.detach() - behav).abs() * m
                 sums["logprob_abs_diff"] += float(diff.sum())
                 sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
@@ -292,13 +281,13 @@ class Trainer:
         metrics["loss"] = sums["loss"]
         metrics["logprob_max_abs_diff"] = max_diff
         if not kl_in_loss:
-            metrics.pop("kl")
+            metrics.pop("kl", None)
         if self.critic is None:
             metrics.pop("value_loss"), metrics.pop("value_clip_frac")
         if algo.is_level == "none":
-            metrics.pop("is_weight"), metrics.pop("is_truncated_frac")
+            metrics.pop("is_weight", None), metrics.pop("is_truncated_frac", None)
         if algo.rejection == "none":
-            metrics.pop("rejected_frac")
+            metrics.pop("rejected_frac", None)
         return metrics
 
     def optim_step(self) -> dict[str, float]:
