@@ -158,7 +158,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(ns.model)
     tokenizer = load_tokenizer(model_dir)
     task = build_task(cfg.task)
-    engine = TorchEngine(load_model(model_dir, cfg.model.dtype, cfg.model.resolved_device()), tokenizer.pad_token_id,
+    engine = TorchEngine(load_model(model_dir, cfg.engine_dtype(), cfg.model.resolved_device()), tokenizer.pad_token_id,
                          cfg.engine.max_batch_size)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
@@ -307,7 +307,7 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(ns.model)
     tokenizer = load_tokenizer(model_dir)
     kind, why = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
-    engines = [build_engine(kind, cfg.engine, model_dir, dtype=cfg.model.dtype, device=cfg.model.resolved_device(),
+    engines = [build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
                             pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed) for _ in range(cfg.engine.replicas)]
     router = Router(engines, [f"{kind}{i}" for i in range(len(engines))], max_inflight=cfg.engine.max_inflight,
                     timeout_s=cfg.engine.request_timeout_s)

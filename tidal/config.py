@@ -170,6 +170,7 @@ class TrainConfig(_Section):
     betas: tuple[float, float] = Field((0.9, 0.99), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (padded tokens); micro-batches are derived from it.")
+    mixed_precision: bool = Field(False, description="Compute forward and backward in bfloat16 over float32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy with float32 gradient reduction when sharded, torch.autocast otherwise); needs model.dtype=float32. Log-probs, losses and the entropy stay float32.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch; the global batch must divide evenly.")
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")
@@ -178,6 +179,7 @@ class TrainConfig(_Section):
 class EngineConfig(_Section):
     kind: Literal["auto", "torch", "vllm", "sglang"] = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), or auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang).")
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="The engine's parameter dtype; None: model.dtype. bfloat16 engines under a float32 (or mixed-precision) trainer receive the trainer's weights cast at the weight sync; the mismatch metrics (logprob_abs_diff, mismatch_kl) show what it costs and algorithm.is_level corrects it.")
     vllm_mode: Literal["in_process", "server"] = Field("in_process", description="vllm: the engine in this process, or an OpenAI-compatible vLLM server started and supervised by tidal on 127.0.0.1.")
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm on GPU: fraction of GPU memory for weights and KV cache (the rest stays with the trainer when colocated).")
@@ -334,6 +336,10 @@ class TidalConfig(_Section):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
 
+    def engine_dtype(self) -> str:
+        """The engines' parameter dtype: engine.dtype, else model.dtype."""
+        return self.engine.dtype or self.model.dtype
+
     @model_validator(mode="after")
     def _derived(self) -> TidalConfig:
         if self.algorithm.advantage == "remax" and self.rollout.temperature == 0:
@@ -353,6 +359,9 @@ class TidalConfig(_Section):
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
         if pl.mode == "local" and pl.weight_sync == "broadcast":
             raise ValueError("placement.weight_sync=broadcast needs placement.mode=ray (local mode moves weights in process)")
+        if self.train.mixed_precision and self.model.dtype != "float32":
+            raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
+                             f"(got {self.model.dtype}); engine.dtype sets the engine's own")
         # Engine settings that cannot work are refused here, before anything loads.
         if pl.mode == "local" and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
                 and self.engine.replicas > 1:

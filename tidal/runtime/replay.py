@@ -113,7 +113,7 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
     tokenizer = load_tokenizer(model_dir)
     task = build_task(cfg.task)
     row = _row_of(task, recorded)
-    model = load_model(model_dir, cfg.model.dtype, cfg.model.resolved_device())
+    model = load_model(model_dir, cfg.engine_dtype(), cfg.model.resolved_device())
     engine = TorchEngine(model, tokenizer.pad_token_id, cfg.engine.max_batch_size, tokenizer=tokenizer)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(tokenizer))

@@ -66,7 +66,7 @@ def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
 def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id: int, log_dir: str | Path | None):
     from tidal.engines.factory import build_engine
 
-    return build_engine(kind, cfg.engine, model_dir, dtype=cfg.model.dtype, device=cfg.model.resolved_device(),
+    return build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
                         pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
 
 

@@ -107,13 +107,20 @@ class Trainer:
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.model.config.use_cache = False
         self.model.train()
+        # Mixed precision: bfloat16 compute over these float32 parameters (the optimizer's state
+        # follows them). Sharded, FSDP2 casts per group and reduces gradients in float32;
+        # otherwise autocast casts per op (matmuls in bfloat16, reductions and softmax in float32).
+        mixed = train.mixed_precision
+        if mixed and dtype != "float32":
+            raise ValueError(f"train.mixed_precision needs float32 parameters (got {dtype})")
+        self._autocast = mixed and self.world_size == 1
         if self.world_size > 1:
-            dp.shard_model(self.model)  # before the optimizer: it must hold the sharded parameters
+            dp.shard_model(self.model, mixed_precision=mixed)  # before the optimizer: it holds the sharded parameters
         self.ref_model = None
         if algo.kl_coef > 0:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
             if self.world_size > 1:
-                dp.shard_model(self.ref_model, reshard_root=True)
+                dp.shard_model(self.ref_model, mixed_precision=mixed, reshard_root=True)
         self.critic = None
         if algo.advantage == "gae":
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
@@ -132,8 +139,9 @@ class Trainer:
 
     def _forward(self, model, tokens: list[list[int]]):
         ids, attn = self._inputs(tokens)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        return logits, ids[:, 1:]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        return logits, ids[:, 1:]  # bfloat16 logits under mixed precision: token_logprobs works in float32
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         """This batch's micro-batches. Data parallel: padded with `None` (a dummy pass) to the
