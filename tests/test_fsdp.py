@@ -99,6 +99,13 @@ def _worker(rank, port, tmp):
                 one = _batch(lengths=[9])
                 out[case, "one_metrics"] = fresh.forward_backward(one.select(balanced_shards([9], WORLD)[rank]))
                 out[case, "one_grads"] = _grads(fresh.model)
+        # mixed precision, sharded: FSDP2 casts each group's parameters to bfloat16 for compute
+        mixed = Trainer(str(resolve_model_dir("default")), TrainConfig(micro_batch_tokens=BUDGET, mixed_precision=True),
+                        AlgorithmConfig(**CASES["B"]), pad_token_id=0)
+        mixed.forward_backward(shard, totals=batch.totals())
+        out["M", "grads"] = _grads(mixed.model)
+        out["M", "dtypes"] = {p.dtype for p in mixed.model.parameters()} | {p.grad.dtype for p in
+                                                                             mixed.model.parameters()}
         resumed = _trainer("A")
         resumed.load(tmp / "ck1")  # saved by one process
         out["from1", "weights"] = resumed.named_weights()
@@ -203,6 +210,15 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
     assert "kl" in got["B", "metrics"] and "value_loss" in got["A", "metrics"]
     _close(got["A", "critic_grads"], ref["A", "critic_grads"], "critic grad")
     assert "critic_grad_norm" in got["A", "step"]
+
+    # mixed precision on 2 ranks: float32 parameters and gradients (reduced in float32), the
+    # gradient within bfloat16's rounding of the float32 one (as the one-process test bounds it:
+    # cosine > 1 - 1e-3, norm within 1%)
+    assert got["M", "dtypes"] == {torch.float32}
+    flat = lambda g: torch.cat([g[n].flatten() for n in sorted(g)])
+    mixed, full = flat(got["M", "grads"]), flat(ref["B", "grads"])
+    assert torch.nn.functional.cosine_similarity(mixed, full, dim=0) > 0.999
+    assert abs(mixed.norm() / full.norm() - 1) < 0.01 and not torch.equal(mixed, full)
 
     # a rank with nothing to train on still joins every collective; totals default to global ones
     _close(got["B", "one_grads"], ref["B", "one_grads"], "one-sequence grad")
