@@ -17,8 +17,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import threading
-import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from tidal.net import is_loopback
+from tidal.net import ThreadedServer, is_loopback
 from tidal.runtime.gateway import Gateway, GatewayError
 
 log = logging.getLogger("tidal")
@@ -133,24 +131,11 @@ class GatewayServer:
                  start_timeout_s: float = 30.0):
         if not is_loopback(host) and not token:
             raise ValueError(f"gateway: binding {host} (not loopback) needs a token (gateway.token, or --token)")
-        import uvicorn
-
         self.gateway, self.host, self.token = gateway, host, token
-        config = uvicorn.Config(build_app(gateway, token), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off", timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="tidal-gateway", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + start_timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway: the server did not start on {host}:{port} within {start_timeout_s:g} s "
-                                   "(is the port taken?)")
-            time.sleep(0.02)
-        sock = self.server.servers[0].sockets[0]
-        self.port = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        self.base = f"http://{shown}:{self.port}"
+        self._server = ThreadedServer(build_app(gateway, token), host, port, what="gateway",
+                                      start_timeout_s=start_timeout_s, timeout_keep_alive=30)
+        self.server, self.thread, self.port, self.base = (self._server.server, self._server.thread, self._server.port,
+                                                          self._server.base)
 
     @property
     def url(self) -> str:
@@ -166,8 +151,7 @@ class GatewayServer:
         return f"{self.base}/sessions/{self.gateway.session_key(session_id)}/v1"
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self._server.close()
 
     def __enter__(self) -> GatewayServer:
         return self

@@ -244,18 +244,11 @@ class RunView:
         if not files:
             return {"total": 0, "rows": [], "offset": offset}
         where, params = ["TRUE"], []
-        if step_min is not None:
-            where.append("step >= ?")
-            params.append(step_min)
-        if step_max is not None:
-            where.append("step <= ?")
-            params.append(step_max)
-        if reward_min is not None:
-            where.append("reward >= ?")
-            params.append(reward_min)
-        if reward_max is not None:
-            where.append("reward <= ?")
-            params.append(reward_max)
+        for cond, value in (("step >= ?", step_min), ("step <= ?", step_max), ("reward >= ?", reward_min),
+                            ("reward <= ?", reward_max)):
+            if value is not None:
+                where.append(cond)
+                params.append(value)
         if status:
             bad = [s for s in status if s not in STATUSES]
             if bad:

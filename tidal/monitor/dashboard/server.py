@@ -23,7 +23,6 @@ from __future__ import annotations
 import hmac
 import logging
 import threading
-import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 
 from tidal.monitor.dashboard.data import DashboardError, RunView, config_diff
-from tidal.net import is_loopback
+from tidal.net import ThreadedServer, is_loopback
 
 log = logging.getLogger("tidal")
 
@@ -83,24 +82,24 @@ def connect():
     return con
 
 
-def _int(request: Request, name: str, default: int | None = None) -> int | None:
+def _number(request: Request, name: str, kind: type, default=None):
+    """Query parameter `name` as `kind` (int or float); `default` when absent or empty."""
     raw = request.query_params.get(name)
     if raw in (None, ""):
         return default
     try:
-        return int(raw)
+        return kind(raw)
     except ValueError:
-        raise DashboardError(f"query parameter `{name}` must be an integer (got {raw!r})") from None
+        what = "an integer" if kind is int else "a number"
+        raise DashboardError(f"query parameter `{name}` must be {what} (got {raw!r})") from None
+
+
+def _int(request: Request, name: str, default: int | None = None) -> int | None:
+    return _number(request, name, int, default)
 
 
 def _float(request: Request, name: str) -> float | None:
-    raw = request.query_params.get(name)
-    if raw in (None, ""):
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        raise DashboardError(f"query parameter `{name}` must be a number (got {raw!r})") from None
+    return _number(request, name, float)
 
 
 def build_app(runs: list[RunView], token: str | None = None, check_host: bool = True) -> Starlette:
@@ -213,31 +212,18 @@ class DashboardServer:
                  token: str | None = None, start_timeout_s: float = 30.0):
         if not is_loopback(host) and not token:
             raise DashboardError(f"dashboard: binding {host} (not loopback) needs a token (--token-env)")
-        import uvicorn
-
         names = _unique_names([Path(d) for d in run_dirs])
         self.runs = [RunView(d, n) for d, n in zip(run_dirs, names)]
         for run in self.runs:  # the tokenizers load in the background: the first opened episode need not wait
             threading.Thread(target=run.warm, name="tidal-dashboard-warm", daemon=True).start()
         self.host, self.token = host, token
-        config = uvicorn.Config(build_app(self.runs, token), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="tidal-dashboard", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + start_timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise DashboardError(f"dashboard: the server did not start on {host}:{port} within "
-                                     f"{start_timeout_s:g} s (is the port taken?)")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{self.port}/"
+        self._server = ThreadedServer(build_app(self.runs, token), host, port, what="dashboard", error=DashboardError,
+                                      start_timeout_s=start_timeout_s)
+        self.thread, self.port = self._server.thread, self._server.port
+        self.url = self._server.base + "/"
 
     def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self._server.close()
 
     def __enter__(self) -> DashboardServer:
         return self
