@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pyarrow.dataset as ds
 import pytest
@@ -250,3 +251,9 @@ def test_pages_in_step_order_are_a_sort_of_the_store_when_steps_span_files(runs,
         got += [r["episode_id"] for r in page["rows"]]
         offset += 13
     assert got == [e["episode_id"] for e in want]
+
+
+def test_a_missing_extra_is_named_with_its_pip_command(runs, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "duckdb", None)  # as if `tidal[dashboard]` were not installed
+    assert cli_main(["dashboard", str(runs[0]), "--port", "0"]) == 2
+    assert "pip install 'tidal[dashboard]'" in capsys.readouterr().err
