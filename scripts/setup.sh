@@ -40,17 +40,18 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
          "install it to run generated code in tidal's sandbox" >&2
   fi
 fi
-# Debian's headless Chromium (and a font) for the dashboard's browser tests (tests/test_dashboard_browser.py),
-# driven by Playwright through its executable path; Playwright's own browser download cannot work here.
+# Debian's headless Chromium (and a font) for the browser environment (tidal.envs.browser, docs/browser.md) and the
+# dashboard's browser tests, driven by Playwright through its executable path; Playwright's own browser download
+# cannot work here.
 if [ ! -x /usr/lib/chromium/chromium-headless-shell ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing chromium-headless-shell (the dashboard's browser tests)"
+    echo "installing chromium-headless-shell (the browser environment and tests)"
     export DEBIAN_FRONTEND=noninteractive
     apt-get install -y -qq chromium-headless-shell fonts-liberation >/dev/null 2>&1 \
       || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium-headless-shell fonts-liberation >/dev/null 2>&1; } \
-      || echo "WARNING: apt-get could not install chromium-headless-shell: the dashboard's browser tests will fail" >&2
+      || echo "WARNING: apt-get could not install chromium-headless-shell: the browser environment and its tests will fail" >&2
   else
     echo "WARNING: chromium-headless-shell is missing and this script can install it only as root with apt-get;" \
-         "the dashboard's browser tests need it" >&2
+         "the browser environment and its tests need it" >&2
   fi
 fi

@@ -11,6 +11,7 @@ import pytest
 from sandbox_support import require_bwrap
 
 from tidal.engines.scripted import ScriptedEngine
+from tidal.envs import loop_scoped
 from tidal.envs.base import Action
 from tidal.envs.code import CodeEnv, load_problems
 from tidal.models import load_tokenizer
@@ -244,7 +245,6 @@ def test_no_sandbox_pool_outlives_its_event_loop():
     import threading
     import time
 
-    from tidal.envs import code
 
     threads = threading.active_count()
     for _ in range(3):
@@ -253,7 +253,7 @@ def test_no_sandbox_pool_outlives_its_event_loop():
             return await asyncio.gather(*(_drive(e, [call("run_python", code="1"), "no"]) for e in envs))
 
         asyncio.run(step())
-    assert code._POOLS == {}
+    assert loop_scoped.OBJECTS == {}
     deadline = time.monotonic() + 5.0  # a closed pool's start-up threads exit as they wake
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)

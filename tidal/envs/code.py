@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 from pydantic import ValidationError
 
 from tidal.envs.base import Action, Message, RewardError, StepResult
+from tidal.envs.loop_scoped import loop_scoped
 from tidal.envs.tool_env import ToolEnv
 from tidal.rewards.code import FENCE_RE, CodeReward
 from tidal.sandbox import PythonSession, SandboxConfig, SandboxPool, SandboxResult, SandboxStatus
@@ -61,37 +62,13 @@ SYSTEM_PROMPT = (
     "or answer without a tool call, ending with the solution in a ```python block. Hidden tests grade it."
 )
 
-# One sandbox pool per event loop and sandbox config: a pool belongs to the loop that first
-# uses it, and a run makes a loop per step. Each pool is closed when its loop shuts down its
-# async generators (asyncio.run does, before closing the loop) and then forgotten, so no pool,
-# loop or thread outlives its step (a WeakKeyDictionary by loop would not let go: a contended
-# pool's semaphore holds its loop).
-_POOLS: dict[asyncio.AbstractEventLoop, dict[str, tuple[SandboxPool, Any]]] = {}
 _GRADERS: dict[str, CodeReward] = {}
 
 
-async def _pool_lifetime(loop: asyncio.AbstractEventLoop, key: str, pool: SandboxPool):
-    try:
-        yield
-    finally:  # the loop's shutdown_asyncgens: close the pool and forget it
-        pools = _POOLS.get(loop, {})
-        pools.pop(key, None)
-        if not pools:
-            _POOLS.pop(loop, None)
-        await pool.close()
-
-
 async def loop_pool(config: SandboxConfig) -> SandboxPool:
-    """The sandbox pool of the running event loop for `config` (made on first use)."""
-    loop = asyncio.get_running_loop()
-    pools = _POOLS.setdefault(loop, {})
-    key = config.model_dump_json()
-    if key not in pools:
-        pool = SandboxPool(config)
-        lifetime = _pool_lifetime(loop, key, pool)
-        pools[key] = (pool, lifetime)
-        await lifetime.__anext__()  # started in this loop: the loop finalizes it at shutdown
-    return pools[key][0]
+    """The sandbox pool of the running event loop for `config` (made on first use, closed
+    with the loop: tidal.envs.loop_scoped)."""
+    return await loop_scoped("sandbox:" + config.model_dump_json(), lambda: SandboxPool(config))
 
 
 def sandbox_config(sandbox: dict[str, Any] | SandboxConfig | None, env: str) -> SandboxConfig:

@@ -21,6 +21,7 @@ BUILTIN_ENVS = {
     "tool_arith": "tidal.envs.tool_arith:ToolArithEnv",
     "code": "tidal.envs.code:CodeEnv",
     "shell": "tidal.envs.shell:ShellEnv",
+    "browser": "tidal.envs.browser:BrowserEnv",
     "openai_agent": "tidal.envs.openai_agent:OpenAIAgentEnv",
     "tidal.envs.openai_agent": "tidal.envs.openai_agent:OpenAIAgentEnv",
 }
