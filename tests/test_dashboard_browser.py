@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.dataset as ds
 import pytest
+from browser_support import require_chromium
 
 from tidal.monitor.dashboard.server import DashboardServer
 from tidal.monitor.episodes import EpisodeWriter, iter_episodes
@@ -23,23 +24,13 @@ pytest.importorskip("duckdb", reason="the dashboard extra (duckdb, plotly) is in
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
 Image = pytest.importorskip("PIL.Image")
 
-CHROMIUM = "/usr/lib/chromium/chromium-headless-shell"
 RUN_COLORS = {0: (0x1F, 0x77, 0xB4), 1: (0xD6, 0x27, 0x28)}  # app.js COLORS[0], COLORS[1]
 POLICY_COLOR = (0xCF, 0xE3, 0xFF)  # app.js tokenColor, mode "mask", a trained token
 
 
-def chromium() -> str:
-    if os.access(CHROMIUM, os.X_OK):
-        return CHROMIUM
-    if os.environ.get("TIDAL_REQUIRE_BROWSER") == "1" or (os.geteuid() == 0 and shutil.which("apt-get")):
-        pytest.fail(f"{CHROMIUM} is missing although this machine could install it (scripts/setup.sh does, as "
-                    "root with apt-get: chromium-headless-shell); the browser tests do not skip here", pytrace=False)
-    pytest.skip("Debian's chromium-headless-shell is not installed and cannot be here (not root, or no apt-get)")
-
-
 @pytest.fixture(scope="module")
 def browser():
-    path = chromium()
+    path = require_chromium()
     with playwright.sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=path, args=["--no-sandbox"])  # root: Chromium's own sandbox needs a user
         yield b

@@ -4,6 +4,7 @@
     tidal eval MODEL_OR_CHECKPOINT [CONFIG.yaml] [section.key=value ...] [--json]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
+    tidal build-browser-model [--out DIR] [--seed N] [--threads N]
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
     tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
@@ -221,6 +222,18 @@ def cmd_build_tool(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_browser(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.models.browser_model import build_browser_model
+
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build_browser_model(ns.out, seed=ns.seed)
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return 0
+
+
 def _no_extra_args(ns: argparse.Namespace) -> None:
     if ns.args:
         raise ConfigError(f"tidal {ns.command}: unexpected arguments {' '.join(ns.args)}")
@@ -404,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     bt.set_defaults(fn=cmd_build_tool, args=[])
+    bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")
+    bb.add_argument("--out", default=str(DEFAULT_MODEL_DIR.parent / "tiny-browser"))  # browser_model.BROWSER_MODEL_DIR
+    bb.add_argument("--seed", type=int, default=0)
+    bb.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
+    bb.set_defaults(fn=cmd_build_browser, args=[])
     r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
     r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
     r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")
