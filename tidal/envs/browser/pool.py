@@ -8,8 +8,10 @@ Pages are untrusted once the policy types into them, so a browser of this pool, 
 - sends every HTTP(S) request of a context to **request interception**: the task's pages are
   served from memory on the task origin, `/submit` is recorded for the verifier, and every
   other request is aborted; a proxy that does not exist (`--proxy-server=127.0.0.1:9`, with
-  a bypass for the task origin only), WebRTC limited to proxied UDP, and service workers
-  blocked are the layers behind it;
+  a bypass for the task origin only, loopback included in what is proxied), WebRTC limited
+  to proxied UDP, and service workers blocked are the layers behind it. Interception does not
+  see everything: a shared worker's requests and WebTransport pass it by (measured, Chromium
+  150), and so the namespace is the layer that holds for them;
 - runs as an **unprivileged user** (uid 65534 when tidal is root; otherwise the user itself in
   a user namespace) with **Chromium's own sandbox on** (renderers in their namespaces, under
   Chromium's seccomp filter).
@@ -236,7 +238,7 @@ class BrowserPool:
                 "--hide-scrollbars"]
         if cfg.network == "isolated":
             host = urlsplit(ORIGIN).hostname
-            args += ["--proxy-server=http://127.0.0.1:9", f"--proxy-bypass-list={host}",
+            args += ["--proxy-server=http://127.0.0.1:9", f"--proxy-bypass-list={host};<-loopback>",
                      "--force-webrtc-ip-handling-policy=disable_non_proxied_udp",
                      "--webrtc-ip-handling-policy=disable_non_proxied_udp"]
         home = self._dir / f"home-{self._launches}"
@@ -287,6 +289,9 @@ class BrowserPool:
                     slot = min(free, key=lambda s: (s.active, s.index))
                     slot.active += 1
                     slot.opened += 1
+                    if slot.opened >= cfg.recycle_after:  # decided here, so no other open slips in meanwhile
+                        slot.draining = True  # no new contexts; closed and replaced when its last one ends
+                        self.stats["recycled"] += 1
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -313,8 +318,8 @@ class BrowserPool:
         if slot.dead:
             tab._crash("the browser process died")
         self.stats["contexts"] += 1
-        if slot.opened >= cfg.recycle_after or _rss_mb(_descendants(slot.pid)) > cfg.max_browser_rss_mb:
-            slot.draining = True  # no new contexts; closed and replaced when its last one ends
+        if not slot.draining and _rss_mb(_descendants(slot.pid)) > cfg.max_browser_rss_mb:
+            slot.draining = True
             self.stats["recycled"] += 1
         return tab
 
