@@ -37,7 +37,7 @@ from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokeniz
 
 BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
-ENV_ARGS: dict[str, Any] = {"actions": ["click", "done"], "max_turns": 3}  # as examples/browser.yaml
+ENV_ARGS: dict[str, Any] = {"actions": ["click", "done"], "max_turns": 3, "action_timeout_s": 5.0}  # as examples/browser.yaml
 HABITS = ("right", "first", "malformed")
 DONE = call_text("done", {})
 
@@ -216,7 +216,7 @@ def build_browser_model(
     eval_n: int = 64,
     train_size: int = 1000,
     vocab_size: int = 1024,
-    concurrency: int = 8,
+    concurrency: int = 16,
     evaluate=None,
 ) -> dict:
     """Build tokenizer and model, warm-start them on `click_button`, save an HF directory;

@@ -23,10 +23,12 @@ its accessibility snapshot (Playwright's `aria_snapshot(mode="ai")`), whose elem
 Calls of one turn run in order. A malformed or impossible action (an unknown ref, a ref of an
 older page, a field that is not a field, a disabled button, a key not in the list) is an error
 observation, as for every tool, and the episode goes on; each action has its own timeout
-(`action_timeout_s`). The episode ends at `done`, at a turn without a tool call, or after
-`max_turns` turns; the verifier then decides from the final state, which only the host sees:
-the forms the page sent to `/submit` (recorded by the request interception, not read from the
-page), the answer, or the final page. Reward `{"correct": 1 or 0}` on the last turn
+(`action_timeout_s`; loading and reading the page after it has `page_timeout_s`, and past that
+the episode is `env_error`: the task's pages load at once, so it is the machine's failure). The
+episode ends at `done`, at a turn without a tool call, or after `max_turns` turns; the verifier
+then decides from the final state, which only the host sees: the forms the page sent to
+`/submit` (recorded by the request interception, not read from the page), the answer, or the
+final page. Reward `{"correct": 1 or 0}` on the last turn
 (`default_reward` is None).
 
 A crashed renderer or a dead browser ends the episode `env_error` (raised), never 0; the other
@@ -95,7 +97,9 @@ class BrowserEnv(ToolEnv):
     """`BrowserEnv(row, seed, **env_args)`: one task of tidal.envs.browser.tasks in a fresh context.
 
     env_args: `max_turns` (after this many turns the env verifies and ends the episode; keep
-    rollout.max_turns at least this), `action_timeout_s`, `max_tool_output_chars`,
+    rollout.max_turns at least this), `action_timeout_s` (one action), `page_timeout_s` (loading
+    and reading the page, the start's and after each action: past it the episode is `env_error`,
+    the machine's failure, not the policy's), `max_tool_output_chars`,
     `max_calls_per_turn`, `system_prompt`, `browser` (BrowserConfig fields), `families` (task
     families of `rows`), `actions` (the tools offered, a subset including `done`; default all:
     fewer tools make a shorter system turn for a small model). `pool` (a BrowserPool, not from
@@ -113,13 +117,14 @@ class BrowserEnv(ToolEnv):
         return make_tasks(split, n, seed, families)
 
     def __init__(self, row: dict[str, Any], seed: int = 0, *, max_turns: int = 8, action_timeout_s: float = 2.0,
-                 max_tool_output_chars: int = 3000, max_calls_per_turn: int = 4, system_prompt: str | None = None,
+                 page_timeout_s: float = 30.0, max_tool_output_chars: int = 3000, max_calls_per_turn: int = 4,
+                 system_prompt: str | None = None,
                  browser: dict[str, Any] | BrowserConfig | None = None, families: list[str] | None = None,
                  actions: list[str] | None = None, pool: BrowserPool | None = None):
         self.pages, self.verifier = _validate_row(row)
-        if max_turns < 1 or action_timeout_s <= 0:
-            raise ValueError(f"browser: env_args.max_turns ({max_turns}) must be >= 1 and action_timeout_s "
-                             f"({action_timeout_s}) > 0")
+        if max_turns < 1 or action_timeout_s <= 0 or page_timeout_s <= 0:
+            raise ValueError(f"browser: env_args.max_turns ({max_turns}) must be >= 1, action_timeout_s "
+                             f"({action_timeout_s}) and page_timeout_s ({page_timeout_s}) > 0")
         unknown = [f for f in families or [] if f not in FAMILIES]
         if unknown:
             raise ValueError(f"browser: env_args.families has unknown families {unknown} (families: {', '.join(FAMILIES)})")
@@ -135,10 +140,11 @@ class BrowserEnv(ToolEnv):
                              f"got {actions}")
         tools = [Tool.from_function(every[n], name=n) for n in every if n in chosen]
         super().__init__(row, seed, tools=tools, system_prompt=system_prompt,
-                         tool_timeout_s=action_timeout_s * (max_calls_per_turn + 1) + 5.0,
+                         tool_timeout_s=(action_timeout_s + page_timeout_s) * (max_calls_per_turn + 1) + 5.0,
                          max_tool_output_chars=max_tool_output_chars, max_calls_per_turn=max_calls_per_turn)
         self.max_turns = max_turns
         self.action_timeout_s = action_timeout_s
+        self.page_timeout_s = page_timeout_s
         self._pool = pool
         self._tab: Tab | None = None
         self._lock = asyncio.Lock()
@@ -155,7 +161,7 @@ class BrowserEnv(ToolEnv):
         self._tab = await pool.open_tab(Site(self.pages))
         try:
             await self._tab.page.goto(ORIGIN + self.row.get("start", "/"), wait_until="load",
-                                      timeout=self.action_timeout_s * 5000)
+                                      timeout=self.page_timeout_s * 1000)
             observation = await self.observe()
         except Exception as e:  # noqa: BLE001 - Playwright's errors, a closed page: the episode cannot start
             await self._release()
@@ -168,14 +174,14 @@ class BrowserEnv(ToolEnv):
     async def observe(self) -> str:
         """The page as the policy sees it: title, path, accessibility snapshot with refs."""
         page = self._page()
-        snapshot = await page.aria_snapshot(mode="ai", timeout=self.action_timeout_s * 1000)
+        snapshot = await page.aria_snapshot(mode="ai", timeout=self.page_timeout_s * 1000)
         snapshot = snapshot.replace(" [cursor=pointer]", "")
         return f"Page: {await page.title()} ({self.path()})\n{snapshot}"
 
     async def screenshot(self) -> bytes:
         """The viewport as PNG bytes (no caret, animations stopped): the same for the same seed."""
         return await self._page().screenshot(type="png", animations="disabled", caret="hide",
-                                             timeout=self.action_timeout_s * 5000)
+                                             timeout=self.page_timeout_s * 1000)
 
     def path(self) -> str:
         url = urlsplit(self._page().url)
@@ -195,8 +201,6 @@ class BrowserEnv(ToolEnv):
             self._metrics["browser/actions"] = self._metrics.get("browser/actions", 0.0) + 1.0
             try:
                 await action(tab.page)
-                await tab.page.wait_for_load_state("load", timeout=self.action_timeout_s * 1000)
-                return await self.observe()
             except BrowserActionError:
                 self._count_error()
                 raise
@@ -206,6 +210,14 @@ class BrowserEnv(ToolEnv):
                     raise RuntimeError("the browser failed (infrastructure); the episode ends") from None
                 self._count_error()
                 raise BrowserActionError(f"{what} failed: {_playwright_message(e)}") from None
+            # The page after the action: our own pages load at once, so a load or a snapshot
+            # that takes longer than page_timeout_s is the machine's failure, not the policy's.
+            try:
+                await tab.page.wait_for_load_state("load", timeout=self.page_timeout_s * 1000)
+                return await self.observe()
+            except Exception as e:  # noqa: BLE001 - the episode cannot go on without its observation
+                self._infra_error = tab.crashed or f"reading the page after {what} failed: {_playwright_message(e)}"
+                raise RuntimeError("the browser failed (infrastructure); the episode ends") from None
 
     def _count_error(self) -> None:
         self._metrics["browser/action_errors"] = self._metrics.get("browser/action_errors", 0.0) + 1.0

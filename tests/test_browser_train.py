@@ -1,0 +1,71 @@
+"""RL through the browser environment: `tidal train examples/browser.yaml` for 2 steps with the
+embedded tiny-browser model (torch engine, one process), and the warm-start builder."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from browser_support import require_chromium
+
+from tidal.envs.browser.pool import _descendants
+from tidal.models.browser_model import BROWSER_MODEL_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _chromium():
+    require_chromium()
+
+
+def test_tidal_train_two_steps_in_the_browser(tmp_path):
+    """The model's clicks reach Chromium, the pages' accessibility trees come back as masked
+    observation tokens, the verifier's reward trains two steps; the turns, their tool calls and
+    the browser metrics reach the Parquet store and metrics.jsonl, and no browser is left."""
+    from tidal.config import load_config
+    from tidal.envs import loop_scoped
+    from tidal.models import load_tokenizer
+    from tidal.runtime.controller import Controller
+
+    cfg = load_config(ROOT / "examples" / "browser.yaml", [
+        "train.steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "task.train_size=8",
+        "task.eval_size=4", "eval.n=4", "run.eval_every=0", f"run.dir={tmp_path / 'run'}", "run.progress=false"])
+    ctl = Controller(cfg)
+    try:
+        m = ctl.train()
+    finally:
+        ctl.close()
+    assert m["episodes"] == 8
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    per_step = [r for r in metrics if "browser/actions" in r]
+    assert [r["step"] for r in per_step] == [1, 2]
+    assert all(r["browser/blocked_requests"] == 0 for r in per_step)
+    tok = load_tokenizer(BROWSER_MODEL_DIR)
+    rows = [r for s in (1, 2) for r in pq.read_table(tmp_path / "run" / "episodes" / f"step_{s:06d}.parquet").to_pylist()]
+    clicks = 0
+    for r in rows:
+        assert r["env"] == "browser" and r["status"] in ("ok", "truncated"), (r["status"], r.get("error"))
+        assert r["reward"] in (0.0, 1.0)
+        for t in r["turns"]:
+            assert all(r["loss_mask"][t["start"]:t["end"]]) and not any(r["loss_mask"][t["end"]:t["obs_end"]])
+            assert tok.decode(r["tokens"][t["start"]:t["end"]], skip_special_tokens=True) == t["text"]
+            for c in t["tool_calls"]:
+                if c["status"] == "ok" and c["name"] == "click":
+                    clicks += 1
+                    # after a click on a submit button the observation is the page it led to
+                    assert "Page: " in tok.decode(r["tokens"][t["end"]:t["obs_end"]])
+    assert clicks >= 4  # the warm start clicks in nearly every sample
+    # each step's loop closed its pool: no pool is left, and no Chromium under this process
+    assert not loop_scoped.OBJECTS
+    assert not [p for p in _descendants(os.getpid()) if "chromium" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
