@@ -69,3 +69,32 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp_path):
+    """`tidal build-browser-model` on a small budget twice: the same demonstrations (recorded in
+    Chromium, several episodes at once), tokenizer and weights; the shipped model's record has
+    the builder's defaults, and its teacher's habits scored as designed."""
+    import inspect
+
+    from safetensors.torch import load_file
+
+    from tidal.models.browser_model import build_browser_model, held_out_success
+
+    def quick(model, tok, rows):
+        return held_out_success(model, tok, rows[:2], k=1)
+
+    kw = {"steps": 2, "batch_size": 4, "train_size": 24, "eval_n": 4, "concurrency": 4, "evaluate": quick}
+    a, b = build_browser_model(tmp_path / "a", **kw), build_browser_model(tmp_path / "b", **kw)
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert a["history"][0]["loss"] == b["history"][0]["loss"] and a["history"][0]["step"] == 2
+    assert a["teacher_success"] == b["teacher_success"]
+    shipped = json.loads((BROWSER_MODEL_DIR / "tidal_build.json").read_text())
+    defaults = {k: p.default for k, p in inspect.signature(build_browser_model).parameters.items()}
+    for key in ("seed", "steps", "batch_size", "lr", "train_size"):
+        assert shipped[key] == defaults[key], key
+    assert shipped["habits"] == {"right": 0.35, "first": 0.55, "malformed": 0.1}
+    # the right habit always succeeds; clicking the first button does by chance (3-8 buttons)
+    assert shipped["teacher_success"]["right"] == 1.0 and shipped["teacher_success"]["first"] < 0.35

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ from tidal.envs.browser.pool import BrowserConfig, BrowserPool
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
 from tidal.envs.browser.tasks import make_tasks
 from tidal.models.tiny import build_model
-from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokenizer, call_text, sft_loss
+from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokenizer, call_text, save_model, sft_train
 
 BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
@@ -248,34 +247,10 @@ def build_browser_model(
     model.config.max_position_embeddings = 1024
     examples = [episode_tokens(tokenizer, e) for e in episodes]
     prefix_len = _shared_prefix(examples)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
-    )
-    evaluate = evaluate or held_out_success
-    model.train()
-    t0 = time.time()
-    history = []
-    for step in range(1, steps + 1):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        loss = sft_loss(model, batch, prefix_len, tokenizer.pad_token_id)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if (eval_every and step % eval_every == 0) or step == steps:
-            t1 = time.time()
-            res = evaluate(model, tokenizer, val)
-            history.append({"step": step, "loss": round(loss.item(), 4), "train_s": round(t1 - t0, 1), **res})
-            print(f"browser warm-start step {step}: loss {loss.item():.3f}  {json.dumps(res)}  ({t1 - t0:.0f}s)",
-                  flush=True)
-            t0 += time.time() - t1  # train_s counts training only
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate or held_out_success, rng,
+                        steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every,
+                        label="browser")
+    save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
                "train_size": train_size, "families": FAMILIES, "env_args": ENV_ARGS, "vocab_size": len(tokenizer),
                "record_s": round(record_s, 1),
@@ -283,5 +258,5 @@ def build_browser_model(
                "tokens_per_episode": round(sum(len(t) for t, _ in examples) / len(examples), 1),
                "val": history[-1] if history else {}, "params": sum(p.numel() for p in model.parameters()),
                "history": history}
-    (out / "tidal_build.json").write_text(json.dumps(summary, indent=1))
+    (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     return summary

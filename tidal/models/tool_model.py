@@ -311,11 +311,26 @@ def build_tool_model(
     drawn = [rng.choices(names, weights)[0] for _ in train]
     examples = demonstrations(tokenizer, train, drawn, rng)
     prefix_len = _shared_prefix(examples)
+    evaluate = evaluate or held_out_success
+    history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate, rng, steps=steps,
+                        batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every, label="tool")
+    save_model(model, tokenizer, out_dir)
+    summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
+               "train_size": train_size, "vocab_size": len(tokenizer), "val": history[-1] if history else {},
+               "params": sum(p.numel() for p in model.parameters()), "history": history}
+    (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: random.Random, *, steps: int,
+              batch_size: int, lr: float, warmup: int, eval_every: int, label: str) -> list[dict]:
+    """The warm start's SFT loop (AdamW, linear warm-up then cosine, batches drawn with `rng`):
+    `evaluate(model, tokenizer, val)` every `eval_every` steps (0: never) and at the end; the
+    history of those evaluations. Shared by the tiny models built from demonstrations."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
     )
-    evaluate = evaluate or held_out_success
     model.train()
     t0 = time.time()
     history = []
@@ -327,19 +342,20 @@ def build_tool_model(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % eval_every == 0 or step == steps:
+        if (eval_every and step % eval_every == 0) or step == steps:
             t1 = time.time()
             res = evaluate(model, tokenizer, val)
             history.append({"step": step, "loss": round(loss.item(), 4), "train_s": round(t1 - t0, 1), **res})
-            print(f"tool warm-start step {step}: loss {loss.item():.3f}  {json.dumps(res)}  ({t1 - t0:.0f}s)", flush=True)
+            print(f"{label} warm-start step {step}: loss {loss.item():.3f}  {json.dumps(res)}  ({t1 - t0:.0f}s)",
+                  flush=True)
             t0 += time.time() - t1  # train_s counts training only
+    return history
+
+
+def save_model(model, tokenizer, out_dir: str | Path) -> None:
+    """The model (safetensors, its cache on for generation) and tokenizer as an HF directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.config.use_cache = True
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
-               "train_size": train_size, "vocab_size": len(tokenizer), "val": history[-1] if history else {},
-               "params": sum(p.numel() for p in model.parameters()), "history": history}
-    (out / "tidal_build.json").write_text(json.dumps(summary, indent=1))
-    return summary
