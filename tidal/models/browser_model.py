@@ -206,14 +206,14 @@ def draw_habits(n: int, habits: dict[str, float], rng: random.Random) -> tuple[l
 def build_browser_model(
     out_dir: str | Path,
     seed: int = 0,
-    steps: int = 400,
+    steps: int = 600,
     batch_size: int = 16,
     lr: float = 3e-3,
     warmup: int = 30,
     habits: dict[str, float] | None = None,
     eval_every: int = 0,
     eval_n: int = 64,
-    train_size: int = 1000,
+    train_size: int = 1500,
     vocab_size: int = 1024,
     concurrency: int = 16,
     evaluate=None,
@@ -229,7 +229,7 @@ def build_browser_model(
     the samples; which habit pays is what RL has to teach. Validation uses a slice of the
     *train* split (`eval_every` 0: only at the end).
     """
-    habits = habits or {"right": 0.35, "first": 0.55, "malformed": 0.1}
+    habits = habits or {"right": 0.55, "first": 0.35, "malformed": 0.1}
     if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - set(HABITS):
         raise ValueError(f"habits must be fractions of {', '.join(HABITS)} summing to 1, got {habits}")
     random.seed(seed)
