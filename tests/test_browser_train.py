@@ -71,6 +71,7 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+@pytest.mark.slow  # two builds, each recording episodes in Chromium: ~40 s
 def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp_path):
     """`tidal build-browser-model` on a small budget twice: the same demonstrations (recorded in
     Chromium, several episodes at once), tokenizer and weights; the shipped model's record has
