@@ -59,9 +59,9 @@ def test_tidal_train_two_steps_in_the_browser(tmp_path):
                     # after a click on a submit button the observation is the page it led to
                     assert "Page: " in tok.decode(r["tokens"][t["end"]:t["obs_end"]])
     assert clicks >= 4  # the warm start clicks in nearly every sample
-    # each step's loop closed its pool: no pool is left, and no Chromium under this process
+    # each step's loop closed its pool: no pool is left, no Chromium nor Playwright driver under this process
     assert not loop_scoped.OBJECTS
-    assert not [p for p in _descendants(os.getpid()) if "chromium" in _cmdline(p)]
+    assert not [p for p in _descendants(os.getpid()) if "chromium" in _cmdline(p) or "playwright" in _cmdline(p)]
 
 
 def _cmdline(pid: int) -> str:

@@ -12,7 +12,7 @@ semaphore holds its loop).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,3 +41,23 @@ async def loop_scoped(key: str, make: Callable[[], T]) -> T:
         objects[key] = (obj, lifetime)
         await lifetime.__anext__()  # started in this loop: the loop finalizes it at shutdown
     return objects[key][0]
+
+
+async def close_all() -> None:
+    """Close the running loop's objects now, while its tasks still run. At `asyncio.run`'s
+    shutdown the loop's tasks are cancelled before its async generators are finalized, and an
+    object that needs a task of its own to close (Playwright's connection reads its pipe in
+    one) can then only be killed, not closed."""
+    for _, lifetime in list(OBJECTS.get(asyncio.get_running_loop(), {}).values()):
+        await lifetime.aclose()  # runs _lifetime's finally: forget the object, close it
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run(main)`, closing the loop's objects (`close_all`) when `main` ends."""
+    async def closing() -> T:
+        try:
+            return await main
+        finally:
+            await close_all()
+
+    return asyncio.run(closing())

@@ -223,10 +223,11 @@ def build_browser_model(
 
     The teacher has three habits, drawn per demonstration (`habits`, fractions; see
     `teacher_turns`): `right` names the instructed button and its ref and clicks it; `first`
-    clicks the page's first button at once; `malformed` slips first. Greedy decoding follows
-    the most common first move (a call straight away, not the naming), so held-out success
-    starts near the chance that the target is the first button, while right clicks are among
-    the samples; which habit pays is what RL has to teach. Validation uses a slice of the
+    clicks the page's first button at once; `malformed` slips first. The right habit is a copy
+    (the label from the instruction, then the ref that follows it in the snapshot); at the
+    defaults the tiny model learns its form but not yet the copy (measured: the shipped model's
+    `tidal_build.json` and docs/browser.md), so its success stays near the chance that the target
+    is the first button. Validation uses a slice of the
     *train* split (`eval_every` 0: only at the end).
     """
     habits = habits or {"right": 0.55, "first": 0.35, "malformed": 0.1}

@@ -25,6 +25,7 @@ import torch
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
 from tidal.engines.factory import choose_engine_kind
+from tidal.envs import loop_scoped
 from tidal.envs.dataset import DatasetError, PromptSource, load_prompts
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.monitor import trace
@@ -367,7 +368,7 @@ class Controller:
             specs = group_specs(rows, self.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
                                 offset=rounds * want, greedy_baseline=algo.advantage == "remax")
             new: list[Episode] = []  # this round's samples that were scored
-            for spec, e in zip(specs, asyncio.run(self.rollout.run(specs, self.engine, step, on_episode=stream))):
+            for spec, e in zip(specs, loop_scoped.run(self.rollout.run(specs, self.engine, step, on_episode=stream))):
                 if spec.greedy:  # a baseline, not a sample: no training, no sample metrics
                     if e.status.trainable:
                         baselines[e.group_id] = e.reward

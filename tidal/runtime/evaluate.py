@@ -5,12 +5,12 @@ is reported in `failed` (by status), never hidden."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from collections.abc import Callable
 from math import comb
 from typing import Any
 
+from tidal.envs import loop_scoped
 from tidal.runtime.rollout import Rollout, group_specs
 
 
@@ -30,7 +30,7 @@ def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_e
     if not rows:
         raise ValueError("evaluation needs held-out rows (task.eval_dataset)")
     greedy = rollout.with_params(temperature=0.0)
-    episodes = asyncio.run(greedy.run(group_specs(rows, make_env, 1, seed, 0), engine, step=0))
+    episodes = loop_scoped.run(greedy.run(group_specs(rows, make_env, 1, seed, 0), engine, step=0))
     correct = [_correct(e) for e in episodes]
     failed = Counter(e.status.value for e in episodes if not e.status.trainable)
     judged = any("correct" in e.metrics for e in episodes)
@@ -46,7 +46,7 @@ def evaluate_engine(engine, rollout: Rollout, rows: list[dict[str, Any]], make_e
         out.update({"tool_calls": tool_calls, "tool_error_rate": errors / tool_calls})
     if k > 0:
         sampled = rollout.with_params(temperature=temperature)
-        eps = asyncio.run(sampled.run(group_specs(rows, make_env, k, seed, 1), engine, step=0))
+        eps = loop_scoped.run(sampled.run(group_specs(rows, make_env, k, seed, 1), engine, step=0))
         per_row = [sum(_correct(e) for e in eps[i * k : (i + 1) * k]) for i in range(len(rows))]
         known = out["accuracy"] is not None
         out.update({"k": k, "temperature": temperature,

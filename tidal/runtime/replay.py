@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tidal.envs import loop_scoped
+
 # Log-prob agreement that counts as "the same weights": float32 forward passes of one model on
 # other batches agree to ~1e-5 per token here; 1e-3 leaves room for another CPU's kernels while
 # one optimizer step at the default lr moves them by 1e-2 and more.
@@ -122,7 +124,7 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
         rollout = make_rollout(cfg, tokenizer, params, scorer)
         spec = EpisodeSpec(task.make_env(row, recorded["seed"]), episode_id, recorded["group_id"], recorded["task_id"],
                            recorded["seed"], row=row, greedy=episode_id.endswith("-greedy"))
-        again = asyncio.run(rollout.run([spec], engine, step=recorded["step"]))[0]
+        again = loop_scoped.run(rollout.run([spec], engine, step=recorded["step"]))[0]
     finally:
         if scorer is not None:
             asyncio.run(scorer.close())

@@ -211,6 +211,7 @@ class BrowserPool:
         self._launches = 0
         self._closed = False
         self._pids: set[int] = set()  # every browser pid ever started (close() verifies them gone)
+        self._driver_pid: int | None = None
         self.stats = {"launched": 0, "recycled": 0, "died": 0, "contexts": 0}
 
     async def _start(self) -> None:
@@ -223,7 +224,11 @@ class BrowserPool:
         self._chromium = find_chromium(self.config.executable)
         self._dir = Path(tempfile.mkdtemp(prefix="tidal-browser-"))
         self._cond = asyncio.Condition()
-        self._pw = await async_playwright().start()
+        manager = async_playwright()
+        self._pw = await manager.start()
+        # The driver's pid (Playwright keeps it private): close() makes sure it ended too.
+        proc = getattr(getattr(getattr(manager, "_client", None), "_transport", None), "_proc", None)
+        self._driver_pid = getattr(proc, "pid", None)
         self._slots = [await self._launch(i) for i in range(self.config.browsers)]
 
     async def _launch(self, index: int) -> _Browser:
@@ -379,9 +384,13 @@ class BrowserPool:
     async def _close_browser(self, slot: _Browser) -> None:
         tree = _descendants(slot.pid) if _alive(slot.pid) else set()
         slot.draining = True
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.wait_for(slot.browser.close(), 10)
-        await _reap(tree)
+            grace = 1.0  # a closed browser exits in milliseconds; one whose driver's pipe task was cancelled (a loop
+            # shutting down) does not, and is killed
+        except Exception:  # noqa: BLE001 - the driver is gone or stuck: nothing will end the browser but us
+            grace = 0.2
+        await _reap(tree, grace)
 
     async def close(self) -> None:
         """Close every context and browser and the driver; returns when no process of any
@@ -391,12 +400,16 @@ class BrowserPool:
         self._closed = True
         for slot in self._slots:
             await self._close_browser(slot)
+        stopped = False
         if self._pw is not None:
             with contextlib.suppress(Exception):
-                await self._pw.stop()
+                await asyncio.wait_for(self._pw.stop(), 2)  # ms when its connection lives
+                stopped = True
             self._pw = None
         leftover = set().union(*(_descendants(p) for p in self._pids)) if self._pids else set()
-        await _reap(leftover)
+        if self._driver_pid is not None and _alive(self._driver_pid):
+            leftover |= _descendants(self._driver_pid)  # the driver and what it started
+        await _reap(leftover, 1.0 if stopped else 0.2)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
 
