@@ -96,6 +96,6 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
     defaults = {k: p.default for k, p in inspect.signature(build_browser_model).parameters.items()}
     for key in ("seed", "steps", "batch_size", "lr", "train_size"):
         assert shipped[key] == defaults[key], key
-    assert shipped["habits"] == {"right": 0.35, "first": 0.55, "malformed": 0.1}
+    assert shipped["habits"] == {"right": 0.55, "first": 0.35, "malformed": 0.1}  # build_browser_model's default
     # the right habit always succeeds; clicking the first button does by chance (3-8 buttons)
     assert shipped["teacher_success"]["right"] == 1.0 and shipped["teacher_success"]["first"] < 0.35
