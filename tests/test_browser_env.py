@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 
 import pytest
@@ -18,8 +17,9 @@ from browser_support import require_chromium
 
 from tidal.envs.base import Action
 from tidal.envs.browser import BrowserConfig, BrowserEnv, BrowserPool
-from tidal.envs.browser.scripted import run_episode
+from tidal.envs.browser.scripted import resolve_ref, run_episode
 from tidal.envs.browser.tasks import FAMILIES, make_tasks
+from tidal.models.tool_model import call_text
 
 
 @pytest.fixture(autouse=True)
@@ -28,7 +28,7 @@ def _chromium():
 
 
 def call(name: str, **arguments) -> str:
-    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
+    return call_text(name, arguments)
 
 
 BUTTONS = """<!doctype html><html><head><meta charset="utf-8"><title>Buttons</title></head><body>
@@ -42,8 +42,7 @@ ROW = {"task_id": "hand-1", "prompt": [{"role": "user", "content": "Click Beta."
        "verifier": json.dumps({"kind": "submit", "expect": {"choice": "b"}})}
 
 
-def ref(observation: str, role: str, name: str) -> str:
-    return re.search(rf'{role} "{re.escape(name)}"[^\n]*\[ref=(\w+)\]', observation).group(1)
+ref = resolve_ref  # the ref of the one element of a role and name in an observation
 
 
 def small_pool(**kw) -> BrowserPool:
