@@ -18,9 +18,10 @@ lint: setup
 setup-vllm: setup
 	@bash scripts/setup_vllm.sh
 
-# TIDAL_REQUIRE_VLLM: the vLLM tests fail, not skip, where vLLM is missing.
+# TIDAL_REQUIRE_VLLM: the vLLM tests fail, not skip, where vLLM is missing. -v names each test as it starts
+# (the tail of a log cut off mid-test says which one), --durations the slowest at the end.
 test-slow: setup-vllm
-	TIDAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m "slow" -q $(ARGS)
+	TIDAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m "slow" -v --durations=15 $(ARGS)
 
 eval: setup
 	.venv/bin/tidal eval $(or $(MODEL),default) $(ARGS)

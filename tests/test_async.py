@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from cli_limits import EVAL_TIMEOUT_S, TRAIN_TIMEOUT_S
 
 from tidal.config import load_config
 from tidal.runtime.controller import Controller
@@ -106,9 +107,9 @@ def test_k2_with_a_correction_reaches_the_sync_accuracy(tmp_path):
 
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "tidal.cli", "train", f"run.dir={run}", "run.progress=false",
-                    "rollout.max_staleness=2", "algorithm.is_level=token"], check=True)
+                    "rollout.max_staleness=2", "algorithm.is_level=token"], check=True, timeout=TRAIN_TIMEOUT_S)
     for m in [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]:
         assert m["staleness/max"] <= 2
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(run / "checkpoints" / "step_000060"), "--json"],
-                         check=True, capture_output=True, text=True).stdout
+                         check=True, capture_output=True, text=True, timeout=EVAL_TIMEOUT_S).stdout
     assert json.loads(out.splitlines()[-1])["accuracy"] >= 0.9

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from cli_limits import EVAL_TIMEOUT_S, TRAIN_TIMEOUT_S
 
 from tidal.config import load_config
 from tidal.models import DEFAULT_MODEL_DIR, load_tokenizer
@@ -44,12 +45,13 @@ def test_reward_rises_on_fixed_prompts(tmp_path):
 @pytest.mark.slow
 def test_default_job_reaches_90_percent_held_out(tmp_path):
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "tidal.cli", "train", f"run.dir={run}", "run.progress=false"], check=True)
+    subprocess.run([sys.executable, "-m", "tidal.cli", "train", f"run.dir={run}", "run.progress=false"], check=True,
+                   timeout=TRAIN_TIMEOUT_S)
     ckpt = max((run / "checkpoints").iterdir())
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, timeout=EVAL_TIMEOUT_S).stdout
     before = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", "default", "--json"], check=True,
-                            capture_output=True, text=True).stdout
+                            capture_output=True, text=True, timeout=EVAL_TIMEOUT_S).stdout
     after, start = json.loads(out.splitlines()[-1]), json.loads(before.splitlines()[-1])
     assert start["accuracy"] <= 0.5
     assert after["accuracy"] >= 0.9, (start, after)

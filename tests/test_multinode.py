@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from cli_limits import EVAL_TIMEOUT_S, TRAIN_TIMEOUT_S
 from ray.cluster_utils import Cluster
 
 from tidal.config import load_config
@@ -66,8 +67,8 @@ def test_ray_fsdp_job_reaches_the_local_accuracy(tmp_path):
 
     run = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "tidal.cli", "train", str(Path(__file__).parents[1] / "examples/ray/local_fsdp.yaml"), f"run.dir={run}",
-                    "run.progress=false"], check=True)
+                    "run.progress=false"], check=True, timeout=TRAIN_TIMEOUT_S)
     ckpt = max((run / "checkpoints").iterdir())
     out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", str(ckpt), "--json"], check=True,
-                         capture_output=True, text=True).stdout
+                         capture_output=True, text=True, timeout=EVAL_TIMEOUT_S).stdout
     assert json.loads(out.splitlines()[-1])["accuracy"] >= 0.9
