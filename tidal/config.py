@@ -171,6 +171,7 @@ class TrainConfig(_Section):
     grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (padded tokens); micro-batches are derived from it.")
     mixed_precision: bool = Field(False, description="Compute forward and backward in bfloat16 over float32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy with float32 gradient reduction when sharded, torch.autocast otherwise); needs model.dtype=float32. Log-probs, losses and the entropy stay float32.")
+    packing: bool = Field(False, description="Pack each micro-batch's sequences into rows as long as its longest (first-fit decreasing), each sequence at its own positions from 0, attention kept within it: the padding the plain path computes on is skipped. The same loss and gradient as the padded path up to float summation order (tests/test_packing.py). The critic stays padded.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch; the global batch must divide evenly.")
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")

@@ -84,6 +84,45 @@ def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     return out
 
 
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequence indices per row, first-fit decreasing: each row's lengths sum to at most
+    `capacity` (at least the longest length)."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
+        if r is None:
+            rows.append([])
+            free.append(capacity)
+            r = len(rows) - 1
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
+
+
+def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu"):
+    """The sequences packed into rows as long as the longest (`pack_rows`): input ids and
+    position ids [rows, longest], each sequence at positions 0..n-1 (a row's unused tail is a
+    sequence of padding of its own), and for every sequence the flat index of each of its
+    positions but the last, padded with 0 to [len(tokens), longest - 1] (the padded layout of
+    `logits[:, :-1]`)."""
+    capacity = max(len(t) for t in tokens)
+    rows = pack_rows([len(t) for t in tokens], capacity)
+    ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), capacity), dtype=torch.long)
+    index = torch.zeros((len(tokens), max(capacity - 1, 1)), dtype=torch.long)
+    for r, members in enumerate(rows):
+        offset = 0
+        for i in members:
+            n = len(tokens[i])
+            ids[r, offset:offset + n] = torch.tensor(tokens[i], dtype=torch.long)
+            pos[r, offset:offset + n] = torch.arange(n)
+            index[i, :n - 1] = r * capacity + offset + torch.arange(n - 1)
+            offset += n
+        pos[r, offset:] = torch.arange(capacity - offset)
+    return ids.to(device), pos.to(device), index[:, :capacity - 1].to(device)
+
+
 def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
     """Right-pad ragged rows into one [len(rows), longest] tensor."""
     L = max(len(r) for r in rows)
@@ -138,9 +177,19 @@ class Trainer:
         return ids, attn
 
     def _forward(self, model, tokens: list[list[int]]):
+        """Logits [B, longest - 1, V] for every sequence's targets, and the targets (right-padded
+        with pad_token_id). `train.packing`: the model runs on the packed rows (`packed_inputs`),
+        attention kept within each sequence by transformers' packed-sequence mask, which it
+        derives from position ids that restart at 0 (no attention mask passed); the logits are
+        gathered back into the padded layout."""
         ids, attn = self._inputs(tokens)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            if self.train_cfg.packing and len(tokens) > 1:
+                packed, pos, index = packed_inputs(tokens, self.pad_token_id, self.device)
+                flat = model(input_ids=packed, position_ids=pos, use_cache=False).logits.flatten(0, 1)
+                logits = flat[index]
+            else:
+                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         return logits, ids[:, 1:]  # bfloat16 logits under mixed precision: token_logprobs works in float32
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
