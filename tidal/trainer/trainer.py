@@ -110,7 +110,7 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu"):
     rows = pack_rows([len(t) for t in tokens], capacity)
     ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
     pos = torch.zeros((len(rows), capacity), dtype=torch.long)
-    index = torch.zeros((len(tokens), max(capacity - 1, 1)), dtype=torch.long)
+    index = torch.zeros((len(tokens), capacity - 1), dtype=torch.long)
     for r, members in enumerate(rows):
         offset = 0
         for i in members:
@@ -120,7 +120,7 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu"):
             index[i, :n - 1] = r * capacity + offset + torch.arange(n - 1)
             offset += n
         pos[r, offset:] = torch.arange(capacity - offset)
-    return ids.to(device), pos.to(device), index[:, :capacity - 1].to(device)
+    return ids.to(device), pos.to(device), index.to(device)
 
 
 def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
