@@ -1,11 +1,13 @@
-"""The default job in float32 and in mixed precision, side by side: held-out accuracy, wall
-clock, time per step (generate / train), and the engine/trainer mismatch.
+"""The default job in float32, in mixed precision and with LoRA, side by side: held-out
+accuracy, wall clock, time per step (generate / train), and the engine/trainer mismatch.
 
     python benchmarks/precision.py [--rounds 2] [--steps 60] [--out benchmarks/results/precision.json]
 
 fp32: `tidal train` as it is. bf16: `train.mixed_precision=true engine.dtype=bfloat16` (the
 trainer computes in bfloat16 over float32 master weights; the engine holds bfloat16 weights,
-cast at each weight sync). Each run is `tidal train` in a process of its own with the same
+cast at each weight sync). lora: `train.lora.rank=16 train.lr=3e-3` (peft adapters on every
+projection of every block, float32; adapters take a larger step than full weights, as is usual
+for LoRA; the engine receives the merged weights). Each run is `tidal train` in a process of its own with the same
 seed, then `tidal eval` of its last checkpoint on a float32 engine (greedy accuracy and pass@8
 on the held-out split: the trained weights compared, not the engines); the two alternate in rounds (the machine is shared: compare within a round).
 """
@@ -23,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = {"fp32": [], "bf16": ["train.mixed_precision=true", "engine.dtype=bfloat16"]}
+MODES = {"fp32": [], "bf16": ["train.mixed_precision=true", "engine.dtype=bfloat16"],
+         "lora": ["train.lora.rank=16", "train.lr=3e-3"]}
 
 
 def tidal(*args: str) -> tuple[dict, float]:
@@ -54,7 +57,8 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            for mode in (("fp32", "bf16") if r % 2 == 0 else ("bf16", "fp32")):
+            names = list(MODES)
+            for mode in names[r % len(names):] + names[:r % len(names)]:  # the order rotates by round
                 res = one(mode, a.steps, Path(tmp), r + 1)
                 results.append(res)
                 print(json.dumps(res), flush=True)

@@ -160,6 +160,14 @@ class AlgorithmConfig(_Section):
         return self
 
 
+class LoraConfig(_Section):
+    rank: int = Field(0, ge=0, description="LoRA rank r (peft); 0: full fine-tuning. With r > 0 the policy trains low-rank adapters on `targets` only, the reference model (algorithm.kl_coef > 0) is the same weights with the adapters off (no second copy), engines receive the merged weights, and checkpoints hold the adapter beside the merged model (docs/algorithms.md).")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator: the update is (alpha / rank) · B·A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (peft's lora_dropout).")
+    targets: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                               min_length=1, description="Names of the linear modules that get adapters (peft's target_modules; module names as in the model).")
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0.0, description="Peak AdamW learning rate.")
@@ -172,6 +180,8 @@ class TrainConfig(_Section):
     micro_batch_tokens: int = Field(8192, ge=1, description="Token budget of one micro-batch (padded tokens); micro-batches are derived from it.")
     mixed_precision: bool = Field(False, description="Compute forward and backward in bfloat16 over float32 master weights and optimizer state (FSDP2's MixedPrecisionPolicy with float32 gradient reduction when sharded, torch.autocast otherwise); needs model.dtype=float32. Log-probs, losses and the entropy stay float32.")
     packing: bool = Field(False, description="Pack each micro-batch's sequences into rows as long as its longest (first-fit decreasing), each sequence at its own positions from 0, attention kept within it: the padding the plain path computes on is skipped. The same loss and gradient as the padded path up to float summation order (tests/test_packing.py). The critic stays padded.")
+    activation_checkpointing: bool = Field(False, description="Recompute each transformer block's activations in the backward pass instead of keeping them (transformers' gradient checkpointing, non-reentrant): activation memory of about one block instead of all, for about one more forward pass of compute. The same gradients (tests/test_trainer.py).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (peft) instead of full fine-tuning; off at rank 0.")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch; the global batch must divide evenly.")
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")

@@ -32,7 +32,8 @@ from tidal.algorithms.losses import aggregate, policy_loss
 
 @dataclass
 class LossInputs:
-    """One micro-batch of the policy update, every tensor [B, T]."""
+    """One micro-batch of the policy update, every tensor [B, T]. The trainer computes log-probs
+    and entropy at the policy tokens only: off the mask, `logp` and `entropy` are 0."""
 
     logp: torch.Tensor  # log π_θ of each target token, with grad
     old_logp: torch.Tensor  # the proximal policy's (π_θ before this update), detached

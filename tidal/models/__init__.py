@@ -19,7 +19,8 @@ class ModelLoadError(ValueError):
 
 
 def resolve_model_dir(path: str | Path) -> Path:
-    """A model directory, or the `model/` folder inside a tidal checkpoint directory."""
+    """A model directory, or the `model/` folder inside a tidal checkpoint directory, or a peft
+    LoRA adapter directory (`merged_adapter_dir`)."""
     p = Path(path)
     if str(path) == "default":
         p = DEFAULT_MODEL_DIR
@@ -27,9 +28,56 @@ def resolve_model_dir(path: str | Path) -> Path:
         p = p / "model"
     if not p.is_dir():
         raise ModelLoadError(f"model directory `{path}` does not exist (models are loaded from local directories only)")
+    if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+        p = merged_adapter_dir(p)
     if not (p / "config.json").is_file():
         raise ModelLoadError(f"`{p}` has no config.json: it is not a Hugging Face model directory")
     return p
+
+
+def merged_adapter_dir(adapter: Path) -> Path:
+    """A peft LoRA adapter directory (adapter_config.json, no config.json: what `train.lora`
+    checkpoints hold in `adapter/`) as a plain model directory, so every engine and reader takes
+    it: the adapter merged into its base (`base_model_name_or_path`, a local model directory),
+    with the adapter's tokenizer or else the base's. Merged once, cached by the adapter's
+    content under $TIDAL_CACHE_DIR (default ~/.cache/tidal)/merged/."""
+    import hashlib
+    import json
+    import os
+    import shutil
+    import tempfile
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    base = cfg.get("base_model_name_or_path")
+    if not base or not Path(base).is_dir():
+        raise ModelLoadError(f"adapter `{adapter}`: its base model `{base}` (adapter_config.json's base_model_name_or_path) "
+                             "is not a local directory")
+    base_dir = resolve_model_dir(base)
+    digest = hashlib.sha256(str(base_dir.resolve()).encode())
+    for f in sorted(adapter.iterdir()):
+        if f.is_file():
+            digest.update(f.name.encode() + f.read_bytes())
+    cache = Path(os.environ.get("TIDAL_CACHE_DIR", Path.home() / ".cache" / "tidal")) / "merged"
+    out = cache / digest.hexdigest()[:24]
+    if (out / "config.json").is_file():
+        return out
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype="auto")
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cache))
+    merged.save_pretrained(tmp, safe_serialization=True)
+    tok_dir = adapter if (adapter / "tokenizer.json").is_file() or (adapter / "tokenizer_config.json").is_file() else base_dir
+    for f in tok_dir.iterdir():
+        if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template"))):
+            shutil.copy2(f, tmp / f.name)
+    try:
+        tmp.rename(out)  # whole or absent: a concurrent merge of the same adapter may have won
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def load_tokenizer(path: str | Path):

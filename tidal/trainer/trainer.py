@@ -28,7 +28,7 @@ from tidal.algorithms import entropy_from_logits, kl_estimate, token_logprobs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.importing import import_object
-from tidal.models import load_model
+from tidal.models import load_model, resolve_model_dir
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
 
@@ -123,6 +123,12 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu"):
     return ids.to(device), pos.to(device), index.to(device)
 
 
+def at_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """`values` ([N], one per True entry of `mask`, in row-major order) laid out as `mask`'s
+    shape, 0 elsewhere; differentiable in `values`."""
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+
+
 def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
     """Right-pad ragged rows into one [len(rows), longest] tensor."""
     L = max(len(r) for r in rows)
@@ -130,6 +136,26 @@ def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=dtype)
     return out.to(device)
+
+
+class _keep_rows:
+    """While active, `model`'s output head sees only the hidden states at `rows` (flat indices
+    into [batch × positions]): a forward pre-hook on `get_output_embeddings()`, so the model's
+    own forward (and FSDP's hooks around it) run unchanged and its logits come out [N, V].
+    `rows=None`: nothing changes."""
+
+    def __init__(self, model, rows: torch.Tensor | None):
+        self.head, self.rows, self.handle = model.get_output_embeddings(), rows, None
+
+    def __enter__(self):
+        if self.rows is not None:
+            rows = self.rows
+            self.handle = self.head.register_forward_pre_hook(lambda _m, args: (args[0].flatten(0, 1)[rows],))
+        return self
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
 
 
 class Trainer:
@@ -145,6 +171,16 @@ class Trainer:
         self.world_size = dp.world_size()  # > 1: data-parallel ranks, every model FSDP2-sharded
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.model.config.use_cache = False
+        self.lora = train.lora.rank > 0
+        if self.lora:  # adapters only; the base weights stay frozen (and serve as the reference)
+            if self.world_size > 1:
+                raise ValueError("train.lora.rank > 0 runs on one trainer rank for now (placement.trainer_ranks=1): "
+                                 "FSDP2 sharding of adapted models is not built yet")
+            self.model = add_lora(self.model, train.lora)
+            # the adapter's record of its base, as an absolute path: `tidal eval <checkpoint>/adapter` finds it
+            self.model.peft_config["default"].base_model_name_or_path = str(resolve_model_dir(model_path).resolve())
+        if train.activation_checkpointing:  # blocks recompute their activations in backward
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         # Mixed precision: bfloat16 compute over these float32 parameters (the optimizer's state
         # follows them). Sharded, FSDP2 casts per group and reduces gradients in float32;
@@ -156,7 +192,8 @@ class Trainer:
         if self.world_size > 1:
             dp.shard_model(self.model, mixed_precision=mixed)  # before the optimizer: it holds the sharded parameters
         self.ref_model = None
-        if algo.kl_coef > 0:  # no reference model is loaded when it cannot matter
+        self.has_ref = algo.kl_coef > 0
+        if self.has_ref and not self.lora:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
             if self.world_size > 1:
                 dp.shard_model(self.ref_model, mixed_precision=mixed, reshard_root=True)
@@ -165,8 +202,8 @@ class Trainer:
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
                                  warmup_steps=train.warmup_steps, betas=train.betas)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=train.lr, betas=train.betas, weight_decay=train.weight_decay
-        )
+            [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, betas=train.betas,
+            weight_decay=train.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train))
         self.version = 0
 
@@ -176,21 +213,37 @@ class Trainer:
         attn = pad_rows([[1] * len(t) for t in tokens], 0, torch.long, self.device)
         return ids, attn
 
-    def _forward(self, model, tokens: list[list[int]]):
+    def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None):
         """Logits [B, longest - 1, V] for every sequence's targets, and the targets (right-padded
         with pad_token_id). `train.packing`: the model runs on the packed rows (`packed_inputs`),
         attention kept within each sequence by transformers' packed-sequence mask, which it
         derives from position ids that restart at 0 (no attention mask passed); the logits are
-        gathered back into the padded layout."""
+        gathered back into the padded layout.
+
+        `keep` ([B, longest - 1] bool, the targets' layout): only those positions get logits:
+        the output head runs on their hidden states alone (`_keep_rows`), and logits [N, V] and
+        targets [N] come back in `keep`'s row-major order. The head, the log-softmax and the
+        entropy are the per-position work that grows with the vocabulary; the prompt and the
+        padding never need them in a policy update."""
         ids, attn = self._inputs(tokens)
+        targets = ids[:, 1:]
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
             if self.train_cfg.packing and len(tokens) > 1:
                 packed, pos, index = packed_inputs(tokens, self.pad_token_id, self.device)
-                flat = model(input_ids=packed, position_ids=pos, use_cache=False).logits.flatten(0, 1)
-                logits = flat[index]
+                rows = None if keep is None else index[keep]
+                with _keep_rows(model, rows):
+                    logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits
+                logits = logits.flatten(0, 1)[index] if keep is None else logits
             else:
-                logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-        return logits, ids[:, 1:]  # bfloat16 logits under mixed precision: token_logprobs works in float32
+                rows = None
+                if keep is not None:  # flat positions of the kept targets in [B, longest] hidden states
+                    rows = (torch.arange(ids.shape[0], device=self.device)[:, None] * ids.shape[1]
+                            + torch.arange(ids.shape[1] - 1, device=self.device))[keep]
+                with _keep_rows(model, rows):
+                    logits = model(input_ids=ids, attention_mask=attn).logits
+                logits = logits[:, :-1] if keep is None else logits
+        # bfloat16 logits under mixed precision: token_logprobs works in float32
+        return logits, targets if keep is None else targets[keep]
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         """This batch's micro-batches. Data parallel: padded with `None` (a dummy pass) to the
@@ -235,12 +288,20 @@ class Trainer:
         return self._per_position(batch, self.model,
                                   lambda toks: token_logprobs(*self._forward(self.model, toks), self.temperature))
 
+    def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None):
+        """`_forward` of the frozen reference: its own model, or under LoRA the policy with its
+        adapters off (the base weights, which never train)."""
+        if not self.lora:
+            return self._forward(self.ref_model, tokens, keep)
+        with self.model.disable_adapter():
+            return self._forward(self.model, tokens, keep)
+
     def ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The frozen reference's log-probs, aligned as `logprobs`."""
-        if self.ref_model is None:
+        if not self.has_ref:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
-        return self._per_position(batch, self.ref_model,
-                                  lambda toks: token_logprobs(*self._forward(self.ref_model, toks), self.temperature))
+        return self._per_position(batch, self.model if self.lora else self.ref_model,
+                                  lambda toks: token_logprobs(*self._ref_forward(toks), self.temperature))
 
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
@@ -256,7 +317,7 @@ class Trainer:
         logits, _ = self._forward(self.model, toks)
         if kl_in_loss:
             with torch.no_grad():
-                self._forward(self.ref_model, toks)
+                self._ref_forward(toks)
         if with_critic:
             (self.critic.forward(*self._inputs(toks)).sum() * 0.0).backward()
         (logits.float().sum() * 0.0).backward()
@@ -273,7 +334,7 @@ class Trainer:
         metrics returned are those of the global batch, the same on every rank."""
         algo = self.algo
         kl_coef = algo.kl_coef if kl_coef is None else kl_coef
-        kl_in_loss = self.ref_model is not None and algo.kl_in == "loss"
+        kl_in_loss = self.has_ref and algo.kl_in == "loss"
         with_critic = self.critic is not None and batch.returns is not None
         masks = [m[1:] for m in batch.loss_mask]  # aligned with targets
         if totals is None and self.world_size > 1:
@@ -288,21 +349,22 @@ class Trainer:
                 continue
             toks = [batch.tokens[i] for i in idx]
             pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
-            # forward
-            logits, targets = self._forward(self.model, toks)
-            logp = token_logprobs(logits, targets, self.temperature)
+            # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
+            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
+            logits, targets = self._forward(self.model, toks, keep=mask)
+            logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
             ref_logp = None
             if kl_in_loss:
                 with torch.no_grad():
-                    ref_logp = token_logprobs(self._forward(self.ref_model, toks)[0], targets, self.temperature)
-            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
+                    ref_logits = self._ref_forward(toks, keep=mask)[0]
+                    ref_logp = at_mask(mask, token_logprobs(ref_logits, targets, self.temperature))
             behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
             x = LossInputs(
                 logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
                                                                                            for i in idx]),
                 behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
-                entropy=entropy_from_logits(logits if self.objective.entropy_grad else logits.detach(),
-                                            self.temperature),
+                entropy=at_mask(mask, entropy_from_logits(
+                    logits if self.objective.entropy_grad else logits.detach(), self.temperature)),
                 total_tokens=total_tokens, total_seqs=total_seqs, norm_len=self.norm_len, ref_logp=ref_logp,
                 kl_coef=kl_coef)
             # loss
@@ -365,6 +427,8 @@ class Trainer:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The policy's parameters by name, whole. Data parallel: a collective (each
         parameter is all-gathered); every rank gets the full tensors."""
+        if self.lora:
+            return merged_weights(self.model)
         if self.world_size == 1:
             return {n: p.detach() for n, p in self.model.named_parameters()}
         dp.reshard(self.model)
@@ -376,7 +440,12 @@ class Trainer:
         trainer_state.pt holds the optimizer's full state by parameter name, so a checkpoint
         resumes on any number of ranks. Data parallel: a collective; rank 0 writes."""
         path = Path(path)
-        dp.save_hf(self.model, path / "model")
+        if self.lora:  # model/: merged, for every engine and reader; adapter/: what trains (peft's format)
+            base = self.model.get_base_model()
+            base.save_pretrained(path / "model", state_dict=merged_weights(self.model), safe_serialization=True)
+            self.model.save_pretrained(path / "adapter", safe_serialization=True)
+        else:
+            dp.save_hf(self.model, path / "model")
         state = {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
                  "version": self.version, "rng": rng_state()}
         if self.critic is not None:
@@ -392,10 +461,13 @@ class Trainer:
         """Restore a checkpoint saved by any number of ranks. Data parallel: a collective;
         every rank reads the files (the checkpoint directory must be visible to all)."""
         path = Path(path)
-        missing, unexpected = dp.load_hf_weights(self.model, path / "model")
-        tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        if set(missing) - tied or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+        if self.lora:
+            load_adapter(self.model, path / "adapter")
+        else:
+            missing, unexpected = dp.load_hf_weights(self.model, path / "model")
+            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+            if set(missing) - tied or unexpected:
+                raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
         st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
         dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
         self.scheduler.load_state_dict(st["scheduler"])
@@ -429,3 +501,55 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+
+
+# -- LoRA (peft) ---------------------------------------------------------------------------
+def add_lora(model, lora):
+    """`model` with peft LoRA adapters on `lora.targets`: B starts at zero, so the adapted
+    model computes exactly what the base does until the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    unknown = sorted(set(lora.targets) - names)
+    if unknown:
+        raise ValueError(f"train.lora.targets: no module of the model is named {unknown} (its linear layers: "
+                         f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})})")
+    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                            target_modules=list(lora.targets), bias="none"))
+
+
+def merged_weights(peft_model) -> dict[str, torch.Tensor]:
+    """The base model's parameters by their own names, each adapted linear layer's weight with
+    its adapter merged in (W + scale · B·A): what an engine holding the plain model loads."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas = {}
+    for name, mod in base.named_modules():
+        if isinstance(mod, LoraLayer):
+            deltas[f"{name}.base_layer.weight"] = sum(mod.get_delta_weight(a) for a in mod.active_adapters)
+    out = {}
+    for name, p in base.named_parameters():
+        if "lora_" in name:
+            continue
+        w = p.detach()
+        if name in deltas:
+            w = w + deltas[name].to(w.dtype)
+        out[name.replace(".base_layer.", ".")] = w
+    return out
+
+
+def load_adapter(peft_model, path: Path) -> None:
+    """Restore adapter weights saved by `save` (peft's adapter_model.safetensors)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    f = path / "adapter_model.safetensors"
+    if not f.is_file():
+        raise ValueError(f"checkpoint {path.parent} has no adapter ({f} is missing), but train.lora.rank > 0: it was "
+                         "saved by a full fine-tuning run; resume it without train.lora")
+    result = set_peft_model_state_dict(peft_model, load_file(str(f)))
+    unexpected = getattr(result, "unexpected_keys", [])
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if unexpected or missing:
+        raise ValueError(f"adapter {path} does not match train.lora: missing {missing[:5]}, unexpected {unexpected[:5]}")
