@@ -2,7 +2,7 @@
 (the same model, batch, micro-batches and optimizer, written plainly), packed against padded
 on a long-tailed batch, float32 against bfloat16 mixed precision.
 
-    python benchmarks/trainer.py [--rounds 5] [--steps 2] [--models default,mid]
+    python benchmarks/trainer.py [--rounds 4] [--steps 4,1] [--models default,mid]
                                  [--out benchmarks/results/trainer.json]
 
 The batch is GRPO-shaped: 32 prompts × 8 samples (the default job's), each prompt an
@@ -21,8 +21,8 @@ Contenders, each a fresh copy of the same weights:
 - `tidal-packed`: `train.packing=true`.
 - `tidal-bf16`: `train.mixed_precision=true` (autocast bfloat16 over float32 weights).
 
-All four are built once per model and warmed up with two untimed steps each; then each runs
-`--steps` timed steps per round, the contenders alternating within a round in an order that
+All four are built once per model and warmed up with one untimed step each; then each runs
+its model's `--steps` timed steps per round, the contenders alternating within a round in an order that
 rotates from round to round, because this machine is shared and noisy: compare within a
 round, as ratios to `bare`; the summary is the median ratio over rounds.
 - `default`: the embedded 1M-parameter model (hidden 128, 4 layers).
@@ -132,8 +132,8 @@ def measure(step, batch: TrainBatch, steps: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", default="4,1", help="timed steps per contender per round, one per model (a 24M step is ~20x a 1M one)")
     p.add_argument("--models", default="default,mid")
     p.add_argument("--micro-batch-tokens", type=int, default=8192, help="train.micro_batch_tokens (tidal's default)")
     p.add_argument("--out", default="benchmarks/results/trainer.json")
@@ -141,7 +141,9 @@ def main() -> None:
     torch.manual_seed(0)
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for model in a.models.split(","):
+        models = a.models.split(",")
+        steps = dict(zip(models, (int(x) for x in a.steps.split(",")), strict=True))
+        for model in models:
             model_dir = DEFAULT_MODEL_DIR if model == "default" else build_mid_model(Path(tmp) / "mid")
             batch = make_batch(model_dir)
             lengths = [len(t) for t in batch.tokens]
@@ -149,11 +151,11 @@ def main() -> None:
             padded = sum(len(i) * max(lengths[j] for j in i) for i in micro_batches(lengths, a.micro_batch_tokens))
             steppers = {name: contender(name, model_dir, a.micro_batch_tokens) for name in CONTENDERS}
             for step in steppers.values():  # warm-up: allocator, kernels' first calls, AdamW's state
-                step(batch), step(batch)
+                step(batch)
             rounds = []
             for r in range(a.rounds):
                 order = CONTENDERS[r % len(CONTENDERS):] + CONTENDERS[:r % len(CONTENDERS)]
-                tps = {name: measure(steppers[name], batch, a.steps) for name in order}
+                tps = {name: measure(steppers[name], batch, steps[model]) for name in order}
                 row = {"round": r + 1, "order": list(order), "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
                        "vs_bare": {k: round(v / tps["bare"], 3) for k, v in tps.items() if k != "bare"},
                        "packed_vs_padded": round(tps["tidal-packed"] / tps["tidal"], 3),
@@ -162,13 +164,13 @@ def main() -> None:
                 print(model, json.dumps(row), flush=True)
             median = lambda f, rounds=rounds: round(statistics.median(f(x) for x in rounds), 3)
             results[model] = {
-                "sequences": len(lengths), "real_tokens": real, "padded_tokens": padded,
+                "steps": steps[model], "sequences": len(lengths), "real_tokens": real, "padded_tokens": padded,
                 "longest": max(lengths), "median_length": statistics.median(lengths), "rounds": rounds,
                 "median": {"tidal_vs_bare": median(lambda x: x["vs_bare"]["tidal"]),
                            "packed_vs_bare": median(lambda x: x["vs_bare"]["tidal-packed"]),
                            "packed_vs_padded": median(lambda x: x["packed_vs_padded"]),
                            "bf16_vs_fp32": median(lambda x: x["bf16_vs_fp32"])}}
-    out = {"models": results, "steps": a.steps, "micro_batch_tokens": a.micro_batch_tokens,
+    out = {"models": results, "micro_batch_tokens": a.micro_batch_tokens,
            "command": "python benchmarks/trainer.py " + " ".join(sys.argv[1:]),
            "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "python": platform.python_version(),
                        "torch": torch.__version__}}

@@ -270,6 +270,42 @@ def test_mixed_precision_computes_in_bfloat16_over_float32_weights(tiny_model_di
     assert not torch.equal(flat(got), flat(want))  # it did compute in bfloat16
 
 
+def test_mismatch_metrics_show_a_bfloat16_engine_and_the_correction_sees_it(tiny_model_dir):
+    """Samples from a float32 and from a bfloat16 torch engine, scored by a float32 trainer: the
+    engine/trainer mismatch metrics are float32 rounding for the first and bfloat16's for the
+    second, and the token-level IS correction reacts only to the second."""
+    from tidal.engines.torch_engine import TorchEngine
+    from tidal.models import load_model
+    from tidal.types import GenerationRequest, SamplingParams
+
+    prompts = [[random.Random(i).randrange(10, 200) for _ in range(6)] for i in range(8)]
+    reqs = [GenerationRequest(str(i), p, SamplingParams(max_new_tokens=12, temperature=1.0, seed=i))
+            for i, p in enumerate(prompts)]
+    metrics = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = TorchEngine(load_model(tiny_model_dir, dtype=dtype), pad_token_id=0)
+        try:
+            results = engine.generate_sync(reqs)
+        finally:
+            engine.close()
+        tokens = [p + r.token_ids for p, r in zip(prompts, results)]
+        masks = [[False] * len(p) + [True] * len(r.token_ids) for p, r in zip(prompts, results)]
+        behav = [[0.0] * len(p) + list(r.logprobs) for p, r in zip(prompts, results)]
+        batch = TrainBatch(tokens, masks, [[0.0] * (len(t) - 1) for t in tokens], behav)
+        tr = Trainer(str(tiny_model_dir), TrainConfig(), AlgorithmConfig(is_level="token", is_cap=100.0), pad_token_id=0)
+        metrics[dtype] = tr.forward_backward(batch)
+    fp32, bf16 = metrics["float32"], metrics["bfloat16"]
+    # float32 engine: the same model and ops, batched differently: rounding only. Measured: mean
+    # 8.4e-8, KL 2e-14, IS weight 1.0 exactly; the bounds leave >100x for another CPU's kernels.
+    assert fp32["logprob_abs_diff"] < 1e-5 and fp32["mismatch_kl"] < 1e-9
+    assert fp32["is_weight"] == pytest.approx(1.0, abs=1e-5)
+    # bfloat16 weights and compute (an 8-bit mantissa). Measured: mean 6.7e-4 (8,000x float32's), KL
+    # 3.8e-7, max 2.6e-3, IS weight 1 - 1.1e-4; each bound sits 5-40x below what bfloat16 gives.
+    assert bf16["logprob_abs_diff"] > 100 * fp32["logprob_abs_diff"] and bf16["logprob_abs_diff"] > 1e-4
+    assert bf16["mismatch_kl"] > 1e-8 and bf16["logprob_max_abs_diff"] > 5e-4
+    assert bf16["is_weight"] != pytest.approx(1.0, abs=1e-5)
+
+
 def test_mixed_precision_needs_float32_weights():
     from tidal.config import ConfigError, load_config
 

@@ -40,7 +40,8 @@ def merged_adapter_dir(adapter: Path) -> Path:
     checkpoints hold in `adapter/`) as a plain model directory, so every engine and reader takes
     it: the adapter merged into its base (`base_model_name_or_path`, a local model directory),
     with the adapter's tokenizer or else the base's. Merged once, cached by the adapter's
-    content under $TIDAL_CACHE_DIR (default ~/.cache/tidal)/merged/."""
+    content and the base's files (path, size, mtime) under $TIDAL_CACHE_DIR (default
+    ~/.cache/tidal)/merged/."""
     import hashlib
     import json
     import os
@@ -54,6 +55,10 @@ def merged_adapter_dir(adapter: Path) -> Path:
                              "is not a local directory")
     base_dir = resolve_model_dir(base)
     digest = hashlib.sha256(str(base_dir.resolve()).encode())
+    for f in sorted(base_dir.iterdir()):  # a base rebuilt in place is another base
+        if f.is_file():
+            st = f.stat()
+            digest.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
     for f in sorted(adapter.iterdir()):
         if f.is_file():
             digest.update(f.name.encode() + f.read_bytes())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -514,8 +515,10 @@ def add_lora(model, lora):
     if unknown:
         raise ValueError(f"train.lora.targets: no module of the model is named {unknown} (its linear layers: "
                          f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})})")
-    return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                            target_modules=list(lora.targets), bias="none"))
+    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                target_modules=list(lora.targets), bias="none"))
 
 
 def merged_weights(peft_model) -> dict[str, torch.Tensor]:
