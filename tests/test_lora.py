@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import test_fsdp as fsdp
 import torch
 from test_trainer import GRAD_TOL, _batch
 
@@ -148,3 +149,79 @@ def test_mismatched_checkpoints_and_targets_are_named(tiny_model_dir, tmp_path):
         _trainer(tiny_model_dir, rank=4).load(tmp_path / "r8")
     with pytest.raises(ValueError, match=r"train.lora.targets.*\['qkv'\]"):
         Trainer(str(tiny_model_dir), TrainConfig(lora=LoraConfig(rank=4, targets=["qkv"])), AlgorithmConfig())
+
+
+# -- 2 FSDP2 ranks ----------------------------------------------------------------------------
+def _fsdp_lora_trainer():
+    torch.manual_seed(0)  # peft draws A at random: every rank (and the reference) the same A
+    return Trainer(str(resolve_model_dir("default")), TrainConfig(micro_batch_tokens=fsdp.BUDGET, lr=1e-2,
+                                                                 warmup_steps=0, lora=LoraConfig(rank=4)),
+                   AlgorithmConfig(kl_coef=0.1), pad_token_id=0)
+
+
+def _lora_grads(model) -> dict[str, torch.Tensor]:
+    from tidal.trainer.distributed import full_tensor
+
+    return {n: full_tensor(p.grad).clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _lora_worker(rank, port, tmp):
+    import os
+    import sys
+
+    from tidal.trainer.distributed import balanced_shards, destroy, init_distributed
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"  # ranks on loopback
+    init_distributed(rank, fsdp.WORLD, "127.0.0.1", port, timeout_s=60)
+    try:
+        batch = fsdp._batch()
+        shard = batch.select(balanced_shards(fsdp.LENGTHS, fsdp.WORLD)[rank])
+        tr = _fsdp_lora_trainer()
+        out = {"metrics": tr.forward_backward(shard, totals=batch.totals())}
+        out["grads"] = _lora_grads(tr.model)
+        out["step"] = tr.optim_step()
+        out["merged"] = tr.named_weights()
+        out["ref_logprobs"], out["logprobs"] = tr.ref_logprobs(shard), tr.logprobs(shard)
+        tr.save(tmp / "ck2")
+        if rank == 0:
+            out["shard"] = shard
+            torch.save(out, tmp / "lora_rank0.pt")
+    finally:
+        destroy()
+
+
+@pytest.mark.timeout(240)
+def test_lora_on_two_fsdp_ranks_matches_one_process(tmp_path):
+    """Adapters on 2 sharded ranks: the same adapter gradients, reference (adapters off) and merged
+    weights as one process, and a checkpoint written by the 2 ranks resumes in one."""
+    import torch.multiprocessing as mp
+
+    batch = fsdp._batch()
+    one = _fsdp_lora_trainer()
+    metrics = one.forward_backward(batch)
+    grads = _lora_grads(one.model)
+    mp.spawn(_lora_worker, args=(fsdp._free_port(), tmp_path), nprocs=fsdp.WORLD, join=True)
+    got = torch.load(tmp_path / "lora_rank0.pt", weights_only=False)
+    fsdp._close(got["grads"], grads, "adapter grad")
+    assert any(float(g.abs().max()) > 0 for g in grads.values())
+    for k in ("loss", "kl", "entropy"):  # as test_fsdp's TOL
+        assert got["metrics"][k] == pytest.approx(metrics[k], rel=1e-5, abs=1e-6), k
+    # the merged weights of the 2 ranks' step against one process stepping on the same (gathered)
+    # gradients (why not on its own gradients: test_fsdp's _stepped); the step moved them
+    for n, p in one.model.named_parameters():
+        if p.requires_grad:
+            p.grad = got["grads"][n].clone()
+    one.optim_step()
+    fsdp._close(got["merged"], one.named_weights(), "merged weight", rtol=0, atol=1e-6)
+    base = load_model(resolve_model_dir("default"))
+    assert any(not torch.allclose(got["merged"][n], p, atol=1e-4) for n, p in base.named_parameters())
+    idx = [batch.tokens.index(t) for t in got["shard"].tokens]
+    for key, fn in (("ref_logprobs", one.ref_logprobs), ("logprobs", one.logprobs)):
+        want = fn(batch)
+        for row, i in zip(got[key], idx):
+            torch.testing.assert_close(torch.tensor(row), torch.tensor(want[i]), **fsdp.TOL)
+    again = _fsdp_lora_trainer()
+    again.load(tmp_path / "ck2")
+    assert again.version == 1
+    fsdp._close(again.named_weights(), got["merged"], "resumed from 2 ranks")

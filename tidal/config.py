@@ -373,9 +373,6 @@ class TidalConfig(_Section):
         if self.train.mixed_precision and self.model.dtype != "float32":
             raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
-        if self.train.lora.rank > 0 and pl.trainer_ranks > 1:
-            raise ValueError(f"train.lora.rank={self.train.lora.rank} with placement.trainer_ranks={pl.trainer_ranks}: "
-                             "LoRA trains on one trainer rank for now (FSDP2 sharding of adapted models is not built)")
         # Engine settings that cannot work are refused here, before anything loads.
         if pl.mode == "local" and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
                 and self.engine.replicas > 1:

@@ -178,9 +178,17 @@ def load_hf_weights(model: nn.Module, path) -> tuple[list[str], list[str]]:
     index = path / "model.safetensors.index.json"  # save_pretrained splits large models
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     state = {k: v for f in files for k, v in load_file(str(path / f)).items()}
+    missing, unexpected = load_full_state(model, state)
+    if not is_sharded(model):
+        model.tie_weights()
+    return missing, unexpected
+
+
+def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    """Load a full (unsharded) state dict, or part of one, into `model`, sharded or not (each
+    rank takes its shard). Returns (missing, unexpected) keys."""
     if not is_sharded(model):
         missing, unexpected = model.load_state_dict(state, strict=False)
-        model.tie_weights()
         return list(missing), list(unexpected)
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

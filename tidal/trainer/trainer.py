@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,9 +175,6 @@ class Trainer:
         self.model.config.use_cache = False
         self.lora = train.lora.rank > 0
         if self.lora:  # adapters only; the base weights stay frozen (and serve as the reference)
-            if self.world_size > 1:
-                raise ValueError("train.lora.rank > 0 runs on one trainer rank for now (placement.trainer_ranks=1): "
-                                 "FSDP2 sharding of adapted models is not built yet")
             self.model = add_lora(self.model, train.lora)
             # the adapter's record of its base, as an absolute path: `tidal eval <checkpoint>/adapter` finds it
             self.model.peft_config["default"].base_model_name_or_path = str(resolve_model_dir(model_path).resolve())
@@ -442,9 +440,11 @@ class Trainer:
         resumes on any number of ranks. Data parallel: a collective; rank 0 writes."""
         path = Path(path)
         if self.lora:  # model/: merged, for every engine and reader; adapter/: what trains (peft's format)
-            base = self.model.get_base_model()
-            base.save_pretrained(path / "model", state_dict=merged_weights(self.model), safe_serialization=True)
-            self.model.save_pretrained(path / "adapter", safe_serialization=True)
+            merged = merged_weights(self.model)  # data parallel: collectives, in the same order on every rank
+            adapter = {n: dp.full_tensor(p.detach()) for n, p in self.model.named_parameters() if "lora_" in n}
+            if dp.rank() == 0:
+                self.model.get_base_model().save_pretrained(path / "model", state_dict=merged, safe_serialization=True)
+                self.model.save_pretrained(path / "adapter", state_dict=adapter, safe_serialization=True)
         else:
             dp.save_hf(self.model, path / "model")
         state = {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
@@ -522,37 +522,36 @@ def add_lora(model, lora):
 
 
 def merged_weights(peft_model) -> dict[str, torch.Tensor]:
-    """The base model's parameters by their own names, each adapted linear layer's weight with
-    its adapter merged in (W + scale · B·A): what an engine holding the plain model loads."""
+    """The base model's parameters by their own names, whole, each adapted linear layer's weight
+    with its adapters merged in (W + scale · B·A): what an engine holding the plain model loads.
+    Data parallel: a collective (every parameter is all-gathered, in the same order on every rank)."""
     from peft.tuners.lora import LoraLayer
 
+    dp.reshard(peft_model)
     base = peft_model.get_base_model()
-    deltas = {}
+    full = {n: dp.full_tensor(p.detach()) for n, p in base.named_parameters()}
+    out = {n.replace(".base_layer.", "."): w for n, w in full.items() if "lora_" not in n}
     for name, mod in base.named_modules():
-        if isinstance(mod, LoraLayer):
-            deltas[f"{name}.base_layer.weight"] = sum(mod.get_delta_weight(a) for a in mod.active_adapters)
-    out = {}
-    for name, p in base.named_parameters():
-        if "lora_" in name:
+        if not isinstance(mod, LoraLayer):
             continue
-        w = p.detach()
-        if name in deltas:
-            w = w + deltas[name].to(w.dtype)
-        out[name.replace(".base_layer.", ".")] = w
+        key = f"{name}.weight"
+        for a in mod.active_adapters:
+            delta = full[f"{name}.lora_B.{a}.weight"] @ full[f"{name}.lora_A.{a}.weight"] * mod.scaling[a]
+            out[key] = out[key] + (delta.T if mod.fan_in_fan_out else delta).to(out[key].dtype)
     return out
 
 
 def load_adapter(peft_model, path: Path) -> None:
-    """Restore adapter weights saved by `save` (peft's adapter_model.safetensors)."""
-    from peft import set_peft_model_state_dict
+    """Restore adapter weights saved by `save` (peft's adapter_model.safetensors, whose keys
+    carry no adapter name), sharded or not."""
     from safetensors.torch import load_file
 
     f = path / "adapter_model.safetensors"
     if not f.is_file():
         raise ValueError(f"checkpoint {path.parent} has no adapter ({f} is missing), but train.lora.rank > 0: it was "
                          "saved by a full fine-tuning run; resume it without train.lora")
-    result = set_peft_model_state_dict(peft_model, load_file(str(f)))
-    unexpected = getattr(result, "unexpected_keys", [])
-    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    state = {re.sub(r"\.(lora_[AB])\.", r".\1.default.", k): v for k, v in load_file(str(f)).items()}
+    missing, unexpected = dp.load_full_state(peft_model, state)
+    missing = [k for k in missing if "lora_" in k]
     if unexpected or missing:
         raise ValueError(f"adapter {path} does not match train.lora: missing {missing[:5]}, unexpected {unexpected[:5]}")
