@@ -13,8 +13,16 @@ gets the prompts in chunks of that size, the others a batch-size limit), same sa
   drawn from a long-tailed (log-normal, median 24, max 128) distribution, enforced per
   row in every engine (HF: a per-row stopping criterion, which is how HF treats a row
   that produced EOS: it keeps computing it, padded, until the whole batch is done).
-Each engine runs `--rounds` times, alternating; the best round counts (this machine is
-shared). Tokens/s = generated tokens (up to and including the stop token) / wall time.
+Engines: `torch` is tidal's torch engine (on these Qwen2 models its lean decode step,
+lean_decode.py); `torch-model` the same engine decoding through the model's own forward
+(`lean_decode=False`), to show what the lean step is worth; `hf` plain `generate`.
+
+Each engine runs `--rounds` times, alternating, every run in a fresh process: two threads
+of one process that both run torch ops make libgomp keep two thread teams on two cores,
+and then both are ~2.5x slower (PLATFORM.md), so an engine that decodes on its own thread
+(tidal's does) after another ran on the main thread would pay for the other. Each round's
+tokens/s are kept; the median counts (this machine is shared). Tokens/s = generated tokens
+(up to and including the stop token) / wall time.
 """
 
 from __future__ import annotations
@@ -25,6 +33,9 @@ import math
 import os
 import platform
 import random
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,9 +74,9 @@ def workload(model_dir: Path, n: int, natural_stop: bool, seed: int = 0) -> list
 
 
 # Each runner loads its engine, then times generation only: (generated tokens, seconds).
-def run_torch(model_dir: Path, reqs: list[GenerationRequest], batch: int) -> tuple[int, float]:
+def run_torch(model_dir: Path, reqs: list[GenerationRequest], batch: int, lean: bool = True) -> tuple[int, float]:
     tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(load_model(model_dir), tokenizer.pad_token_id, max_batch_size=batch)
+    engine = TorchEngine(load_model(model_dir), tokenizer.pad_token_id, max_batch_size=batch, lean_decode=lean)
     t0 = time.perf_counter()
     results = engine.generate_sync(reqs)
     return sum(len(r.token_ids) for r in results), time.perf_counter() - t0
@@ -123,17 +134,30 @@ def run_vllm(model_dir: Path, reqs: list[GenerationRequest], batch: int, mode: s
         engine.close()
 
 
-RUNNERS = {"torch": run_torch, "hf": run_hf,
+RUNNERS = {"torch": run_torch, "torch-model": lambda m, r, b: run_torch(m, r, b, lean=False), "hf": run_hf,
            "vllm": lambda m, r, b: run_vllm(m, r, b, "in_process"),
            "vllm-server": lambda m, r, b: run_vllm(m, r, b, "server")}
 
 
+def run_one(engine: str, model_dir: Path, natural_stop: bool, prompts: int, batch: int) -> tuple[int, float]:
+    """One timed run in a fresh process (see the module docstring)."""
+    out = subprocess.run([sys.executable, __file__, "--child", engine, str(model_dir), str(int(natural_stop)),
+                          str(prompts), str(batch)], check=True, capture_output=True, text=True).stdout
+    tokens, seconds = json.loads(out.strip().splitlines()[-1])
+    return tokens, seconds
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--child"]:
+        engine, model_dir, natural_stop, prompts, batch = sys.argv[2:7]
+        reqs = workload(Path(model_dir), int(prompts), natural_stop=natural_stop == "1")
+        print(json.dumps(RUNNERS[engine](Path(model_dir), reqs, int(batch))))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--engines", default="torch,hf")
+    p.add_argument("--engines", default="torch,torch-model,hf")
     p.add_argument("--models", default="default,mid")
     p.add_argument("--out", default="benchmarks/results/engines.json")
     ns = p.parse_args()
@@ -144,23 +168,24 @@ def main() -> None:
         dirs = {"default": DEFAULT_MODEL_DIR, "mid": build_mid_model(Path(tmp) / "mid")}
         for name in ns.models.split(","):
             model_dir = Path(dirs[name])
-            reqs = workload(model_dir, ns.prompts, natural_stop=name == "default")
             params = sum(p.numel() for p in load_model(model_dir).parameters())
-            best: dict[str, dict] = {}
-            for _ in range(ns.rounds):
-                for eng in engines:
-                    tokens, dt = RUNNERS[eng](model_dir, reqs, ns.batch)
-                    if eng not in best or tokens / dt > best[eng]["tokens_per_s"]:
-                        best[eng] = {"tokens": tokens, "seconds": round(dt, 2), "tokens_per_s": round(tokens / dt, 1)}
-                    print(f"{name} {eng}: {tokens} tokens in {dt:.1f} s = {tokens / dt:.0f} tok/s", flush=True)
-            results["models"][name] = {"parameters": params, "engines": best}
+            runs: dict[str, list[dict]] = {e: [] for e in engines}
+            for rnd in range(ns.rounds):
+                for eng in engines[rnd % len(engines):] + engines[:rnd % len(engines)]:  # order rotates
+                    tokens, dt = run_one(eng, model_dir, name == "default", ns.prompts, ns.batch)
+                    runs[eng].append({"tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1)})
+                    print(f"{name} round {rnd + 1} {eng}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s", flush=True)
+            results["models"][name] = {"parameters": params, "engines": {
+                e: {"median_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in rs), 1), "rounds": rs}
+                for e, rs in runs.items()}}
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(results, indent=1))
     print("\n| model | " + " | ".join(engines) + " | torch / hf |")
     print("| --- | " + " | ".join("---" for _ in engines) + " | --- |")
     for name, r in results["models"].items():
-        cells = [f"{r['engines'][e]['tokens_per_s']:.0f}" for e in engines]
-        ratio = r["engines"]["torch"]["tokens_per_s"] / r["engines"]["hf"]["tokens_per_s"] if {"torch", "hf"} <= set(engines) else float("nan")
+        tps = {e: r["engines"][e]["median_tokens_per_s"] for e in engines}
+        cells = [f"{tps[e]:.0f}" for e in engines]
+        ratio = tps["torch"] / tps["hf"] if {"torch", "hf"} <= set(engines) else float("nan")
         print(f"| {name} ({r['parameters'] / 1e6:.1f}M) | " + " | ".join(cells) + f" | {ratio:.2f}× |")
 
 

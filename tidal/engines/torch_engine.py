@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
@@ -80,8 +81,14 @@ class WeightUpdateTimeout(TimeoutError):
 class TorchEngine:
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
                  update_timeout_s: float = 600.0, tokenizer=None, cross_call_batching: bool = True,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, lean_decode: bool = True):
         self.model = model.eval()
+        # Decode steps of Llama-family models run as plain tensor ops (lean_decode.py); other
+        # models, and lean_decode=False, run the model's own forward over the same cache.
+        # Chosen at the first decode step, on the thread that decodes: its probe run on the
+        # caller's thread would give that thread an OpenMP team of its own (PLATFORM.md).
+        self._lean_wanted = lean_decode
+        self._decode_step: Callable | None = None
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.partial_rollout = partial_rollout
@@ -339,11 +346,20 @@ class TorchEngine:
         if not keep:
             return None
         if len(keep) < len(rows):  # finished rows leave the batch and the cache
-            keep_t = torch.tensor(keep, device=rows.seeds.device)
-            rows.select(keep_t, keep)
-            tok = tok[keep_t]
-        rows.decode(self.model, tok, self._version)
+            tok = tok[rows.select(keep)]
+        if self._decode_step is None:
+            lean = LeanDecoder.build(self.model) if self._lean_wanted else None
+            self._decode_step = lean or self._model_decode
+        rows.decode(self._decode_step, tok, self._version)
         return rows
+
+    @property
+    def lean(self) -> bool | None:
+        """Whether decode steps run the lean step (None: no step has run yet)."""
+        return None if self._decode_step is None else self._decode_step != self._model_decode
+
+    def _model_decode(self, tok: torch.Tensor, pos: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        return model_decode(self.model, tok, pos, kv)
 
     @property
     def _join_at(self) -> int:
@@ -357,12 +373,10 @@ class TorchEngine:
         if not req.session_id or any(v != self._version for v in seq.versions):
             return
         tokens = list(req.prompt_ids) + seq.tokens[:-1]
-        n = int(rows.attn[row].sum())
+        n = int(rows.cache.attn[row].sum())
         if n != len(tokens):  # never expected: the row's cache is its tokens after its left padding
             return
-        layers = rows.cache.layers
-        self.prefixes.put(req.session_id, Prefix(tokens, [la.keys[row:row + 1, :, -n:].clone() for la in layers],
-                                                  [la.values[row:row + 1, :, -n:].clone() for la in layers]))
+        self.prefixes.put(req.session_id, Prefix(tokens, *rows.cache.row(row, n)))
 
     def _prefill(self, seqs: list[_Seq]) -> _Rows:
         """Prefill joining requests; those that found their session's cache apart from the
@@ -410,8 +424,10 @@ class TorchEngine:
             input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
+        # Room for the longest budget (up to 256 tokens; beyond, the cache doubles when full).
+        reserve = min(max(r.params.max_new_tokens for r in reqs), 256)
         return _Rows(
-            seqs=list(seqs), cache=cache, attn=attn, next_pos=attn.sum(-1), logits=logits,
+            seqs=list(seqs), cache=KVCache.from_dynamic(cache, attn, reserve), next_pos=attn.sum(-1), logits=logits,
             temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
             top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
@@ -477,12 +493,11 @@ def _fail(calls, error: BaseException) -> None:
 @dataclass
 class _Rows:
     """The running batch: one row per request being decoded, with its KV cache (left-padded
-    to a common length), attention mask, next position, next-token logits and sampling
+    to a common length, with its mask), next position, next-token logits and sampling
     parameters. Rows leave (`select`) and join (`merge`) between decode steps."""
 
     seqs: list[_Seq]  # the request of each row
-    cache: DynamicCache
-    attn: torch.Tensor
+    cache: KVCache
     next_pos: torch.Tensor
     logits: torch.Tensor
     temperature: torch.Tensor
@@ -492,57 +507,37 @@ class _Rows:
     steps: torch.Tensor  # tokens generated so far per row: the position of the sampling noise
     versions: torch.Tensor  # weight version that computed each row's `logits`
 
-    _PER_ROW = ("attn", "next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
+    _PER_ROW = ("next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
 
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def select(self, keep: torch.Tensor, keep_rows: list[int]) -> None:
-        self.cache.batch_select_indices(keep)
+    def select(self, keep: list[int]) -> torch.Tensor:
+        """Keep the rows `keep`; returns their new order (old row at each new position) as
+        a tensor, for the caller's own per-row tensors."""
+        order = self.cache.select(keep)  # also cuts left padding that no remaining row needs
+        order_t = torch.tensor(order, device=self.seeds.device)
         for name in self._PER_ROW:
-            setattr(self, name, getattr(self, name)[keep])
-        self.seqs = [self.seqs[i] for i in keep_rows]
-        # Left padding no remaining row needs is cut, so that a batch that never empties
-        # (requests keep joining) does not carry the padding of rows long gone.
-        unused = self.attn.shape[1] - int(self.attn.sum(-1).max())
-        if unused > 0:
-            self.attn = self.attn[:, unused:]
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, unused:], layer.values[:, :, unused:]
+            setattr(self, name, getattr(self, name)[order_t])
+        self.seqs = [self.seqs[i] for i in order]
+        return order_t
 
-    def decode(self, model, tok: torch.Tensor, version: int) -> None:
-        """Feed each row's sampled token; the logits become those of the next position,
-        computed by the weights of `version` (earlier positions keep their cache)."""
-        self.attn = torch.cat([self.attn, self.attn.new_ones((len(self), 1))], dim=1)
-        self.logits = model(
-            input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
-            cache=self.cache, use_cache=True,
-        ).logits[:, -1]
+    def decode(self, step, tok: torch.Tensor, version: int) -> None:
+        """Feed each row's sampled token through `step(tok, positions, cache) -> logits`; the
+        logits become those of the next position, computed by the weights of `version`
+        (earlier positions keep their cache)."""
+        self.logits = step(tok, self.next_pos, self.cache)
         self.next_pos = self.next_pos + 1
         self.steps = self.steps + 1
         self.versions = torch.full_like(self.versions, version)
 
     def merge(self, new: _Rows) -> _Rows:
         """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
-        T = max(self.attn.shape[1], new.attn.shape[1])
-        for mine, theirs in zip(self.cache.layers, new.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, T, 2), _left_pad(theirs.keys, T, 2)])
-            mine.values = torch.cat([_left_pad(mine.values, T, 2), _left_pad(theirs.values, T, 2)])
-        self.attn = torch.cat([_left_pad(self.attn, T, 1), _left_pad(new.attn, T, 1)])
+        self.cache = self.cache.merge(new.cache)
         for name in self._PER_ROW:
-            if name != "attn":
-                setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
+            setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
         self.seqs = self.seqs + new.seqs
         return self
-
-
-def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 class _WeightsLock:

@@ -1,0 +1,175 @@
+"""The torch engine's lean decode step and preallocated KV cache (tidal/engines/lean_decode.py):
+the same tokens as decoding through the model's own forward, for every architecture it takes,
+and a refusal (then the model's forward) for the others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tests.engine_checks import held_out_prompt_ids, perturbed_weights, requests, run
+from tidal.engines.lean_decode import KVCache, LeanDecoder
+from tidal.engines.torch_engine import TorchEngine
+from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
+
+# fp32, two implementations of one decode step: attention as two matmuls with a float32 softmax
+# (lean) vs torch's fused CPU attention kernel (the model's sdpa). Measured on this machine: logits
+# within 1.5e-5 on random tokens, engine log-probs within 3e-6. 1e-4 leaves ~30x for other CPUs'
+# summation orders; a wrong formula (a missing bias, norm or rotary half, a stale cache column) moves
+# logits by 0.1 and more.
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(DEFAULT_MODEL_DIR)
+
+
+def _engines(max_batch: int):
+    model_dir = DEFAULT_MODEL_DIR
+    pad = load_tokenizer(model_dir).pad_token_id
+    return (TorchEngine(load_model(model_dir), pad, max_batch_size=max_batch),
+            TorchEngine(load_model(model_dir), pad, max_batch_size=max_batch, lean_decode=False))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_tokens_equal_the_models_own_forward(tok, temperature):
+    """48 held-out prompts through a batch of 16 (rows finish, leave and are replaced by joining
+    ones: select, merge and cache growth all run), on the trained weights and on perturbed ones."""
+    lean, ref = _engines(max_batch=16)
+    prompts = held_out_prompt_ids(tok, 48)
+    for version, weights in ((0, None), (3, perturbed_weights(seed=5))):
+        if weights is not None:
+            lean.update_weights(version, weights)
+            ref.update_weights(version, weights)
+        reqs = requests(prompts, tok, temperature=temperature, seed=40, max_new_tokens=40)
+        ours, theirs = run(lean.generate(reqs)), run(ref.generate(reqs))
+        assert lean.lean is True and ref.lean is False
+        same = sum(a.token_ids == b.token_ids for a, b in zip(ours, theirs))
+        assert same == len(reqs), f"v{version} T={temperature}: tokens differ on {len(reqs) - same} of {len(reqs)} prompts"
+        assert [a.finish_reason for a in ours] == [b.finish_reason for b in theirs]
+        worst = max(abs(x - y) for a, b in zip(ours, theirs) for x, y in zip(a.logprobs, b.logprobs, strict=True))
+        assert worst < TOL, f"v{version} T={temperature}: log-probs differ by {worst:.3g}"
+        assert all(r.version == version for r in ours)
+    assert lean.decode_steps == ref.decode_steps  # same batches, same joins
+
+
+def _tiny(kind: str, **extra):
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, **extra)
+    cfg_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**common)).eval()
+    with torch.no_grad():  # random biases and norms, so that a formula that skips one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _decode_both(model, steps: int, reserve: int):
+    """Lean steps over a KVCache that must grow (`reserve` < steps) against the model's own
+    forward over a DynamicCache, from one left-padded prefill; max |Δ logits| over all steps."""
+    g = torch.Generator().manual_seed(1)
+    B, S, V = 5, 7, model.config.vocab_size
+    ids = torch.randint(0, V, (B, S), generator=g)
+    attn = torch.ones(B, S, dtype=torch.long)
+    for i in range(B):
+        attn[i, :i] = 0
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        dc_lean, dc_ref = DynamicCache(), DynamicCache()
+        for dc in (dc_lean, dc_ref):
+            model(input_ids=ids, attention_mask=attn, position_ids=pos, cache=dc, use_cache=True)
+        kv = KVCache.from_dynamic(dc_lean, attn, reserve=reserve)
+        lean, mask, nxt, worst = LeanDecoder(model), attn, attn.sum(-1), 0.0
+        for _ in range(steps):
+            t = torch.randint(0, V, (B,), generator=g)
+            mask = torch.cat([mask, mask.new_ones(B, 1)], 1)
+            ref = model(input_ids=t[:, None], attention_mask=mask, position_ids=nxt[:, None], cache=dc_ref,
+                        use_cache=True).logits[:, -1]
+            worst = max(worst, float((lean(t, nxt, kv) - ref).abs().max()))
+            nxt = nxt + 1
+    return worst
+
+
+@pytest.mark.parametrize("kind,extra", [
+    ("qwen2", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    ("qwen3", {}),
+    ("mistral", {"sliding_window": None}),
+])
+def test_lean_step_matches_the_model_for_each_architecture(kind, extra):
+    model = _tiny(kind, **extra)
+    assert LeanDecoder.unsupported(model) is None
+    assert LeanDecoder.build(model) is not None  # the probe agrees
+    worst = _decode_both(model, steps=9, reserve=2)  # the cache moves to a larger buffer twice
+    assert worst < TOL, f"{kind} {extra}: lean logits differ by {worst:.3g}"
+
+
+def test_a_model_the_lean_step_does_not_compute_falls_back_to_its_own_forward(tok):
+    # A Qwen2 whose attention does something the lean formulas do not: the probe catches it.
+    model = load_model(DEFAULT_MODEL_DIR)
+    att = model.model.layers[0].self_attn
+    plain = att.forward
+
+    def scaled(*a, **k):
+        out, weights = plain(*a, **k)
+        return out * 1.5, weights
+
+    att.forward = scaled
+    assert LeanDecoder.unsupported(model) is None
+    assert LeanDecoder.build(model) is None
+    engine = TorchEngine(model, tok.pad_token_id, max_batch_size=8)
+    reqs = requests(held_out_prompt_ids(tok, 4), tok, max_new_tokens=8)
+    out = run(engine.generate(reqs))
+    assert engine.lean is False and all(len(r.token_ids) > 0 for r in out)
+    # An architecture outside the family is declined by name, before any probe.
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
+    assert "gpt2" in LeanDecoder.unsupported(gpt2)
+    assert "sliding" in LeanDecoder.unsupported(_tiny("mistral", sliding_window=4))
+
+
+def test_kv_cache_select_and_merge_keep_each_rows_positions():
+    """Rows that leave are replaced by the last rows (order returned); joining rows land
+    right-aligned at the window's end; padding is masked and zero."""
+    L, K, D = 2, 1, 3
+
+    def cache(lengths: list[int], fill: float, reserve: int) -> KVCache:
+        T = max(lengths)
+        dc = DynamicCache()
+        attn = torch.zeros(len(lengths), T, dtype=torch.long)
+        for i, n in enumerate(lengths):
+            attn[i, T - n:] = 1
+        for layer in range(L):
+            k = torch.arange(len(lengths) * T, dtype=torch.float32).view(len(lengths), 1, T, 1).expand(-1, K, -1, D) + fill
+            dc.update(k.clone(), -k.clone(), layer)
+        return KVCache.from_dynamic(dc, attn, reserve)
+
+    a = cache([3, 5, 2, 4], fill=0.0, reserve=4)
+    row3 = a.row(3, 4)[0][0].clone()
+    order = a.select([1, 3])  # rows 0 and 2 leave: row 3 moves into hole 0
+    assert order == [3, 1] and len(a) == 2
+    assert a.length == 5 and torch.equal(a.row(0, 4)[0][0], row3)
+    b = cache([6, 2], fill=100.0, reserve=1)  # longer than a's window: a moves and shifts right
+    m = a.merge(b)
+    assert len(m) == 4 and m.length == 6
+    assert m.attn.sum(-1).tolist() == [4, 5, 6, 2]
+    keys, values = m.window(0)
+    assert torch.equal(keys[2, :, :, :], b.window(0)[0][0])
+    # The column the window grew by on the left is padding the live rows never had: zeroed
+    # (attention weighs it by 0, and 0 * NaN of fresh memory would be NaN); all else is finite.
+    assert (keys[:2, :, 0] == 0).all() and (values[:2, :, 0] == 0).all()
+    assert torch.isfinite(keys).all() and torch.isfinite(values).all()
+    col = m.reserve_column()
+    assert m.attn[:, -1].all() and col == m.hi
