@@ -14,11 +14,12 @@ from tidal.engines.torch_engine import TorchEngine
 from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
 
 # fp32, two implementations of one decode step: attention as two matmuls with a float32 softmax
-# (lean) vs torch's fused CPU attention kernel (the model's sdpa). Measured on this machine: logits
-# within 1.5e-5 on random tokens, engine log-probs within 3e-6. 1e-4 leaves ~30x for other CPUs'
-# summation orders; a wrong formula (a missing bias, norm or rotary half, a stale cache column) moves
-# logits by 0.1 and more.
-TOL = 1e-4
+# (lean) vs torch's fused CPU attention kernel (the model's sdpa). Measured on this machine: engine
+# log-probs equal on the trained weights and within 2.1e-5 on perturbed ones (48 prompts x 40
+# tokens); logits of the random tiny models within 2.3e-7. 5e-4 leaves ~25x for other CPUs'
+# summation orders; a wrong formula (a missing bias, norm or rotary half, a stale cache column)
+# moves log-probs and logits by 0.1 and more.
+TOL = 5e-4
 
 
 @pytest.fixture(scope="module")
