@@ -174,3 +174,21 @@ def test_kv_cache_select_and_merge_keep_each_rows_positions():
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     col = m.reserve_column()
     assert m.attn[:, -1].all() and col == m.hi
+
+
+def test_forward_hooks_see_every_decode_step(tok):
+    """A hook registered on the model (debugging, timing) must fire on decode steps too: the
+    lean step gives way to the model's forward while one is registered."""
+    engine = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, max_batch_size=8)
+    reqs = requests(held_out_prompt_ids(tok, 2), tok, max_new_tokens=6)
+    run(engine.generate(reqs))
+    assert engine.lean is True
+    calls = []
+    handle = engine.model.model.layers[1].mlp.register_forward_hook(lambda *_: calls.append(1))
+    steps0 = engine.decode_steps
+    out = run(engine.generate(reqs))
+    handle.remove()
+    # One prefill plus one forward per decode step but the last (its token is not fed).
+    assert len(calls) == 1 + (engine.decode_steps - steps0 - 1)
+    assert [r.token_ids for r in out] == [r.token_ids for r in run(engine.generate(reqs))]
+

@@ -53,6 +53,10 @@ TAIL_LOGPROB_TOL = 1e-3
 
 
 def _engine(tokenizer, slow: bool = False, **kw) -> TorchEngine:
+    # The slowing hook makes an engine decode through the model's forward (hooks must see every
+    # step), and these tests compare slowed and plain engines token for token and log-prob for
+    # log-prob, exactly: every engine here takes that path (the lean step: test_lean_decode.py).
+    kw.setdefault("lean_decode", False)
     engine = TorchEngine(load_model(MODEL), tokenizer.pad_token_id, **kw)
     if slow:
         engine.model.register_forward_pre_hook(lambda *_: time.sleep(STEP_DELAY_S))

@@ -18,7 +18,8 @@ in the same order and dtypes, so the logits agree with the model's own forward t
 rounding; `LeanDecoder.build` checks that on a probe batch and declines (the engine then
 runs the model's own forward over the same cache) when the model is of another kind or the
 probe disagrees. It reads the parameters at every step, so weight updates (`copy_`) and
-device moves are seen.
+device moves are seen; a step while forward hooks are registered on the model (a debugging
+or timing hook) runs the model's forward, so the hooks see every step.
 
 Legend: L layers, B rows, H query heads, K key/value heads, G = H / K, C capacity, D head dim.
 """
@@ -211,6 +212,15 @@ class LeanDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.qk_norm = cfg.model_type == "qwen3"
+        self._modules = list(model.modules())
+
+    def hooked(self) -> bool:
+        """Whether forward hooks are registered on the model or any of its modules (or
+        globally): the lean step would skip them, so such a step runs the model's forward."""
+        from torch.nn.modules import module as nn_module
+
+        return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks) or any(
+            m._forward_hooks or m._forward_pre_hooks for m in self._modules)
 
     @classmethod
     def unsupported(cls, model) -> str | None:
@@ -287,6 +297,8 @@ class LeanDecoder:
     def __call__(self, tok_B: torch.Tensor, pos_B: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """Next-token logits [B, V] after feeding tok_B at positions pos_B; the new keys and
         values go to the cache's next column."""
+        if self.hooked():  # e.g. a debugging or timing hook: it must see every step
+            return model_decode(self.model, tok_B, pos_B, kv)
         inner, B = self.inner, tok_B.shape[0]
         H, K, D = self.heads, self.kv_heads, self.head_dim
         col = kv.reserve_column()
