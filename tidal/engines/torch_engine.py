@@ -2,10 +2,11 @@
 
 It is the embedded default and the reference for correctness. Prompts are left-padded
 and share one preallocated KV cache; decode steps of Llama-family models run the lean step
-of lean_decode.py (other models: their own forward over the same cache). Continuous batching: a row that finishes (stop token, stop
-string or its own max_new_tokens) leaves the batch at once, so the others stop paying
-for it, and waiting requests join the running batch (prefilled, then their cache is
-merged in) as soon as enough rows have left, so the batch stays full. Sampling noise is a
+of lean_decode.py (other models: their own forward over the same cache). Continuous
+batching: a row that finishes (stop token, stop string or its own max_new_tokens) leaves
+the batch at once, so the others stop paying for it, and waiting requests join the
+running batch (prefilled, then their cache is merged in) as soon as enough rows have
+left, so the batch stays full. Sampling noise is a
 function of (request seed, position, token), so a request's tokens do not depend on which
 requests it shares a batch with (up to float rounding of padded attention).
 
