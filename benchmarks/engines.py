@@ -19,7 +19,7 @@ lean_decode.py); `torch-model` the same engine decoding through the model's own 
 
 Each engine runs `--rounds` times, alternating, every run in a fresh process: two threads
 of one process that both run torch ops make libgomp keep two thread teams on two cores,
-and then both are ~2.5x slower (PLATFORM.md), so an engine that decodes on its own thread
+and then both are ~2.5x slower (docs/engines.md), so an engine that decodes on its own thread
 (tidal's does) after another ran on the main thread would pay for the other. Each round's
 tokens/s are kept; the median counts (this machine is shared). Tokens/s = generated tokens
 (up to and including the stop token) / wall time of the second of two passes over the

@@ -174,6 +174,14 @@ def test_kv_cache_select_and_merge_keep_each_rows_positions():
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     col = m.reserve_column()
     assert m.attn[:, -1].all() and col == m.hi
+    m.hi += 1
+    # More rows than the buffers hold: both move to larger ones, every row's window intact.
+    before = [m.row(i, int(m.attn[i].sum()))[0][0].clone() for i in range(len(m))]
+    c = cache([3], fill=200.0, reserve=2)
+    m = m.merge(c)
+    assert len(m) == 5 and m.k.shape[1] > 4
+    assert all(torch.equal(m.row(i, b.shape[2])[0][0], b) for i, b in enumerate(before))
+    assert torch.equal(m.row(4, 3)[0][0][0], c.window(0)[0][0])
 
 
 def test_forward_hooks_see_every_decode_step(tok):

@@ -88,7 +88,7 @@ class TorchEngine:
         # Decode steps of Llama-family models run as plain tensor ops (lean_decode.py); other
         # models, and lean_decode=False, run the model's own forward over the same cache.
         # Chosen at the first decode step, on the thread that decodes: its probe run on the
-        # caller's thread would give that thread an OpenMP team of its own (PLATFORM.md).
+        # caller's thread would give that thread an OpenMP team of its own (docs/engines.md).
         self._lean_wanted = lean_decode
         self._decode_step: Callable | None = None
         self.pad_token_id = pad_token_id
