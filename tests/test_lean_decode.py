@@ -174,6 +174,7 @@ def test_kv_cache_select_and_merge_keep_each_rows_positions():
     assert torch.isfinite(keys).all() and torch.isfinite(values).all()
     col = m.reserve_column()
     assert m.attn[:, -1].all() and col == m.hi
+    m.k[:, :len(m), :, col], m.v[:, :len(m), :, col] = 7.0, -7.0  # what a decode step writes there
     m.hi += 1
     # More rows than the buffers hold: both move to larger ones, every row's window intact.
     before = [m.row(i, int(m.attn[i].sum()))[0][0].clone() for i in range(len(m))]
