@@ -52,6 +52,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # KV kept for sessions' next turns (1 GiB)
 # Most generate calls waiting on the scheduler at once, each on its own thread (the default
 # executor has min(32, cores + 4) threads: too few for an agent's concurrent turns).
 _MAX_WAITING_CALLS = 1024
+_SETTLE_QUIET_S = 0.001  # see TorchEngine._settle
+_SETTLE_MAX_S = 0.02
 
 
 class EngineClosed(RuntimeError):
@@ -270,6 +273,8 @@ class TorchEngine:
                     with self._cv:
                         # Without partial rollouts an update that waits holds new requests back.
                         if self.partial_rollout or not self._weights.updates_waiting:
+                            if rows is None and not waiting and self._queue:
+                                self._settle()
                             while self._queue:
                                 waiting.extend(self._queue.popleft().seqs())
                     if rows is None and not waiting:
@@ -297,6 +302,23 @@ class TorchEngine:
         finally:
             if holding:
                 self._weights.release_shared()
+
+    def _settle(self) -> None:
+        """From idle, let a burst of calls finish arriving before the first prefill (holding
+        self._cv): a rollout's episodes each send their own call, and those that arrive while
+        the first rows decode would join one decode step at a time, a prefill and a cache merge
+        each. Waits while calls keep arriving, _SETTLE_QUIET_S apart at most, for _SETTLE_MAX_S
+        at most: a lone call waits one quiet interval."""
+        deadline = time.monotonic() + _SETTLE_MAX_S
+        n = len(self._queue)
+        while not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(min(_SETTLE_QUIET_S, left))
+            if len(self._queue) == n:
+                return
+            n = len(self._queue)
 
     def _fail_queued(self, error: BaseException) -> None:
         """Fail every queued call (holding self._cv)."""
