@@ -1,0 +1,112 @@
+"""The tiny-browser builder's data, without a browser: relabelled demonstrations keep the page
+and change only its labels, and the copy curriculum teaches the tiny model to copy."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
+from tidal.models.browser_model import demonstrations, induction_pretrain, relabel_episode, teacher_turns
+
+PAGE = """Page: Raven admin (/)
+- generic [active] [ref=e1]:
+  - heading "Raven admin" [level=1] [ref=e2]
+  - paragraph [ref=e3]: Choose an action.
+  - button "Renew invoice" [ref=e5]
+  - button "Pause invoice" [ref=e7]
+  - button "Archive subscription" [ref=e9]
+  - button "Renew account" [ref=e11]"""
+SUBMITTED = [{"role": "tool", "tool_call_id": "call_0_0", "name": "click",
+              "content": "Page: Submitted (/submit)\n- heading \"Submitted\" [level=1] [ref=f1e1]"}]
+
+
+def recorded(habit: str, target: str = "Pause invoice") -> dict:
+    """An episode as `record_episode` stores it (the env's observations written out)."""
+    solution = json.dumps([{"action": "click", "role": "button", "name": target}])
+    turns = teacher_turns(PAGE, {"solution": solution}, habit)
+    return {"task_id": "t1", "solution": solution, "habit": habit, "tools": [],
+            "messages": [{"role": "system", "content": "sys"},
+                         {"role": "user", "content": f'Click the "{target}" button.\n\n{PAGE}'}],
+            "steps": [{"text": turns[0], "assistant": {}, "messages": SUBMITTED},
+                      {"text": turns[1], "assistant": {}, "messages": []}], "reward": 1.0}
+
+
+def _page_of(episode: dict) -> str:
+    return episode["messages"][-1]["content"].partition("\n\n")[2]
+
+
+def test_relabelling_changes_the_labels_and_nothing_else_of_the_page():
+    rng = random.Random(0)
+    seen_targets = set()
+    for i in range(50):
+        form = ("named", "line")[i % 2]
+        new = relabel_episode(recorded("right"), rng, form)
+        page = _page_of(new)
+        target = json.loads(new["solution"])[0]["name"]
+        seen_targets.add(target)
+        old_lines, new_lines = PAGE.splitlines(), page.splitlines()
+        assert len(old_lines) == len(new_lines)
+        for a, b in zip(old_lines, new_lines):  # the same elements and refs; only button names change
+            if "button" in a:
+                assert a.split('"')[0] == b.split('"')[0] and a.rsplit('"', 1)[1] == b.rsplit('"', 1)[1]
+            else:
+                assert a == b
+        names = [n for role, n, _ in snapshot_elements(page) if role == "button"]
+        assert len(set(names)) == len(names) and target in names
+        assert new["messages"][-1]["content"].startswith(f'Click the "{target}" button.\n\n')
+        ref = resolve_ref(page, "button", target)
+        said = f'Target: "{target}", button "{target}" [ref={ref}]\n' if form == "line" else f'"{target}" is {ref}.\n'
+        assert new["steps"][0]["text"].startswith(said)
+        call = new["steps"][0]["assistant"]["tool_calls"][0]["function"]
+        assert call["name"] == "click" and json.loads(call["arguments"]) == {"ref": ref}
+        assert new["steps"][0]["messages"] == SUBMITTED and new["reward"] == 1.0
+    assert len(seen_targets) > 25  # fresh targets, not a handful
+
+
+def test_the_first_habit_relabelled_clicks_the_first_button_and_scores_by_chance():
+    rng = random.Random(1)
+    rewards = []
+    for _ in range(200):
+        new = relabel_episode(recorded("first"), rng)
+        call = new["steps"][0]["assistant"]["tool_calls"][0]["function"]
+        assert json.loads(call["arguments"]) == {"ref": "e5"}
+        first = next(n for role, n, _ in snapshot_elements(_page_of(new)) if role == "button")
+        rewards.append(new["reward"])
+        assert new["reward"] == float(first == json.loads(new["solution"])[0]["name"])
+    # 4 buttons: the target is first a quarter of the time; 200 draws, ±4.6 sigma
+    assert 0.1 < sum(rewards) / len(rewards) < 0.4
+
+
+def test_demonstrations_keep_the_recorded_habits_and_refuse_a_malformed_relabel():
+    eps = [recorded("right"), recorded("first"), recorded("malformed")]
+    demos = demonstrations(eps, 5, random.Random(2))
+    assert [d["habit"] for d in demos] == ["right"] * 5 + ["first"] * 5 + ["malformed"] * 5
+    assert all(d is eps[2] for d in demos[10:])  # its error observation quotes what it typed
+    with pytest.raises(ValueError, match="only right and first"):
+        relabel_episode(eps[2], random.Random(0))
+
+
+class _Vocab:
+    """What the builder reads of a tokenizer: 128 ids, id 0 special (pad and eos)."""
+    all_special_ids = (0,)
+    eos_token_id = pad_token_id = 0
+
+    def __len__(self):
+        return 128
+
+
+def test_the_copy_curriculum_teaches_the_tiny_model_to_copy():
+    """A freshly initialised tiny model (the builder's shape) copies a repeated random run at
+    chance (1 in 127); after 150 steps of the curriculum it copies most of it. The builder's
+    model copied every token at step 100 (measured), so 0.5 leaves room for another CPU's float
+    rounding and a smaller vocabulary's different start."""
+    from tidal.models.tiny import build_model
+
+    model = build_model(_Vocab(), seed=0)
+    before = induction_pretrain(model, _Vocab(), 0, random.Random(0), length=20)
+    after = induction_pretrain(model, _Vocab(), 150, random.Random(0), length=20)
+    assert before["copy_accuracy"] < 0.1
+    assert after["copy_accuracy"] > 0.5
