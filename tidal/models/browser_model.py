@@ -72,10 +72,9 @@ def teacher_turns(observation: str, row: dict[str, Any], habit: str, slip: int =
     `right` names the instructed button and its ref (`form` "named": `"X" is e7.`; "line": the
     label, then the button's line of the snapshot, `Target: "X", button "X" [ref=e7]`, in the
     snapshot's own tokens, so the ref is a copy of what follows the label there), then clicks
-    it; `first` clicks the first
-    button of the page without reading further (right only when the target comes first);
-    `malformed` slips (`malformed_call`), reads the env's error, then does as `first`. All end
-    with `done`."""
+    it; `first` clicks the first button of the page without reading further (right only when
+    the target comes first); `malformed` slips (`malformed_call`), reads the env's error, then
+    does as `first`. All end with `done`."""
     first = next(ref for role, _, ref in snapshot_elements(observation) if role == "button")
     if habit == "right":
         label = instructed_label(row)
@@ -107,8 +106,7 @@ async def record_episode(row: dict[str, Any], habit: str, slip: int, pool: Brows
                 reward = out.reward
                 break
         return {"task_id": row["task_id"], "solution": row["solution"], "habit": habit, "messages": messages,
-                "tools": env.tools,
-                "steps": steps, "reward": reward}
+                "tools": env.tools, "steps": steps, "reward": reward}
     finally:
         await env.close()
 
