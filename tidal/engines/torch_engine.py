@@ -54,7 +54,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +64,7 @@ from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
+from tidal.engines.weights_lock import WeightsLock
 from tidal.types import GenerationRequest, GenerationResult
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # KV kept for sessions' next turns (1 GiB)
@@ -105,7 +106,7 @@ class TorchEngine:
         self.sampled_tokens = 0  # tokens sampled so far: sampled_tokens / decode_steps is the mean batch
         self.prefill_tokens = 0  # prompt tokens fed through the model (a prefix-cache hit feeds only the rest)
         self.prefixes = PrefixCache(prefix_cache_bytes)
-        self._weights = _WeightsLock()
+        self._weights = WeightsLock()
         self._version = 0
         self._running = threading.Event()
         self._running.set()
@@ -562,53 +563,3 @@ class _Rows:
             setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
         self.seqs = self.seqs + new.seqs
         return self
-
-
-class _WeightsLock:
-    """Generation (shared) against weight updates (exclusive), updates first: once an update
-    waits, no new holder gets the lock until it is done, so back-to-back decode steps or
-    generate calls cannot starve it. Holders in the same thread must not nest."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.holders = 0  # shared holders now
-        self.updates_waiting = 0
-        self._updating = False
-
-    def acquire_shared(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._updating and not self.updates_waiting)
-            self.holders += 1
-
-    def release_shared(self) -> None:
-        with self._cond:
-            self.holders -= 1
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        self.acquire_shared()
-        try:
-            yield
-        finally:
-            self.release_shared()
-
-    @contextlib.contextmanager
-    def exclusive(self, timeout_s: float, on_timeout: Callable[[int], Exception]) -> Iterator[None]:
-        """Wait up to timeout_s for the shared holders to leave, then run the body alone.
-        `on_timeout(holders)` builds the error raised when they do not."""
-        with self._cond:
-            self.updates_waiting += 1
-            try:
-                if not self._cond.wait_for(lambda: not self._updating and not self.holders, timeout_s):
-                    raise on_timeout(self.holders)
-                self._updating = True
-            finally:
-                self.updates_waiting -= 1
-                self._cond.notify_all()  # after a timeout, shared holders waiting behind it may go
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._updating = False
-                self._cond.notify_all()
