@@ -246,6 +246,30 @@ def test_many_concurrent_async_calls_join_one_batch(tiny_model_dir, tokenizer):
     assert [o[0].token_ids for o in out] == [r.token_ids for r in alone]
 
 
+def test_from_idle_a_burst_of_calls_is_gathered_into_one_prefill(tiny_model_dir, tokenizer, monkeypatch):
+    """Calls arriving 20 ms apart from idle, with a quiet window of 0.5 s: the engine waits for
+    the burst and prefills it once. Without the wait the first call prefills alone at once and
+    the others join later, one prefill each time (20 ms is many decode steps here)."""
+    import tidal.engines.torch_engine as te
+
+    monkeypatch.setattr(te, "_SETTLE_QUIET_S", 0.5)  # far above the 20 ms gaps on a loaded machine
+    monkeypatch.setattr(te, "_SETTLE_MAX_S", 10.0)
+    eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    prefills = []
+    real_prefill = eng._prefill
+    monkeypatch.setattr(eng, "_prefill", lambda take: prefills.append(len(take)) or real_prefill(take))
+    reqs = [GenerationRequest(f"r{i}", [5 + i, 17, 30], SamplingParams(max_new_tokens=8, seed=i)) for i in range(6)]
+    threads = []
+    for r in reqs:
+        t, out = _in_thread(eng.generate_sync, [r])
+        threads.append((t, out))
+        time.sleep(0.02)
+    for t, _ in threads:
+        t.join(60)
+    assert prefills == [6]
+    assert all(len(box["out"][0].token_ids) > 0 for _, box in threads)
+
+
 def test_a_bad_call_fails_alone_and_close_fails_calls_in_flight(tiny_model_dir, tokenizer):
     eng = _slow(TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id))
     params = SamplingParams(max_new_tokens=25, temperature=1.0)
