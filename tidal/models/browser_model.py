@@ -32,7 +32,7 @@ from tidal.envs.base import Action
 from tidal.envs.browser.env import BrowserEnv
 from tidal.envs.browser.pool import BrowserConfig, BrowserPool
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
-from tidal.envs.browser.tasks import OBJECTS, VERBS, make_tasks
+from tidal.envs.browser.tasks import OBJECTS, VERBS, button_labels, make_tasks
 from tidal.envs.tools import assistant_message, parse_tool_calls
 from tidal.models.tiny import build_model
 from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokenizer, call_text, save_model, sft_train
@@ -133,22 +133,6 @@ def record_episodes(rows: list[dict[str, Any]], habits: list[str], slips: list[i
 _BUTTON_LINE = re.compile(r'^(\s*- button ")([^"\n]+)(" \[ref=e\d+\])$', re.MULTILINE)
 
 
-def draw_labels(n: int, rng: random.Random) -> tuple[str, list[str]]:
-    """A target label and `n` distinct labels in page order, drawn as `click_button` draws them
-    (look-alikes sharing the target's verb or object first, then any)."""
-    verb, obj = rng.choice(VERBS), rng.choice(OBJECTS)
-    target = f"{verb} {obj}"
-    labels = {target}
-    for _ in range(rng.randint(1, 3)):
-        if len(labels) < n:
-            labels.add(f"{verb} {rng.choice(OBJECTS)}" if rng.random() < 0.5 else f"{rng.choice(VERBS)} {obj}")
-    while len(labels) < n:
-        labels.add(f"{rng.choice(VERBS)} {rng.choice(OBJECTS)}")
-    order = sorted(labels)
-    rng.shuffle(order)
-    return target, order
-
-
 def relabel_episode(episode: dict[str, Any], rng: random.Random, form: str = "named") -> dict[str, Any]:
     """A new demonstration from a recorded `right` or `first` episode: fresh labels on the
     page's buttons and a fresh target in the instruction, the teacher's turns played again on
@@ -168,7 +152,11 @@ def relabel_episode(episode: dict[str, Any], rng: random.Random, form: str = "na
     lines = _BUTTON_LINE.findall(observation)
     if not sep or f'"{old_target}"' not in instruction or len(lines) < 2:
         raise ValueError(f"episode {episode['task_id']}: not a click_button page this can relabel")
-    target, order = draw_labels(len(lines), rng)
+    while True:  # the labels of a page with as many buttons as this one
+        verb, obj = rng.choice(VERBS), rng.choice(OBJECTS)
+        target, order = f"{verb} {obj}", button_labels(rng, verb, obj, len(lines))
+        if len(order) == len(lines):
+            break
     labels = iter(order)
     observation = _BUTTON_LINE.sub(lambda m: m.group(1) + next(labels) + m.group(3), observation)
     solution = json.dumps([{"action": "click", "role": "button", "name": target}])

@@ -120,17 +120,25 @@ VERBS = ["Cancel", "Save", "Delete", "Archive", "Send", "Approve", "Reject", "Sh
 OBJECTS = ["order", "draft", "invoice", "account", "report", "subscription", "ticket", "message", "booking"]
 
 
-def click_button(rng: random.Random) -> Built:
-    verb, obj = rng.choice(VERBS), rng.choice(OBJECTS)
+def button_labels(rng: random.Random, verb: str, obj: str, count: int) -> list[str]:
+    """The labels of a `click_button` page in page order: the target `verb obj`, 1-3 look-alikes
+    (same verb or same object), then any until there are `count` (one more when the look-alikes
+    overshoot it)."""
     target = f"{verb} {obj}"
-    labels, count = {target}, rng.randint(3, 8)
-    # look-alikes first (same verb or same object), then anything
+    labels = {target}
     for _ in range(rng.randint(1, 3)):
         labels.add(f"{verb} {rng.choice(OBJECTS)}" if rng.random() < 0.5 else f"{rng.choice(VERBS)} {obj}")
     while len(labels) < count:
         labels.add(f"{rng.choice(VERBS)} {rng.choice(OBJECTS)}")
     order = sorted(labels)
     rng.shuffle(order)
+    return order
+
+
+def click_button(rng: random.Random) -> Built:
+    verb, obj = rng.choice(VERBS), rng.choice(OBJECTS)
+    target = f"{verb} {obj}"
+    order = button_labels(rng, verb, obj, rng.randint(3, 8))
     method = rng.choice(["get", "post"])
     heading = rng.choice(["Actions", "Your dashboard", "Pending items", "Control panel", f"{rng.choice(WORDS)} admin"])
     if rng.random() < 0.5:  # one form, the choice in the button's own value
