@@ -102,8 +102,6 @@ def main() -> None:
             records.append({"step": state.global_step, "step_s": step_s, "gen_s": timing["gen"],
                             "train_s": step_s - timing["gen"], "accuracy": acc, "eval_s": time.perf_counter() - t1})
             print(json.dumps(records[-1]), flush=True)
-            if acc >= spec["target"] and spec.get("stop_at_target", True):
-                control.should_training_stop = True
 
     config = GRPOConfig(
         output_dir=str(out_path.parent / "trl-out"), max_steps=spec["steps"], seed=spec["seed"],

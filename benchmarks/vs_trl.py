@@ -70,7 +70,7 @@ def job_spec(steps: int, threads: int, eval_n: int) -> dict:
     completions = r.prompts_per_step * r.samples_per_prompt
     return {
         "repo": str(ROOT), "model": str(resolve_model_dir(cfg.model.path)), "seed": cfg.run.seed, "steps": steps,
-        "threads": threads, "target": TARGET, "stop_at_target": False,
+        "threads": threads,
         "train": [{"prompt": row["prompt"], "answer": row["answer"]} for row in order],
         "eval": [{"prompt": row["prompt"], "answer": row["answer"]} for row in task.eval_rows[:eval_n]],
         "hparams": {
