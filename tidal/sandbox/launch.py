@@ -9,9 +9,10 @@ namespace (with /proc/1, the runner's supervisor, masked). Every namespace is ne
 mount, PID, network with only its own loopback, IPC, UTS, cgroup) and nested user
 namespaces are refused.
 
-When tidal runs as root, bubblewrap is started as an unprivileged uid (`setpriv`):
-bubblewrap then creates a user namespace, whose process count is what RLIMIT_NPROC limits
-(host root would be exempt from it). An interpreter under a directory that uid cannot
+When tidal runs as root, bubblewrap is started as an unprivileged uid (by the starter
+thread switching its own user, `thread_user`, or else through `setpriv`): bubblewrap then
+creates a user namespace, whose process count is what RLIMIT_NPROC limits (host root would
+be exempt from it). An interpreter under a directory that uid cannot
 read (pyenv under /root, mode 700) is not used; the system one is.
 """
 
@@ -28,6 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidal.sandbox import thread_user
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.result import SandboxUnavailable
 
@@ -78,6 +80,7 @@ class Launch:
     workspace: str  # the workspace as the runner sees it
     host_workspace: str | None  # unsafe_host only: the host directory to remove afterwards
     isolated: bool
+    run_as: tuple[int, int] | None = None  # (uid, gid) the starter thread takes to start it
 
 
 def _runs_as_root() -> bool:
@@ -188,7 +191,7 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
     """The command that starts one runner, reading its request from `request_fd` and
     reporting set-up on `status_fd` (both inherited at the same numbers). `bwrap_fds` are
     bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`)."""
-    head, tail, runner_frame = _command(config.model_dump_json(), limits.tmp_bytes, limits.workspace_bytes)
+    head, tail, runner_frame, run_as = _command(config.model_dump_json(), limits.tmp_bytes, limits.workspace_bytes)
     # The runner's last argument: make its supervisor non-dumpable (proof against ptrace),
     # needed only where no syscall filter denies ptrace.
     undumpable = config.isolation == "bwrap" and not config.seccomp
@@ -199,19 +202,22 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
                       workspace, workspace, isolated=False)
     options = [arg for option, fd in (bwrap_fds or {}).items() for arg in (f"--{option}", str(fd))]
     host_env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "LANG": "C.UTF-8"}
-    return Launch([*head, *options, *tail, *runner_args], host_env, runner_frame, WORKSPACE, None, isolated=True)
+    return Launch([*head, *options, *tail, *runner_args], host_env, runner_frame, WORKSPACE, None, isolated=True,
+                  run_as=run_as)
 
 
 @functools.lru_cache(maxsize=32)
-def _command(config_json: str, tmp_bytes: int, workspace_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...], bytes]:
+def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
+             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, tuple[int, int] | None]:
     """The command line, split where bubblewrap's per-start options go, up to the runner's
     own arguments (the same for every sandbox of a config: built once, it spares each
-    start a few dozen stat calls)."""
+    start a few dozen stat calls), and the user to start it as, if the starter thread
+    switches to it itself."""
     config = SandboxConfig.model_validate_json(config_json)
     python = resolve_python(config)
     runner = [python.executable, *python_flags(config.python_site_packages), "-c", BOOTSTRAP]
     if config.isolation == "unsafe_host":
-        return tuple(runner), (), python.runner_frame
+        return tuple(runner), (), python.runner_frame, None
     limits = config.limits.updated({"tmp_bytes": tmp_bytes, "workspace_bytes": workspace_bytes})
     argv = [find_bwrap(config), *_mount_args(config, python, limits),
             "--unshare-user", "--unshare-all", "--disable-userns", "--as-pid-1",
@@ -219,11 +225,14 @@ def _command(config_json: str, tmp_bytes: int, workspace_bytes: int) -> tuple[tu
     for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
         argv += ["--setenv", name, value]
     argv += ["--chdir", WORKSPACE]
-    if _runs_as_root():
+    run_as = None
+    if _runs_as_root() and thread_user.available():
+        run_as = (config.sandbox_uid, config.sandbox_uid)
+    elif _runs_as_root():
         setpriv = shutil.which("setpriv")
         if setpriv is None:
             raise SandboxUnavailable("tidal runs as root and `setpriv` (util-linux) is missing: it is needed to start "
                                      "bubblewrap as an unprivileged uid")
         uid = str(config.sandbox_uid)
         argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-    return tuple(argv), ("--", *runner), python.runner_frame
+    return tuple(argv), ("--", *runner), python.runner_frame, run_as

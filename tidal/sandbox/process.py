@@ -39,7 +39,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from tidal.sandbox import seccomp
+from tidal.sandbox import seccomp, thread_user
 from tidal.sandbox.cgroup import CgroupError, RunCgroup
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.launch import Launch, build_launch
@@ -48,6 +48,7 @@ from tidal.sandbox.result import SandboxResult, SandboxStatus, classify_exit, cl
 log = logging.getLogger("tidal.sandbox")
 
 KILL_GRACE_S = 5.0  # how long a killed sandbox may take to exit before that is an error
+SELF_END_WAIT_S = 0.5  # how long a sandbox whose supervisor reported the end may take to exit before it is killed
 READ_CHUNK = 1 << 16
 STATUS_CAP = 512  # bytes read of the status pipe at most ("S", a done report; anything else is noise)
 SETUP_TIMEOUT_S = 30.0  # bubblewrap reporting its sandbox's init, before that init is released
@@ -255,7 +256,9 @@ class SandboxProcess:
                 seccomp.join_fresh_session_keyring()
             entered = (cgroup.entered_by_this_thread() if isolated and cgroup is not None and not admit_later
                        else contextlib.nullcontext())
-            with entered:
+            switched = (thread_user.thread_runs_as(*launch.run_as) if launch.run_as is not None
+                        else contextlib.nullcontext())
+            with entered, switched:  # the cgroup first: entering it takes root
                 popen = subprocess.Popen(
                     launch.argv, stdin=child_fds["stdin"] if stdin_pipe else subprocess.DEVNULL, stdout=stdout_w,
                     stderr=stderr_w, pass_fds=(request_r, status_w, *bwrap_fds.values()), start_new_session=True,
@@ -357,6 +360,12 @@ class SandboxProcess:
         if self._closed:
             return
         self._closed = True
+        if self.popen.poll() is None and self.launch.isolated and Done.parse(self.status_bytes) is not None:
+            # The supervisor reported the code's end and exits right after: the PID namespace
+            # dies with it, then bubblewrap exits. Waiting for that spares a kill and a round
+            # of the cgroup check below; a sandbox that does not end soon is killed.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wait_exit(), SELF_END_WAIT_S)
         if self.popen.poll() is None or not self.launch.isolated:
             self.kill()  # else the run is over: its PID namespace is gone (the cgroup check below verifies)
         try:

@@ -1,0 +1,111 @@
+"""The user bubblewrap runs as when tidal is root: the sandbox uid, no groups, no
+capabilities, whether the starter thread switches its own user (tidal/sandbox/thread_user.py)
+or `setpriv` does; and the rest of the host process never changes user."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import threading
+import time
+
+import pytest
+from sandbox_support import require_bwrap
+
+from tidal.sandbox import SandboxConfig, SandboxPool, launch, thread_user
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the user switch happens only when tidal runs as root")
+UID = SandboxConfig().sandbox_uid
+PR_GET_DUMPABLE = 3
+
+
+def _status(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/status") as f:
+        return {k: v.strip() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+
+
+def _bubblewrap_children() -> list[dict[str, str]]:
+    """The status of every bubblewrap this process started (the warm sandboxes)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = _status(int(pid))
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if int(status["PPid"]) == os.getpid() and argv0.endswith(b"bwrap"):
+            found.append(status)
+    return found
+
+
+def _started_bubblewraps() -> list[dict[str, str]]:
+    async def main():
+        pool = SandboxPool(SandboxConfig(warm=2))
+        try:
+            result = await pool.run_python("print('ran')")
+            assert result.stdout == "ran\n", result
+            deadline = time.monotonic() + 10
+            while not (found := _bubblewrap_children()) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            return found
+        finally:
+            await pool.close()
+
+    return asyncio.run(main())
+
+
+def _assert_unprivileged(found: list[dict[str, str]]) -> None:
+    assert found, "no warm sandbox's bubblewrap found among this process's children"
+    for status in found:
+        assert status["Uid"].split() == [str(UID)] * 4, status["Uid"]
+        assert status["Gid"].split() == [str(UID)] * 4, status["Gid"]
+        assert status["Groups"] == "", status["Groups"]
+        assert int(status["CapPrm"], 16) == 0 and int(status["CapEff"], 16) == 0, (status["CapPrm"], status["CapEff"])
+
+
+def _assert_host_unchanged() -> None:
+    assert os.getresuid() == (0, 0, 0) and os.getresgid() == (0, 0, 0)
+    assert ctypes.CDLL(None).prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 1, "the host process became non-dumpable"
+
+
+def test_bubblewrap_runs_as_the_sandbox_uid_with_no_groups_or_capabilities():
+    require_bwrap()
+    assert thread_user.available(), "libseccomp resolves the credential syscalls here, so no setpriv is needed"
+    _assert_unprivileged(_started_bubblewraps())
+    _assert_host_unchanged()
+
+
+def test_without_the_thread_switch_setpriv_starts_it_as_the_same_user(monkeypatch):
+    require_bwrap()
+    monkeypatch.setattr(thread_user, "available", lambda: False)
+    launch._command.cache_clear()
+    try:
+        _assert_unprivileged(_started_bubblewraps())
+    finally:
+        launch._command.cache_clear()
+    _assert_host_unchanged()
+
+
+def test_only_the_switching_thread_changes_user_and_it_switches_back():
+    switched, checked = threading.Event(), threading.Event()
+    seen = {}
+
+    def starter():
+        with thread_user.thread_runs_as(UID, UID):
+            seen["inside"] = (os.getresuid(), os.getresgid(), os.getgroups())
+            switched.set()
+            checked.wait(10)
+        seen["after"] = (os.getresuid(), os.getresgid())
+
+    thread = threading.Thread(target=starter)
+    thread.start()
+    assert switched.wait(10)
+    main_thread = (os.getresuid(), os.getresgid())  # while the other thread is switched
+    checked.set()
+    thread.join(10)
+    assert seen["inside"] == ((UID, UID, 0), (UID, UID, 0), [])
+    assert main_thread == ((0, 0, 0), (0, 0, 0))
+    assert seen["after"] == ((0, 0, 0), (0, 0, 0))
+    _assert_host_unchanged()
