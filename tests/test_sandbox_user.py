@@ -65,30 +65,38 @@ def _assert_unprivileged(found: list[dict[str, str]]) -> None:
         assert int(status["CapPrm"], 16) == 0 and int(status["CapEff"], 16) == 0, (status["CapPrm"], status["CapEff"])
 
 
-def _assert_host_unchanged() -> None:
+def _dumpable() -> int:
+    return ctypes.CDLL(None).prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+
+
+def _assert_host_unchanged(dumpable: int) -> None:
+    """Root in every id, and the dumpable flag as it was before (the switch resets it)."""
     assert os.getresuid() == (0, 0, 0) and os.getresgid() == (0, 0, 0)
-    assert ctypes.CDLL(None).prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) == 1, "the host process became non-dumpable"
+    assert _dumpable() == dumpable, "the host process's dumpable flag was not restored"
 
 
 def test_bubblewrap_runs_as_the_sandbox_uid_with_no_groups_or_capabilities():
     require_bwrap()
+    dumpable = _dumpable()
     assert thread_user.available(), "libseccomp resolves the credential syscalls here, so no setpriv is needed"
     _assert_unprivileged(_started_bubblewraps())
-    _assert_host_unchanged()
+    _assert_host_unchanged(dumpable)
 
 
 def test_without_the_thread_switch_setpriv_starts_it_as_the_same_user(monkeypatch):
     require_bwrap()
+    dumpable = _dumpable()
     monkeypatch.setattr(thread_user, "available", lambda: False)
     launch._command.cache_clear()
     try:
         _assert_unprivileged(_started_bubblewraps())
     finally:
         launch._command.cache_clear()
-    _assert_host_unchanged()
+    _assert_host_unchanged(dumpable)
 
 
 def test_only_the_switching_thread_changes_user_and_it_switches_back():
+    dumpable = _dumpable()
     switched, checked = threading.Event(), threading.Event()
     seen = {}
 
@@ -108,4 +116,4 @@ def test_only_the_switching_thread_changes_user_and_it_switches_back():
     assert seen["inside"] == ((UID, UID, 0), (UID, UID, 0), [])
     assert main_thread == ((0, 0, 0), (0, 0, 0))
     assert seen["after"] == ((0, 0, 0), (0, 0, 0))
-    _assert_host_unchanged()
+    _assert_host_unchanged(dumpable)

@@ -360,15 +360,15 @@ class SandboxProcess:
         if self._closed:
             return
         self._closed = True
-        if self.popen.poll() is None and self.launch.isolated and Done.parse(self.status_bytes) is not None:
-            # The supervisor reported the code's end and exits right after: the PID namespace
-            # dies with it, then bubblewrap exits. Waiting for that spares a kill and a round
-            # of the cgroup check below; a sandbox that does not end soon is killed.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wait_exit(), SELF_END_WAIT_S)
-        if self.popen.poll() is None or not self.launch.isolated:
-            self.kill()  # else the run is over: its PID namespace is gone (the cgroup check below verifies)
         try:
+            if self.popen.poll() is None and self.launch.isolated and Done.parse(self.status_bytes) is not None:
+                # The supervisor reported the code's end and exits right after: the PID namespace
+                # dies with it, then bubblewrap exits. Waiting for that spares a kill and a round
+                # of the cgroup check below; a sandbox that does not end soon is killed.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wait_exit(), SELF_END_WAIT_S)
+            if self.popen.poll() is None or not self.launch.isolated:
+                self.kill()  # else the run is over: its PID namespace is gone (the cgroup check below verifies)
             await asyncio.wait_for(self.wait_exit(), KILL_GRACE_S)
             if self.cgroup is not None:
                 await self.cgroup.destroy(KILL_GRACE_S)
@@ -378,8 +378,10 @@ class SandboxProcess:
         except CgroupError as e:
             self.teardown_error = str(e)
             log.error("sandbox teardown: %s", e)
-        finally:  # also when cancelled (a loop shutting down): the process is killed already
+        finally:  # also when cancelled (a loop shutting down), possibly before the kill above
             if self.popen.returncode is None or (self.cgroup is not None and not self.cgroup.removed):
+                if self.popen.poll() is None:
+                    self.kill()
                 self._finish_teardown_sync()
             for fd in (self.request_fd, self.stdin_fd, self.json_status_fd):
                 if fd >= 0:
