@@ -1,6 +1,7 @@
 """Sandbox throughput: executions/s of a trivial Python snippet, sandboxed vs a bare subprocess.
 
     python benchmarks/sandbox.py [--seconds 3] [--rounds 5] [--out benchmarks/results/sandbox.json]
+    python benchmarks/sandbox.py --against TREE [--runs 150] [--rounds 8] [--out benchmarks/results/sandbox_ab.json]
 
 The bare baseline is `python <same flags> -c SNIPPET` started by `subprocess.run` (from
 asyncio worker threads), with the interpreter the sandbox runs, so the ratio is the
@@ -11,6 +12,13 @@ the per-run cgroups (`seccomp=False, cgroups=False`: what those two cost); ratio
 this machine is shared and noisy. The warm pool keeps 4 sandboxes per concurrent run; in
 steady state those started before a measurement balance those started, unused, at its
 end. Writes the raw figures as JSON and prints a Markdown table for BENCHMARKS.md.
+
+`--against TREE` compares this checkout's sandbox with another source tree's (a `git worktree`
+of an older commit, say) head to head: one long-lived worker process per tree, each with its
+own warm pool (same config) and its own CPU cgroup, takes turns at `--runs` executions, the
+order reversed every round. Ratios (this ÷ TREE) are taken within a round, and their medians
+reported: the two trees see the same machine at nearly the same moment, which is what makes a
+few-percent difference measurable on a shared machine.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +39,7 @@ from tidal.sandbox.launch import python_flags, resolve_python
 
 SNIPPET = "print(sum(range(100)))"
 EXPECTED = "4950\n"
+DEFAULT_OUT = "benchmarks/results/sandbox.json"
 WARM_PER_SLOT = 4  # warm sandboxes per concurrent run (SandboxConfig.warm's guidance)
 
 
@@ -166,13 +176,111 @@ async def measure(seconds: float, rounds: int, unhardened: bool = False) -> dict
             "raw_per_s": raw, "raw_cpu_ms_per_execution": raw_cpu, "summary": summary}
 
 
+async def _worker() -> None:
+    """`--worker`: one tree's side of `--against`. Reads `CONCURRENCY RUNS` lines on stdin and
+    answers each with a JSON line: executions/s and CPU ms per execution of that batch."""
+    cpu = CgroupCpu()
+    config = SandboxConfig().model_copy(update={"max_concurrency": 2, "warm": WARM_PER_SLOT * 2})
+    loop = asyncio.get_running_loop()
+    try:
+        async with SandboxPool(config) as pool:
+            async def once() -> None:
+                result = await pool.run_python(SNIPPET)
+                if result.status is not SandboxStatus.OK or result.stdout != EXPECTED:
+                    raise RuntimeError(f"sandboxed benchmark run failed: {result} {result.stderr[-500:]}")
+
+            print(json.dumps({"ready": True}), flush=True)
+            while line := await loop.run_in_executor(None, sys.stdin.readline):
+                concurrency, runs = map(int, line.split())
+                await asyncio.sleep(0.3)  # the warm sandboxes refill after the other tree's turn
+                left = runs
+                t0, cpu0 = time.perf_counter(), cpu.read()
+
+                async def loop_runs() -> None:
+                    nonlocal left
+                    while left > 0:
+                        left -= 1
+                        await once()
+
+                await asyncio.gather(*(loop_runs() for _ in range(concurrency)))
+                elapsed, cpu1 = time.perf_counter() - t0, cpu.read()
+                print(json.dumps({"per_s": runs / elapsed,
+                                  "cpu_ms": None if cpu0 is None else (cpu1 - cpu0) * 1000 / runs}), flush=True)
+    finally:
+        cpu.remove()
+
+
+def against(tree: str, runs: int, rounds: int) -> dict:
+    """This checkout's sandbox ÷ `tree`'s, head to head (see the module docstring)."""
+    here = str(Path(__file__).resolve().parents[1])
+    trees = {"this": here, "against": str(Path(tree).resolve())}
+    workers = {}
+    for name, root in trees.items():
+        env = {**os.environ, "PYTHONPATH": root}
+        workers[name] = subprocess.Popen([sys.executable, __file__, "--worker"], cwd=root, env=env, text=True,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        for name, w in workers.items():
+            if json.loads(w.stdout.readline() or "{}").get("ready") is not True:
+                raise RuntimeError(f"the {name} worker ({trees[name]}) did not start")
+        raw: dict[str, dict[str, list[dict]]] = {n: {"1": [], "2": []} for n in workers}
+        for r in range(rounds):
+            order = list(workers) if r % 2 == 0 else list(reversed(workers))
+            for concurrency in ("1", "2"):
+                for name in order:
+                    workers[name].stdin.write(f"{concurrency} {runs}\n")
+                    workers[name].stdin.flush()
+                    answer = workers[name].stdout.readline()
+                    if not answer:
+                        raise RuntimeError(f"the {name} worker ({trees[name]}) died")
+                    raw[name][concurrency].append(json.loads(answer))
+            print(f"round {r + 1}/{rounds}: " + ", ".join(
+                f"{n}@{c}={raw[n][c][-1]['per_s']:.1f}/s {raw[n][c][-1]['cpu_ms'] or float('nan'):.1f}ms"
+                for c in ("1", "2") for n in workers), flush=True)
+    finally:
+        for w in workers.values():
+            w.stdin.close()
+        for w in workers.values():
+            w.wait(timeout=60)
+    summary = {}
+    for c in ("1", "2"):
+        this, other = raw["this"][c], raw["against"][c]
+        entry = {"rate_ratio_median": statistics.median(a["per_s"] / b["per_s"] for a, b in zip(this, other)),
+                 "this_per_s_median": statistics.median(a["per_s"] for a in this),
+                 "against_per_s_median": statistics.median(b["per_s"] for b in other)}
+        if all(x["cpu_ms"] is not None for x in this + other):
+            entry |= {"cpu_ratio_median": statistics.median(a["cpu_ms"] / b["cpu_ms"] for a, b in zip(this, other)),
+                      "this_cpu_ms_median": statistics.median(a["cpu_ms"] for a in this),
+                      "against_cpu_ms_median": statistics.median(b["cpu_ms"] for b in other)}
+        summary[c] = entry
+    return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores", "trees": trees,
+            "snippet": SNIPPET, "runs_per_turn": runs, "rounds": rounds, "raw": raw, "summary": summary}
+
+
 def main() -> None:
+    if sys.argv[1:] == ["--worker"]:
+        asyncio.run(_worker())
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=3.0, help="length of one measurement")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", default="benchmarks/results/sandbox.json")
+    p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--unhardened", action="store_true", help="also a warm pool without syscall filter and cgroups")
+    p.add_argument("--against", metavar="TREE", help="compare head to head with the sandbox of another source tree")
+    p.add_argument("--runs", type=int, default=150, help="--against: executions per turn")
     ns = p.parse_args()
+    if ns.against:
+        result = against(ns.against, ns.runs, ns.rounds)
+        out = Path(ns.out if ns.out != DEFAULT_OUT else "benchmarks/results/sandbox_ab.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"\nthis ({result['trees']['this']}) ÷ against ({result['trees']['against']}), medians of {ns.rounds} "
+              "rounds:\n| concurrency | rate ratio | CPU ratio | CPU ms per execution, this / against |\n| --- | --- | --- | --- |")
+        for c, s in result["summary"].items():
+            cpu = (f"{s['cpu_ratio_median']:.2f}×", f"{s['this_cpu_ms_median']:.1f} / {s['against_cpu_ms_median']:.1f}"
+                   ) if "cpu_ratio_median" in s else ("n/a", "n/a")
+            print(f"| {c} | {s['rate_ratio_median']:.2f}× | {cpu[0]} | {cpu[1]} |")
+        return
     result = asyncio.run(measure(ns.seconds, ns.rounds, ns.unhardened))
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(result, indent=1))

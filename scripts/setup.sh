@@ -40,6 +40,19 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
          "install it to run generated code in tidal's sandbox" >&2
   fi
 fi
+# A C compiler and libc's static library build the sandbox's native init once
+# (tidal/sandbox/supervisor.py); without them each run's interpreter forks its own, a few ms slower.
+if ! command -v cc >/dev/null 2>&1 || { [ "$(uname -m)" = x86_64 ] && [ ! -e /usr/lib/x86_64-linux-gnu/libc.a ]; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing gcc and libc6-dev (the sandbox's native supervisor)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq gcc libc6-dev >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq gcc libc6-dev >/dev/null 2>&1; } \
+      || echo "WARNING: apt-get could not install gcc: sandboxed runs fall back to a slower supervisor" >&2
+  else
+    echo "WARNING: no C compiler (cc); sandboxed runs use a slower supervisor (install gcc and libc6-dev)" >&2
+  fi
+fi
 # Debian's headless Chromium (and a font) for the browser environment (tidal.envs.browser, docs/browser.md) and the
 # dashboard's browser tests, driven by Playwright through its executable path; Playwright's own browser download
 # cannot work here.

@@ -35,6 +35,9 @@ pyseccomp = pytest.importorskip("pyseccomp")
 
 OK, MEMORY, TIMEOUT, KILLED = SandboxStatus.OK, SandboxStatus.MEMORY, SandboxStatus.TIMEOUT, SandboxStatus.KILLED
 SANDBOX = SandboxConfig(warm=0)
+# The init that reports each run's end: the native supervisor (_supervisor.c, the default), or
+# the runner's forked parent (where no C compiler is): both must hold against the same attacks.
+SUPERVISORS = pytest.mark.parametrize("native", [True, False], ids=["native_init", "forked_init"])
 UNSAFE = SandboxConfig(isolation="unsafe_host", warm=0)
 MARKER = f"tidal-hardening-{uuid.uuid4().hex[:12]}"
 NO_PID = 0x3FFFFF00  # above any pid_max: calls on it fail with ESRCH where they are allowed
@@ -249,15 +252,17 @@ print(os.getppid(), "seized" if rc == 0 else os.strerror(ctypes.get_errno()))
 """
 
 
-def test_the_code_cannot_ptrace_the_sandbox_init():
-    r = run_python(PTRACE_PARENT)
+@SUPERVISORS
+def test_the_code_cannot_ptrace_the_sandbox_init(native):
+    r = run_python(PTRACE_PARENT, config=SandboxConfig(warm=0, native_supervisor=native))
     assert (r.status, r.stdout) == (OK, "1 Operation not permitted\n")  # the parent is the sandbox's init
     control = run_python(PTRACE_PARENT, config=UNSAFE)  # the parent: the runner, a process of this test
     assert control.status is OK and control.stdout.endswith(" seized\n")
 
 
-def test_without_the_filter_the_init_still_cannot_be_ptraced():
-    r = run_python(PTRACE_PARENT, config=SandboxConfig(warm=0, seccomp=False))
+@SUPERVISORS
+def test_without_the_filter_the_init_still_cannot_be_ptraced(native):
+    r = run_python(PTRACE_PARENT, config=SandboxConfig(warm=0, seccomp=False, native_supervisor=native))
     assert (r.status, r.stdout) == (OK, "1 Operation not permitted\n")  # it made itself non-dumpable
 
 
@@ -369,10 +374,12 @@ raise SystemExit(3)
 """
 
 
-def test_the_code_cannot_forge_its_result_nor_flood_the_status_channel():
-    r = run_python(FORGE)
+@SUPERVISORS
+def test_the_code_cannot_forge_its_result_nor_flood_the_status_channel(native):
+    config = SandboxConfig(warm=0, native_supervisor=native)
+    r = run_python(FORGE, config=config)
     assert (r.status, r.exit_code, r.stdout) == (OK, 3, "0 False\n")  # nothing of its supervisor can be opened
-    command = run_command(["python3", "-I", "-c", FORGE])
+    command = run_command(["python3", "-I", "-c", FORGE], config=config)
     assert (command.status, command.exit_code, command.stdout) == (OK, 3, "0 False\n")
     control = run_python(FORGE, config=UNSAFE)
     # Where it can reach the runner's status pipe, it writes a report of its own and the host

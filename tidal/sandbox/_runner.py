@@ -2,17 +2,19 @@
 
 It is started before its work is known (that is what makes a warm sandbox possible) and
 blocks on the request pipe. The host sends it compiled (by the sandbox's own interpreter,
-so the bytecode always matches) and starts it with a one-line bootstrap. It forks at once: the parent is the supervisor, the sandbox's init (PID 1); the child, on a
-request, materializes files and stdin, sets the resource limits, writes "S" on the status
-pipe, closes it and runs the code. The supervisor reports the child's end there as
-"D<exit code> <signal> <cpu seconds>" from wait4: the host's account of a run. Once the
-code runs, only the supervisor holds the status pipe, and the sandbox's /proc/1 (the
-supervisor) is masked, so the code (same uid) can neither open that pipe through /proc
-nor write the supervisor's memory, nor signal it (PID 1). The fork happens while the
-sandbox is warm, before the request: it is off the run's path.
+so the bytecode always matches) and starts it with a one-line bootstrap. Its parent is the
+supervisor, the sandbox's init (PID 1): the native one (_supervisor.c), or, where that
+cannot be built, this runner's own parent half (it forks at once, while warm). On a
+request the code's process (this one, or the forked child) materializes files and stdin,
+sets the resource limits, writes "S" on the status pipe, closes it and runs the code. The
+supervisor reports the code's end there as "D<exit code> <signal> <cpu seconds>" from
+wait4: the host's account of a run. Once the code runs, only the supervisor holds the
+status pipe, and the sandbox's /proc/1 (the supervisor) is masked, so the code (same uid)
+can neither open that pipe through /proc nor write the supervisor's memory, nor signal it
+(PID 1).
 
 Modes of a request:
-- `python`: run `code` as the `__main__` of the forked interpreter (no second interpreter
+- `python`: run `code` as the `__main__` of the warm interpreter (no second interpreter
   start); at its end, as at interpreter exit: non-daemon threads are joined, atexit runs.
 - `exec`: the child executes the command (its exact signal and CPU time are reported,
   which bubblewrap's 128+N exit code cannot tell apart from a chosen exit code).
@@ -288,17 +290,18 @@ def main():
 
     request_fd, status_fd, idle_timeout_s = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     undumpable = sys.argv[4] == "1"
+    forks = sys.argv[5] == "1"  # else the native supervisor (_supervisor.c) is this process's parent
     if undumpable:
         try:
             _set_dumpable(0)
         except BaseException as e:
             posix.write(status_fd, f"Ecannot make the sandbox runner non-dumpable: {type(e).__name__}: {e}\n".encode())
             return 125
-    # Forked before the request comes (while the sandbox is warm, off the run's path): this
-    # process supervises, the child becomes the code's process. The child's writes to pages
-    # the two share are copied then (measured: ~1.1 ms of CPU for a one-line snippet; neither
-    # gc.freeze nor prefaulting the heap while warm makes that cheaper).
-    pid = posix.fork()
+    # Without the native supervisor (tidal/sandbox/supervisor.py), forked before the request
+    # comes (while the sandbox is warm): this process supervises, the child becomes the code's
+    # process. The child's writes to pages the two share are copied then, and two interpreters
+    # are torn down at the end (measured: ~4 ms of CPU per run more than with the native one).
+    pid = posix.fork() if forks else 0
     if pid:
         posix.close(request_fd)
         return _supervise(pid, status_fd)

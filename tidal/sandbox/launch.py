@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.sandbox import thread_user
+from tidal.sandbox import supervisor, thread_user
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.result import SandboxUnavailable
 
@@ -81,6 +81,7 @@ class Launch:
     host_workspace: str | None  # unsafe_host only: the host directory to remove afterwards
     isolated: bool
     run_as: tuple[int, int] | None = None  # (uid, gid) the starter thread takes to start it
+    supervisor: str | None = None  # the native supervisor (PID 1) that starts the runner, if any
 
 
 def _runs_as_root() -> bool:
@@ -156,7 +157,8 @@ def find_bwrap(config: SandboxConfig) -> str:
     return path
 
 
-def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLimits) -> list[str]:
+def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLimits,
+                native_supervisor: str | None) -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
     for link in MERGED_USR_LINKS:
         if os.path.islink(link):
@@ -167,7 +169,7 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
     for path in [*ETC_PATHS, *site_config]:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
-    for path in [*python.prefixes, *config.extra_ro_binds]:
+    for path in [*python.prefixes, *config.extra_ro_binds, *([native_supervisor] if native_supervisor else [])]:
         args += ["--ro-bind", path, path]
     for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
         args += ["--dev-bind", device, device]
@@ -191,11 +193,15 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
     """The command that starts one runner, reading its request from `request_fd` and
     reporting set-up on `status_fd` (both inherited at the same numbers). `bwrap_fds` are
     bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`)."""
-    head, tail, runner_frame, run_as = _command(config.model_dump_json(), limits.tmp_bytes, limits.workspace_bytes)
-    # The runner's last argument: make its supervisor non-dumpable (proof against ptrace),
-    # needed only where no syscall filter denies ptrace.
-    undumpable = config.isolation == "bwrap" and not config.seccomp
-    runner_args = [str(request_fd), str(status_fd), str(config.idle_timeout_s), "1" if undumpable else "0"]
+    head, tail, runner_frame, run_as, native = _command(config.model_dump_json(), limits.tmp_bytes,
+                                                        limits.workspace_bytes)
+    # Make the supervisor non-dumpable (proof against ptrace), needed only where no syscall
+    # filter denies ptrace; the runner's last argument: whether it forks its own supervisor.
+    undumpable = "1" if config.isolation == "bwrap" and not config.seccomp else "0"
+    runner_args = [str(request_fd), str(status_fd), str(config.idle_timeout_s), "0" if native else undumpable,
+                   "0" if native else "1"]
+    if native:
+        tail = ("--", native, str(status_fd), str(request_fd), undumpable, *tail)
     if config.isolation == "unsafe_host":
         workspace = tempfile.mkdtemp(prefix="tidal-sandbox-unsafe-")
         return Launch([*head, *tail, *runner_args], _sandbox_env(config, workspace, workspace), runner_frame,
@@ -203,23 +209,24 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
     options = [arg for option, fd in (bwrap_fds or {}).items() for arg in (f"--{option}", str(fd))]
     host_env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "LANG": "C.UTF-8"}
     return Launch([*head, *options, *tail, *runner_args], host_env, runner_frame, WORKSPACE, None, isolated=True,
-                  run_as=run_as)
+                  run_as=run_as, supervisor=native)
 
 
 @functools.lru_cache(maxsize=32)
 def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
-             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, tuple[int, int] | None]:
+             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, tuple[int, int] | None, str | None]:
     """The command line, split where bubblewrap's per-start options go, up to the runner's
     own arguments (the same for every sandbox of a config: built once, it spares each
-    start a few dozen stat calls), and the user to start it as, if the starter thread
-    switches to it itself."""
+    start a few dozen stat calls), the user to start it as, if the starter thread
+    switches to it itself, and the native supervisor, if there is one (`supervisor`)."""
     config = SandboxConfig.model_validate_json(config_json)
     python = resolve_python(config)
     runner = [python.executable, *python_flags(config.python_site_packages), "-c", BOOTSTRAP]
     if config.isolation == "unsafe_host":
-        return tuple(runner), (), python.runner_frame, None
+        return tuple(runner), (), python.runner_frame, None, None
     limits = config.limits.updated({"tmp_bytes": tmp_bytes, "workspace_bytes": workspace_bytes})
-    argv = [find_bwrap(config), *_mount_args(config, python, limits),
+    native = supervisor.binary(sandbox_uid(config)) if config.native_supervisor else None
+    argv = [find_bwrap(config), *_mount_args(config, python, limits, native),
             "--unshare-user", "--unshare-all", "--disable-userns", "--as-pid-1",
             "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
     for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
@@ -235,4 +242,4 @@ def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
                                      "bubblewrap as an unprivileged uid")
         uid = str(config.sandbox_uid)
         argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-    return tuple(argv), ("--", *runner), python.runner_frame, run_as
+    return tuple(argv), ("--", *runner), python.runner_frame, run_as, native
