@@ -78,8 +78,19 @@ def _warm_sandbox_trees(config: SandboxConfig) -> list[list[str]]:
     return asyncio.run(main())
 
 
+def require_cc() -> None:
+    """Like require_bwrap: a missing compiler fails the test where scripts/setup.sh could
+    have installed it (root with apt-get), and skips it elsewhere."""
+    if shutil.which("cc"):
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        pytest.fail("no C compiler although scripts/setup.sh installs gcc here", pytrace=False)
+    pytest.skip("no C compiler (cc): the native supervisor cannot be built here")
+
+
 def test_the_native_supervisor_is_the_init_and_the_runner_its_fresh_child():
     require_bwrap()
+    require_cc()
     for tree in _warm_sandbox_trees(SandboxConfig()):
         assert len(tree) == 3, tree
         assert Path(tree[1]).name.startswith("supervisor-") and Path(tree[1]).parent == supervisor.cache_dir(), tree
@@ -118,6 +129,7 @@ def test_an_unsafe_cache_directory_is_refused_and_the_runner_supervises_itself(f
 
 def test_a_cached_binary_others_could_change_is_rebuilt(fresh_build):
     require_bwrap()
+    require_cc()
     built = Path(supervisor.binary(launch.sandbox_uid(SandboxConfig())))
     built.write_bytes(b"#!/bin/sh\necho swapped\n")  # what someone who could write it might leave
     built.chmod(0o777)
@@ -134,4 +146,3 @@ def test_without_a_compiler_a_warning_names_it_and_runs_still_work(fresh_build, 
         r = run_python("print('still isolated')", config=SandboxConfig(warm=0))
     assert (r.status, r.stdout) == (SandboxStatus.OK, "still isolated\n")
     assert "native supervisor is unavailable" in caplog.text and "no-such-compiler" in caplog.text
-    assert shutil.which("cc"), "scripts/setup.sh installs a C compiler; without one the default path is untested"

@@ -5,7 +5,7 @@ merged-/usr system), the two pieces of /etc that programs need to start (the dyn
 linker cache, alternatives), five harmless devices, the interpreter's own installation
 prefix, and the paths the config lists, all read-only. / is a read-only tmpfs, /tmp and
 /workspace are private tmpfs of bounded size, /proc belongs to the sandbox's own PID
-namespace (with /proc/1, the runner's supervisor, masked). Every namespace is new (user,
+namespace (with /proc/1, the supervisor, masked). Every namespace is new (user,
 mount, PID, network with only its own loopback, IPC, UTS, cgroup) and nested user
 namespaces are refused.
 
@@ -14,6 +14,9 @@ thread switching its own user, `thread_user`, or else through `setpriv`): bubble
 creates a user namespace, whose process count is what RLIMIT_NPROC limits (host root would
 be exempt from it). An interpreter under a directory that uid cannot
 read (pyenv under /root, mode 700) is not used; the system one is.
+
+The sandbox's init is the native supervisor where it can be built (`supervisor`): the
+command then runs it, and it runs the runner.
 """
 
 from __future__ import annotations
@@ -81,7 +84,6 @@ class Launch:
     host_workspace: str | None  # unsafe_host only: the host directory to remove afterwards
     isolated: bool
     run_as: tuple[int, int] | None = None  # (uid, gid) the starter thread takes to start it
-    supervisor: str | None = None  # the native supervisor (PID 1) that starts the runner, if any
 
 
 def _runs_as_root() -> bool:
@@ -173,7 +175,7 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
         args += ["--ro-bind", path, path]
     for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
         args += ["--dev-bind", device, device]
-    # /proc/1 is the runner's supervisor, which reports the run's result: an empty read-only
+    # /proc/1 is the supervisor, which reports the run's result: an empty read-only
     # tmpfs over it keeps the code (same uid) from opening its descriptors or memory there.
     args += ["--proc", "/proc", "--tmpfs", "/proc/1", "--remount-ro", "/proc/1",
              "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
@@ -209,7 +211,7 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
     options = [arg for option, fd in (bwrap_fds or {}).items() for arg in (f"--{option}", str(fd))]
     host_env = {"PATH": os.environ.get("PATH", SANDBOX_PATH), "LANG": "C.UTF-8"}
     return Launch([*head, *options, *tail, *runner_args], host_env, runner_frame, WORKSPACE, None, isolated=True,
-                  run_as=run_as, supervisor=native)
+                  run_as=run_as)
 
 
 @functools.lru_cache(maxsize=32)
