@@ -286,6 +286,7 @@ def _kill_when_busy(router, i: int, pid: int, killed: threading.Event, stop: thr
         time.sleep(0.001)
 
 
+@pytest.mark.slow  # ~27 s each here: with them the default suite neared its 10 minutes (CI runs them)
 def test_engine_killed_mid_step_is_replaced_and_no_episode_is_lost(tmp_path, ray_local, caplog):
     cfg = config(tmp_path, "placement.mode=ray", "engine.replicas=2", "train.steps=3")
     ctl = Controller(cfg)
@@ -314,6 +315,7 @@ def test_engine_killed_mid_step_is_replaced_and_no_episode_is_lost(tmp_path, ray
         ctl.close()
 
 
+@pytest.mark.slow  # ~27 s each here: with them the default suite neared its 10 minutes (CI runs them)
 def test_engine_dead_after_its_rollout_is_replaced_at_the_weight_sync(tmp_path, ray_local):
     """An engine that dies after returning its requests is caught by the liveness check
     before the sync (a dead member would stall the broadcast), replaced, and given the weights."""
