@@ -300,7 +300,7 @@ def main():
     # Without the native supervisor (tidal/sandbox/supervisor.py), forked before the request
     # comes (while the sandbox is warm): this process supervises, the child becomes the code's
     # process. The child's writes to pages the two share are copied then, and two interpreters
-    # are torn down at the end (measured: ~4 ms of CPU per run more than with the native one).
+    # are torn down at the end (measured: ~3 ms of CPU per run more than with the native one).
     pid = posix.fork() if forks else 0
     if pid:
         posix.close(request_fd)

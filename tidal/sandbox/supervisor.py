@@ -5,7 +5,7 @@ report cannot be forged). Where this program can be built, it is that init and i
 runner as a fresh process; otherwise the runner forks itself and its parent supervises. The
 fork costs every run the copies of the interpreter pages the code's process writes and a
 second Python process to tear down (measured with `benchmarks/sandbox.py --against`: about
-4 ms of CPU per run of ~20 ms, BENCHMARKS.md).
+3 ms of CPU per run of ~20 ms, BENCHMARKS.md).
 
 The binary is cached, keyed by a hash of the source, in `$TIDAL_CACHE_DIR/sandbox`, else
 `/var/cache/tidal/sandbox` for root (whose home the sandbox uid cannot read) and
