@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tidal import cache_root
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-arith"
 
@@ -44,7 +46,6 @@ def merged_adapter_dir(adapter: Path) -> Path:
     ~/.cache/tidal)/merged/."""
     import hashlib
     import json
-    import os
     import shutil
     import tempfile
 
@@ -62,7 +63,7 @@ def merged_adapter_dir(adapter: Path) -> Path:
     for f in sorted(adapter.iterdir()):
         if f.is_file():
             digest.update(f.name.encode() + f.read_bytes())
-    cache = Path(os.environ.get("TIDAL_CACHE_DIR", Path.home() / ".cache" / "tidal")) / "merged"
+    cache = cache_root() / "merged"
     out = cache / digest.hexdigest()[:24]
     if (out / "config.json").is_file():
         return out

@@ -27,6 +27,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tidal import cache_root
+
 log = logging.getLogger("tidal.sandbox")
 
 SOURCE = Path(__file__).with_name("_supervisor.c")
@@ -34,11 +36,11 @@ COMPILE_TIMEOUT_S = 120
 
 
 def cache_dir() -> Path:
-    if os.environ.get("TIDAL_CACHE_DIR"):
-        return Path(os.environ["TIDAL_CACHE_DIR"]) / "sandbox"
-    if os.geteuid() == 0:
+    """tidal's cache (`tidal.cache_root`), but /var/cache/tidal for root without
+    TIDAL_CACHE_DIR: root's home is closed to the sandbox uid that must read the binary."""
+    if os.geteuid() == 0 and not os.environ.get("TIDAL_CACHE_DIR"):
         return Path("/var/cache/tidal/sandbox")
-    return Path.home() / ".cache" / "tidal" / "sandbox"
+    return cache_root() / "sandbox"
 
 
 def _unsafe(path: Path) -> str | None:
