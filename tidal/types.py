@@ -53,6 +53,10 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     session_id: str = ""
+    # A vision-language model's images (tidal.images.ImageBlob), one per run of image pads in
+    # `prompt_ids`, in order: the prompt holds each image's placeholder already expanded to its
+    # run (tidal/models/vision.py); an engine that expands placeholders itself collapses them.
+    images: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -144,6 +148,10 @@ class Episode:
     # earlier turns differently starts a new segment holding the re-rendered context.
     segments: list[int] = field(default_factory=lambda: [0])
     outcome_reward: float = 0.0  # the reward functions' share of `reward` (the rest: turn rewards)
+    # Image ids (tidal.images: content hashes), one per run of image pads in `tokens`, in order;
+    # the pictures are in `image_blobs` while the episode is in memory and under RUN/images/ on disk.
+    images: list[str] = field(default_factory=list)
+    image_blobs: dict[str, Any] = field(default_factory=dict, repr=False)  # id -> ImageBlob; not stored in Parquet
 
     @property
     def num_policy_tokens(self) -> int:
@@ -154,7 +162,16 @@ class Episode:
         bounds = [*self.segments, len(self.tokens)]
         return [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
 
+    def image_list(self) -> list[Any]:
+        """The episode's ImageBlobs in order (one per image run of `tokens`)."""
+        return [self.image_blobs[i] for i in self.images]
+
     def to_row(self) -> dict[str, Any]:
-        row = dataclasses.asdict(self)
+        blobs, self.image_blobs = self.image_blobs, {}
+        try:
+            row = dataclasses.asdict(self)
+        finally:
+            self.image_blobs = blobs
+        del row["image_blobs"]
         row["status"] = self.status.value
         return row

@@ -104,15 +104,27 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
-    from transformers import AutoModelForCausalLM
+    """A causal LM, or a vision-language model (Qwen2-VL family: tidal/models/vision.py) with its
+    language-model head, from a local directory."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
+
+    from tidal.models.vision import is_vision_config, read_config
 
     hf_logging.disable_progress_bar()  # tidal's own progress bar is the one on the console
     p = resolve_model_dir(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
+    cls = AutoModelForImageTextToText if is_vision_config(read_config(p)) else AutoModelForCausalLM
+    model = cls.from_pretrained(str(p), dtype=DTYPES[dtype])
     return model.to(device)
+
+
+def is_vision_model(path: str | Path) -> bool:
+    """Whether the model directory holds a vision-language model (tidal/models/vision.py)."""
+    from tidal.models.vision import is_vision_config, read_config
+
+    return is_vision_config(read_config(resolve_model_dir(path)))
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:

@@ -39,20 +39,20 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     return train_chatml_tokenizer(tok, corpus, vocab_size, CHAT_TEMPLATE)
 
 
-def train_chatml_tokenizer(tok, corpus, vocab_size: int, chat_template: str):
+def train_chatml_tokenizer(tok, corpus, vocab_size: int, chat_template: str, extra_special=()):
     """Train a byte-level BPE `tok` on `corpus` and wrap it as an HF tokenizer with ChatML's
-    special tokens and `chat_template` (the embedded models' shared last steps)."""
+    special tokens (and `extra_special`) and `chat_template` (the embedded models' shared last steps)."""
     from tokenizers import pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *extra_special],
     )
     fast.chat_template = chat_template
     return fast

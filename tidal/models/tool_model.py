@@ -73,7 +73,8 @@ CHAT_TEMPLATE = (
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 
-def build_tokenizer(corpus: list[str], vocab_size: int = 768):
+def build_tokenizer(corpus: list[str], vocab_size: int = 768, extra_special: tuple[str, ...] = (),
+                    chat_template: str = CHAT_TEMPLATE):
     """Byte-level BPE trained on `corpus`, saved so that it loads back as what it was built as.
 
     transformers loads the tokenizer of any `qwen2` model as its `Qwen2Tokenizer`, which keeps
@@ -81,7 +82,8 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 768):
     digits one by one, words, punctuation runs). So the BPE is trained with exactly those,
     taken from a `Qwen2Tokenizer` instance: built and loaded tokenizers then give the same
     tokens. The tool tags are added tokens that are not special (as in Qwen2.5): one token
-    each, and kept when the rollout decodes with `skip_special_tokens=True`."""
+    each, and kept when the rollout decodes with `skip_special_tokens=True`. `extra_special`:
+    more special tokens (a vision model's placeholders)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
@@ -90,9 +92,9 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 768):
     tok.normalizer = qwen.normalizer
     tok.pre_tokenizer = qwen.pre_tokenizer
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens([*SPECIAL_TOKENS, *extra_special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
-    return train_chatml_tokenizer(tok, corpus, vocab_size, CHAT_TEMPLATE)
+    return train_chatml_tokenizer(tok, corpus, vocab_size, chat_template, extra_special)
 
 
 # --------------------------------------------------------------------------------------------

@@ -50,6 +50,9 @@ class TrainBatch:
     old_logprobs: list[list[float]] | None = None  # proximal policy; None: on-policy (= current, detached)
     returns: list[list[float]] | None = None  # critic targets (gae)
     old_values: list[list[float]] | None = None  # critic values before the update (value clipping)
+    # Vision-language models: per sequence, its images (tidal.images.ImageBlob), one per run of
+    # image pads in its tokens, in order. None: no sequence has an image.
+    images: list[list] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -58,7 +61,7 @@ class TrainBatch:
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]
         return TrainBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
                           pick(self.behaviour_logprobs), pick(self.old_logprobs), pick(self.returns),
-                          pick(self.old_values))
+                          pick(self.old_values), pick(self.images))
 
     def totals(self) -> tuple[float, float]:
         """(masked tokens, sequences with any masked token): the loss denominators of this
