@@ -3,6 +3,11 @@
 Each row needs a `prompt` column (text, or chat messages as a list of {role, content});
 every other column reaches the reward function as a keyword argument. A bad row is
 reported by its number and what is wrong with it.
+
+Images (vision-language models, tidal/images.py): a message's content may be a list of parts with
+image parts (`{"type": "image", "image": ...}`, OpenAI's `{"type": "image_url", ...}`, or a bare
+`{"type": "image"}` taking the next image of the row's `images` column). Image file paths are
+resolved against the dataset's directory when it is loaded, and a missing file names its row.
 """
 
 from __future__ import annotations
@@ -62,7 +67,40 @@ def load_prompts(path: str | Path) -> list[dict[str, Any]]:
         raise DatasetError(f"dataset `{path}`: unknown format `{p.suffix}` (use .jsonl, .parquet or a datasets directory)")
     if not rows:
         raise DatasetError(f"dataset `{path}` has no rows")
-    return [_check_row(r, f"{path}, row {i}") for i, r in enumerate(rows)]
+    base = p if p.is_dir() else p.parent
+    return [_resolve_image_paths(_check_row(r, f"{path}, row {i}"), base, f"{path}, row {i}") for i, r in enumerate(rows)]
+
+
+def _resolve_image_paths(row: dict[str, Any], base: Path, where: str) -> dict[str, Any]:
+    """The row with every image given as a relative file path made absolute (against the dataset's
+    directory), checked to exist; other image values (bytes, data URLs, PIL, datasets cells) as they are."""
+
+    def resolve(value: Any, at: str) -> Any:
+        if isinstance(value, str) and not value.startswith(("data:", "http://", "https://")):
+            path = Path(value.removeprefix("file://"))
+            path = path if path.is_absolute() else base / path
+            if not path.is_file():
+                raise DatasetError(f"{where}: {at}: image file `{path}` does not exist")
+            return str(path)
+        return value
+
+    if isinstance(row.get("images"), list):
+        row["images"] = [resolve(v, f"images[{k}]") for k, v in enumerate(row["images"])]
+    elif "image" in row and row["image"] is not None:
+        row["image"] = resolve(row["image"], "image")
+    if isinstance(row["prompt"], list):
+        for j, m in enumerate(row["prompt"]):
+            if not isinstance(m.get("content"), list):
+                continue
+            for k, part in enumerate(m["content"]):
+                if not isinstance(part, dict):
+                    continue
+                if part.get("type") == "image_url" and isinstance(part.get("image_url"), dict):
+                    part["image_url"] = {**part["image_url"], "url": resolve(part["image_url"].get("url"),
+                                                                              f"message {j}, part {k}")}
+                elif part.get("type") == "image" and part.get("image") is not None:
+                    part["image"] = resolve(part["image"], f"message {j}, part {k}")
+    return row
 
 
 class PromptSource:

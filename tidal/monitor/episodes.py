@@ -20,6 +20,10 @@ whole episode decoded, special tokens kept) is decoded once per row group in one
 and can be turned off (`decode_text=False`), since at a million episodes it is the largest
 cost. Log-probs are stored as float32 (what engines compute); every other field round-trips
 exactly (`iter_episodes`).
+
+Images. An episode of a vision-language model keeps its images by id (`images`, content hashes:
+tidal/images.py); the writer saves each picture once, as PNG, under the store's `images/` folder
+(`images/ab/<id>.png`), and `episode_images` reads an episode's pictures back.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tidal.images import ImageDir
 from tidal.types import Episode, Status, ToolCallRecord, Turn
 
 TOOL_CALL_TYPE = pa.struct([
@@ -55,7 +60,7 @@ SCHEMA = pa.schema([
     ("prompt_len", pa.int64()), ("tokens", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.bool_())),
     ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())), ("text", pa.string()),
     ("seed", pa.int64()), ("outcome_reward", pa.float64()), ("segments", pa.list_(pa.int32())),
-    ("turns", pa.list_(TURN_TYPE)),
+    ("turns", pa.list_(TURN_TYPE)), ("images", pa.list_(pa.string())),
 ])
 # Min/max statistics only where a query filters on them (the footer stays small).
 _STATS_COLUMNS = ["step", "episode_id", "group_id", "task_id", "env", "status", "reward", "prompt_len", "seed",
@@ -64,7 +69,10 @@ _SCALARS = [("step", pa.int64()), ("episode_id", pa.string()), ("group_id", pa.s
             ("task_id", pa.string()), ("env", pa.string()), ("error", pa.string()), ("reward", pa.float64()),
             ("prompt_len", pa.int64()), ("seed", pa.int64()), ("outcome_reward", pa.float64())]
 _LISTS = [("tokens", pa.int32()), ("loss_mask", pa.bool_()), ("logprobs", pa.float32()), ("versions", pa.int32()),
-          ("segments", pa.int32())]
+          ("segments", pa.int32()), ("images", pa.string())]
+# Episode fields that are not columns: the pictures themselves live in the store's images/ folder.
+_NOT_STORED = {"image_blobs"}
+IMAGES_DIR = "images"
 _FILE = re.compile(r"^step_(\d+)(?:\.part(\d+))?\.parquet$")
 
 
@@ -194,6 +202,8 @@ class EpisodeWriter:
                 raise ValueError(f"EpisodeWriter: {name} must be at least 1 (got {v})")
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.images = ImageDir(self.dir / IMAGES_DIR)
+        self._saved_images: set[str] = set()
         self.tokenizer = tokenizer
         self.decode_text = tokenizer is not None if decode_text is None else decode_text
         self._decode = batch_decoder(tokenizer) if self.decode_text else None
@@ -219,8 +229,21 @@ class EpisodeWriter:
         (reward shaping, a `trained` flag) do not reach the store, whether or not its row group
         was written yet (its token lists and turns are not copied: they do not change once an
         episode has finished)."""
+        self._save_images(episode)
         with self._lock:
             self._add(episode.step if isinstance(episode, Episode) else None, _snapshot(episode))
+
+    def _save_images(self, episode: Episode) -> None:
+        """Each picture of the episode once under images/ (content-addressed: a group's samples share it)."""
+        for image_id in getattr(episode, "images", ()):
+            if image_id in self._saved_images:
+                continue
+            blob = episode.image_blobs.get(image_id)
+            if blob is None:
+                raise ValueError(f"episode {episode.episode_id} of step {episode.step}: image {image_id} has no "
+                                 "picture in image_blobs")
+            self.images.put(blob)
+            self._saved_images.add(image_id)
 
     def add_many(self, episodes: Iterable[Episode]) -> None:
         for ep in episodes:
@@ -236,6 +259,8 @@ class EpisodeWriter:
 
     def write(self, step: int, episodes: list[Episode]) -> Path:
         """All of a step's episodes at once (rows carry `step`); returns the step's first file."""
+        for ep in episodes:
+            self._save_images(ep)
         with self._lock:
             for ep in episodes:
                 self._add(step, _snapshot(ep))
@@ -343,7 +368,7 @@ def _turn(d: dict) -> Turn:
 
 def row_to_episode(row: dict) -> Episode:
     """An Episode from one row of the store (as `Table.to_pylist` gives it)."""
-    kw = {f.name: row[f.name] for f in fields(Episode)}
+    kw = {f.name: row[f.name] for f in fields(Episode) if f.name in row}
     kw["status"] = Status(kw["status"])
     kw["reward_parts"] = dict(kw["reward_parts"])
     kw["metrics"] = dict(kw["metrics"])
@@ -354,8 +379,22 @@ def row_to_episode(row: dict) -> Episode:
 def iter_episodes(path: str | Path, batch_size: int = 1024) -> Iterator[Episode]:
     """Every Episode of the store (a directory, in step and part order, or one file), read back
     `batch_size` rows at a time: memory stays bounded however large the store is."""
-    cols = [f.name for f in fields(Episode)]
     for f in episode_files(path):
-        for batch in pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=cols):
+        pf = pq.ParquetFile(f)
+        cols = [c for c in _stored_fields() if c in pf.schema_arrow.names]  # a store from before `images` has none
+        for batch in pf.iter_batches(batch_size=batch_size, columns=cols):
             for row in batch.to_pylist():
                 yield row_to_episode(row)
+
+
+def _stored_fields() -> list[str]:
+    return [f.name for f in fields(Episode) if f.name not in _NOT_STORED]
+
+
+def episode_images(store: str | Path, episode: Episode) -> list:
+    """The episode's pictures (ImageBlobs, in the order of its image runs), read from the store's
+    images/ folder (`store`: the episodes directory, or one of its files)."""
+    root = Path(store)
+    root = root.parent if root.is_file() else root
+    images = ImageDir(root / IMAGES_DIR)
+    return [images.get(i) for i in episode.images]

@@ -28,6 +28,7 @@ from tidal.engines.factory import choose_engine_kind
 from tidal.envs import loop_scoped
 from tidal.envs.dataset import DatasetError, PromptSource, load_prompts
 from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
+from tidal.models.vision import Vision
 from tidal.monitor import trace
 from tidal.monitor.alerts import AlertEvent, Alerts
 from tidal.monitor.episodes import EpisodeWriter
@@ -62,11 +63,11 @@ class RunFailed(RuntimeError):
     checkpoint is intact."""
 
 
-def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None) -> Rollout:
+def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None) -> Rollout:
     r = cfg.rollout
     return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
                    max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer,
-                   gateway=gateway)
+                   gateway=gateway, vision=vision)
 
 
 def start_run_gateway(cfg: TidalConfig, task: Task, engine, tokenizer, model_dir: Path, run_dir: Path | None):
@@ -123,6 +124,7 @@ class Controller:
         # Inputs are checked before anything is created or loaded: model, tokenizer, data, reward.
         self.model_dir = resolve_model_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.vision = Vision.load(self.model_dir)  # a vision-language model's images and placeholders; None: text
         self.task: Task = build_task(cfg.task)
         self.make_env = self.task.make_env
         run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -170,11 +172,11 @@ class Controller:
         # The OpenAI-compatible gateway over the engines: agent tasks call it (and so may tools
         # outside the run, with gateway.enabled).
         self.gateway = start_run_gateway(cfg, self.task, self.engine, self.tokenizer, self.model_dir, run_dir)
-        self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer, self.gateway)
+        self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer, self.gateway, self.vision)
         self.eval_scorer, self.eval_rollout = self.scorer, self.rollout
         if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
             self.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-            self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer, self.gateway)
+            self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer, self.gateway, self.vision)
         self.eval_sets = {}
         for name, path in cfg.eval.sets.items():  # named by their key when they cannot load
             try:

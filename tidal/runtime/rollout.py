@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride
+from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
 from tidal.rewards.contract import RewardInput, RewardOutcome
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
@@ -142,7 +143,7 @@ class _GroupScoring:
 class Rollout:
     def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0, *,
                  max_total_tokens: int | None = None, prefix_policy: str = "split", scorer=None,
-                 close_timeout_s: float = 60.0, gateway=None):
+                 close_timeout_s: float = 60.0, gateway=None, vision=None):
         if prefix_policy not in ("split", "continue"):
             raise ValueError(f"prefix_policy must be 'split' or 'continue', got {prefix_policy!r}")
         self.tokenizer = tokenizer
@@ -154,6 +155,7 @@ class Rollout:
         self.scorer = scorer  # None: the environment's own rewards are the whole reward
         self.close_timeout_s = close_timeout_s
         self.gateway = gateway  # a GatewayServer: agent environments (task.env=openai_agent) call it
+        self.vision = vision  # a vision-language model's Vision (tidal/models/vision.py); None: text only
 
     def with_params(self, **changes: Any) -> Rollout:
         """A copy of this rollout whose sampling differs (e.g. greedy evaluation)."""
@@ -169,6 +171,29 @@ class Rollout:
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _images(self, messages: list[Message], where: str, row: dict[str, Any] | None = None) -> tuple[list[Message], list]:
+        """`messages` with their image parts as ImageBlobs (tidal/images.py), and those images in order. A bare
+        {"type": "image"} part of the opening messages takes the next image of the row's `images` (or `image`)
+        column. Images for a text-only model are refused."""
+        row_images = None
+        if row is not None:
+            row_images = row.get("images")
+            if row_images is None and row.get("image") is not None:
+                row_images = [row["image"]]
+        messages, blobs = normalize_messages(messages, row_images, where)
+        if blobs and self.vision is None:
+            raise ImageError(f"{where}: {len(blobs)} image(s), but the model is text-only (model.path is not a "
+                             "vision-language model)")
+        return messages, blobs
+
+    def _tokenize_with_images(self, text: str, blobs: list, where: str) -> list[int]:
+        """`text` tokenized, each image placeholder the chat template rendered grown to its image's run
+        (tidal/models/vision.py): the tokens the model sees, expanded once, here."""
+        ids = self._tokenize(text)
+        if self.vision is None:
+            return ids
+        return self.vision.expand(ids, blobs, where)
 
     def _turn_params(self, spec: EpisodeSpec, turn: int, override: SamplingOverride | None, context: int) -> SamplingParams:
         params = replace(self.params, seed=request_seed(spec.seed, turn))
@@ -202,15 +227,22 @@ class Rollout:
         t0 = time.perf_counter()
         try:
             history = list(await env.reset())
+        except Exception as e:  # noqa: BLE001
+            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset raised {type(e).__name__}({e})")
+        try:
+            history, images = self._images(history, f"env `{name}` reset", spec.row)
             tools = getattr(env, "tools", None) or None
             override = getattr(env, "sampling", None)
             context_text = self._render(history, tools, generation_prompt=True)
-            ep.tokens = self._tokenize(context_text)
-        except Exception as e:  # noqa: BLE001
-            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset raised {type(e).__name__}({e})")
+            ep.tokens = self._tokenize_with_images(context_text, images, f"env `{name}` reset")
+        except Exception as e:  # noqa: BLE001 - a bad image or a message the template cannot render
+            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset: its messages cannot be rendered: "
+                              f"{type(e).__name__}({e})")
         if not ep.tokens:
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset gave an empty prompt")
         prompt_messages, prompt_text, conversation = list(history), context_text, list(history)
+        seg_images = list(images)  # the images of the current segment, one per image run in ep.tokens[seg:]
+        self._add_images(ep, images)
         ep.prompt_len = len(ep.tokens)
         ep.loss_mask = [False] * len(ep.tokens)
         ep.logprobs = [0.0] * len(ep.tokens)
@@ -227,7 +259,8 @@ class Rollout:
             try:
                 async with trace.async_span("generate", spec.episode_id, turn=turn):
                     res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", ep.tokens[seg:],
-                                                                  params, session_id=spec.episode_id))
+                                                                  params, session_id=spec.episode_id,
+                                                                  images=tuple(seg_images)))
             except Exception as e:  # noqa: BLE001
                 return self._fail(ep, Status.ENGINE_ERROR, f"engine raised {type(e).__name__}({e}) on turn {turn}")
             gen_time += time.perf_counter() - t1
@@ -271,25 +304,32 @@ class Rollout:
             # The environment's messages, then the next generation prompt: only the text the
             # template adds is tokenized (or, on a prefix break, a new segment starts).
             context_text += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
+            where = f"env `{name}` turn {turn}"
             try:
-                after = self._render(history + list(out.messages), tools, generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - e.g. a message the template cannot render
-                return self._fail(ep, Status.ENV_ERROR, f"env `{name}` turn {turn}: the chat template cannot render "
-                                  f"its messages: {type(e).__name__}({e})")
-            history += list(out.messages)
-            conversation += list(out.messages)
-            if after.startswith(context_text):
-                new = self._tokenize(after[len(context_text):])
-                new_seg = False
-            else:
-                breaks += 1
-                new, new_seg = self._tokenize(after), True
+                answer, new_images = self._images(list(out.messages), where)
+                after = self._render(history + answer, tools, generation_prompt=True)
+                new_seg = not after.startswith(context_text)
+                if new_seg:  # a prefix break: the new segment holds the whole conversation again, its images too
+                    added_images = [*message_images(history), *new_images]
+                    new = self._tokenize_with_images(after, added_images, where)
+                else:
+                    added_images = new_images
+                    new = self._tokenize_with_images(after[len(context_text):], new_images, where)
+            except Exception as e:  # noqa: BLE001 - e.g. a bad image or a message the template cannot render
+                return self._fail(ep, Status.ENV_ERROR, f"{where}: the chat template cannot render its messages: "
+                                  f"{type(e).__name__}({e})")
+            history += answer
+            conversation += answer
+            breaks += int(new_seg)
             if self.max_total_tokens is not None and (0 if new_seg else len(ep.tokens) - seg) + len(new) >= self.max_total_tokens:
                 ep.metrics["rollout/out_of_tokens"] = 1.0
                 break
             if new_seg:
                 seg = len(ep.tokens)
                 ep.segments.append(seg)
+                seg_images = []
+            seg_images += added_images
+            self._add_images(ep, added_images)
             context_text = after
             ep.tokens += new
             ep.loss_mask += [False] * len(new)
@@ -306,6 +346,13 @@ class Rollout:
             for i in range(seg):  # earlier segments stay untrained: off the mask, logprob 0.0, version -1
                 ep.loss_mask[i], ep.logprobs[i], ep.versions[i] = False, 0.0, -1
         return await self._score(ep, spec, group, prompt_text, prompt_messages, conversation, last_text, t0)
+
+    @staticmethod
+    def _add_images(ep: Episode, blobs: list) -> None:
+        """Record images whose runs were appended to `ep.tokens`, in order."""
+        for b in blobs:
+            ep.images.append(b.id)
+            ep.image_blobs[b.id] = b
 
     async def _score(self, ep: Episode, spec: EpisodeSpec, group: _GroupScoring | None, prompt_text: str,
                      prompt_messages: list[Message], conversation: list[Message], last_text: str, t0: float) -> Episode:
