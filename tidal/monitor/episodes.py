@@ -33,6 +33,7 @@ import itertools
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -73,6 +74,7 @@ _LISTS = [("tokens", pa.int32()), ("loss_mask", pa.bool_()), ("logprobs", pa.flo
 # Episode fields that are not columns: the pictures themselves live in the store's images/ folder.
 _NOT_STORED = {"image_blobs"}
 IMAGES_DIR = "images"
+_SAVED_IMAGES_REMEMBERED = 1 << 16
 _FILE = re.compile(r"^step_(\d+)(?:\.part(\d+))?\.parquet$")
 
 
@@ -203,7 +205,8 @@ class EpisodeWriter:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.images = ImageDir(self.dir / IMAGES_DIR)
-        self._saved_images: set[str] = set()
+        # ids saved lately: a group's samples share their pictures (bounded; a forgotten id costs one stat)
+        self._saved_images: OrderedDict[str, None] = OrderedDict()
         self.tokenizer = tokenizer
         self.decode_text = tokenizer is not None if decode_text is None else decode_text
         self._decode = batch_decoder(tokenizer) if self.decode_text else None
@@ -243,7 +246,9 @@ class EpisodeWriter:
                 raise ValueError(f"episode {episode.episode_id} of step {episode.step}: image {image_id} has no "
                                  "picture in image_blobs")
             self.images.put(blob)
-            self._saved_images.add(image_id)
+            self._saved_images[image_id] = None
+            if len(self._saved_images) > _SAVED_IMAGES_REMEMBERED:
+                self._saved_images.popitem(last=False)
 
     def add_many(self, episodes: Iterable[Episode]) -> None:
         for ep in episodes:
