@@ -232,12 +232,12 @@ class EpisodeWriter:
         (reward shaping, a `trained` flag) do not reach the store, whether or not its row group
         was written yet (its token lists and turns are not copied: they do not change once an
         episode has finished)."""
-        self._save_images(episode)
         with self._lock:
+            self._save_images(episode)
             self._add(episode.step if isinstance(episode, Episode) else None, _snapshot(episode))
 
     def _save_images(self, episode: Episode) -> None:
-        """Each picture of the episode once under images/ (content-addressed: a group's samples share it)."""
+        """(Inside the lock.) Each picture of the episode once under images/ (content-addressed: a group's samples share it)."""
         for image_id in getattr(episode, "images", ()):
             if image_id in self._saved_images:
                 continue
@@ -264,10 +264,9 @@ class EpisodeWriter:
 
     def write(self, step: int, episodes: list[Episode]) -> Path:
         """All of a step's episodes at once (rows carry `step`); returns the step's first file."""
-        for ep in episodes:
-            self._save_images(ep)
         with self._lock:
             for ep in episodes:
+                self._save_images(ep)
                 self._add(step, _snapshot(ep))
             f = self._open.pop(step, None) or _OpenFile(step)
             self._ended.add(step)
