@@ -148,6 +148,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from tidal.config import RewardSpec
     from tidal.engines.torch_engine import TorchEngine
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+    from tidal.models.vision import Vision
     from tidal.rewards.pool import build_scorer, spec_keys
     from tidal.runtime.controller import make_rollout, start_run_gateway
     from tidal.runtime.evaluate import evaluate_engine
@@ -169,7 +170,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     t0 = time.time()
     gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
     try:
-        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway),
+        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, Vision.load(model_dir)),
                               task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
     finally:
         if gateway is not None:

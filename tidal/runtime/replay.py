@@ -89,6 +89,7 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
     from tidal.config import load_resume_config
     from tidal.engines.torch_engine import TorchEngine
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+    from tidal.models.vision import Vision
     from tidal.rewards.pool import build_scorer, spec_keys
     from tidal.runtime.controller import make_rollout
     from tidal.runtime.rollout import EpisodeSpec
@@ -121,7 +122,7 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(tokenizer))
     scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
     try:
-        rollout = make_rollout(cfg, tokenizer, params, scorer)
+        rollout = make_rollout(cfg, tokenizer, params, scorer, vision=Vision.load(model_dir))
         spec = EpisodeSpec(task.make_env(row, recorded["seed"]), episode_id, recorded["group_id"], recorded["task_id"],
                            recorded["seed"], row=row, greedy=episode_id.endswith("-greedy"))
         again = loop_scoped.run(rollout.run([spec], engine, step=recorded["step"]))[0]
