@@ -223,3 +223,16 @@ def rope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_toke
 def next_position(positions: torch.Tensor) -> int:
     """The (text) position of the token after a sequence with mRoPE `positions` [3, n]."""
     return int(positions.max()) + 1 if positions.numel() else 0
+
+
+# The banned tokens' logit: large and finite, so their probability is exactly 0 in float32 and
+# bfloat16 while p·log p (the entropy) stays 0 rather than NaN, as it would with -inf.
+BANNED_LOGIT = -1e9
+
+
+def mask_banned(logits: torch.Tensor, banned_ids: torch.Tensor | list[int] | tuple[int, ...]) -> torch.Tensor:
+    """`logits` [..., V] with the vocabulary entries `banned_ids` set to BANNED_LOGIT (a new tensor;
+    the gradient into them is 0): the policy's distribution without the vision special tokens,
+    which engines sample from and the trainer scores alike."""
+    ids = torch.as_tensor(banned_ids, dtype=torch.long, device=logits.device)
+    return logits.index_fill(-1, ids, BANNED_LOGIT)
