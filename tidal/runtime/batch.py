@@ -14,6 +14,7 @@ import torch
 
 from tidal.algorithms import estimate_advantages, informative_groups, kl_estimate, overlong_penalty, terminal_rewards
 from tidal.config import AlgorithmConfig
+from tidal.models.vision import image_runs
 from tidal.trainer.trainer import TrainBatch, pad_rows
 from tidal.types import Episode, Status
 
@@ -70,23 +71,27 @@ def token_rewards(episodes: list[Episode], mask_BT: torch.Tensor) -> torch.Tenso
 
 def build_batch(
     episodes: list[Episode], algo: AlgorithmConfig, trainer, *, kl_coef: float,
-    baselines: dict[str, float] | None = None,
+    baselines: dict[str, float] | None = None, image_token_id: int | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """A TrainBatch with per-token advantages for `episodes` (all trainable, grouped by
     group_id). `trainer` supplies reference log-probs (KL in reward) and critic values (gae).
-    `baselines` maps group id → greedy reward (remax).
+    `baselines` maps group id → greedy reward (remax). Episodes with images (a vision-language
+    model) give the batch their images, one list per sequence.
 
     An episode split into segments by a prefix break (see rollout.py) becomes one training
     sequence per segment that has trained tokens; its advantages are computed over the whole
     episode (the segments joined: rewards and returns run over policy tokens only), and
-    log-probs (KL in reward) in each segment's own context, the one the policy sampled in."""
+    log-probs (KL in reward) in each segment's own context, the one the policy sampled in.
+    Each segment takes the images whose runs of image pads start inside it, which needs
+    `image_token_id` (the model's `Vision.image_token_id`) when such an episode has images."""
     split = any(len(e.segment_spans()) > 1 for e in episodes)
     if split and algo.advantage == "gae":
         raise ValueError("algorithm.advantage=gae cannot value an episode split by a prefix break (rollout.prefix_policy); "
                          "use a chat template that preserves prefixes or an outcome estimator")
-    seg_batch, where = _segments(episodes) if split else (None, [])
+    seg_batch, where = _segments(episodes, image_token_id) if split else (None, [])
     batch = TrainBatch(tokens=[e.tokens for e in episodes], loss_mask=[e.loss_mask for e in episodes],
-                       advantages=[], behaviour_logprobs=[e.logprobs for e in episodes])
+                       advantages=[], behaviour_logprobs=[e.logprobs for e in episodes],
+                       images=[e.image_list() for e in episodes] if any(e.images for e in episodes) else None)
     lengths = [len(e.tokens) - 1 for e in episodes]
     mask_BT = pad_rows([m[1:] for m in batch.loss_mask], False, torch.bool)
     token_rewards_BT = token_rewards(episodes, mask_BT)
@@ -136,18 +141,38 @@ def build_batch(
     return (batch.select(keep) if algo.overlong_filter else batch), metrics
 
 
-def _segments(episodes: list[Episode]) -> tuple[TrainBatch, list[tuple[int, int]]]:
+def _segments(episodes: list[Episode], image_token_id: int | None = None) -> tuple[TrainBatch, list[tuple[int, int]]]:
     """One training sequence per segment with trained tokens, and for each its (episode
-    index, start offset). Per-position lists are filled in by `build_batch`."""
-    tokens, masks, behaviour, where = [], [], [], []
+    index, start offset). Per-position lists are filled in by `build_batch`. A segment's
+    images are those of the episode's image runs that start inside it (`segment_images`)."""
+    tokens, masks, behaviour, images, where = [], [], [], [], []
     for i, e in enumerate(episodes):
-        for a, b in e.segment_spans():
+        spans = e.segment_spans()
+        per_span = segment_images(e, spans, image_token_id) if e.images else [[] for _ in spans]
+        for (a, b), ims in zip(spans, per_span):
             if not any(e.loss_mask[a + 1:b]):
                 continue
             tokens.append(e.tokens[a:b])
             masks.append(e.loss_mask[a:b])
             behaviour.append(e.logprobs[a:b])
+            images.append(ims)
             where.append((i, a))
-    return TrainBatch(tokens, masks, [], behaviour), where
+    return TrainBatch(tokens, masks, [], behaviour, images=images if any(images) else None), where
+
+
+def segment_images(episode: Episode, spans: list[tuple[int, int]], image_token_id: int | None) -> list[list]:
+    """The episode's ImageBlobs per span of its tokens: image k (`episode.images[k]`) belongs to
+    the span where the k-th run of image pads starts. A later segment re-renders the
+    conversation, so it holds its own runs, and so its own copies, of earlier images."""
+    if image_token_id is None:
+        raise ValueError(f"episode {episode.episode_id} has images and is split into segments by a prefix break: "
+                         "build_batch needs image_token_id (the model's Vision.image_token_id) to give each "
+                         "segment its images")
+    runs = image_runs(episode.tokens, image_token_id)
+    if len(runs) != len(episode.images):
+        raise ValueError(f"episode {episode.episode_id}: {len(runs)} runs of image pads (token {image_token_id}) in "
+                         f"its tokens but {len(episode.images)} images")
+    blobs = episode.image_list()
+    return [[blob for (s, _), blob in zip(runs, blobs) if a <= s < b] for a, b in spans]
 
 

@@ -1,11 +1,12 @@
 """Data-parallel trainer ranks: the process group, batch sharding and FSDP2 sharding.
 
 N trainer ranks form one torch.distributed group (gloo on CPU, NCCL on GPU). Each rank
-holds a shard of every parameter (FSDP2 `fully_shard`, one group per decoder layer and
-one for the root), trains on its own shard of the global batch, and normalizes its loss
-by the GLOBAL token/sequence totals (tidal.algorithms.aggregate). Gradients are
-therefore SUMMED across ranks, never averaged: the sum of the ranks' shares is the loss
-of the whole batch, and the gradient equals the single-process gradient.
+holds a shard of every parameter (FSDP2 `fully_shard`, one group per decoder layer and per
+vision block of a vision-language model, one for the root), trains on its own shard of the
+global batch, and normalizes its loss by the GLOBAL token/sequence totals
+(tidal.algorithms.aggregate). Gradients are therefore SUMMED across ranks, never averaged:
+the sum of the ranks' shares is the loss of the whole batch, and the gradient equals the
+single-process gradient.
 
 Every collective here times out (the group's timeout) instead of hanging.
 """
@@ -59,8 +60,15 @@ def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks: `model.model.layers` (Qwen2/Llama layout, also the
+    """The repeated transformer blocks: a vision-language model's vision blocks and decoder
+    layers (Qwen2-VL layout: `visual.blocks` and `language_model.layers` of `model.model`, also
+    under peft's wrapper), else `model.model.layers` (Qwen2/Llama layout, also the
     `*ForTokenClassification` heads), else the largest ModuleList of same-type modules."""
+    for mod in model.modules():
+        layers = getattr(getattr(mod, "language_model", None), "layers", None)
+        blocks = getattr(getattr(mod, "visual", None), "blocks", None)
+        if isinstance(layers, nn.ModuleList) and isinstance(blocks, nn.ModuleList):
+            return [*blocks, *layers]  # in the order the forward runs them
     inner = getattr(model, "model", None)
     if isinstance(getattr(inner, "layers", None), nn.ModuleList):
         return list(inner.layers)

@@ -12,6 +12,14 @@ gathers parameters in each forward and reduce-scatters gradients in each backwar
 ranks pad their micro-batch loops with dummy passes to the same count. Gradients are
 summed across ranks under the global denominators, so they equal the single-process
 gradient of the whole batch. Without a group (or with one rank) nothing changes.
+
+Vision-language models (Qwen2-VL family, tidal/models/vision.py): `TrainBatch.images` holds each
+sequence's images; a forward gets every sequence's mRoPE positions (computed from its tokens and
+images, as the torch engine computes them) and the micro-batch's pixels, and the vision special
+tokens' logits are masked out of every forward's distribution, as the engines mask them. The
+vision tower trains with the rest unless LoRA freezes it. Data parallel, a micro-batch with no
+image runs the tower on a dummy image (`_with_images`) so that every rank joins its collectives.
+A critic (algorithm.advantage=gae) is refused for these models.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +40,7 @@ from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
+from tidal.models.vision import Vision, mask_banned
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
 
@@ -105,16 +115,27 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu"):
+def packed_order(lengths: list[int]) -> list[int]:
+    """Sequence indices in the order `packed_inputs` lays them out (row by row, left to right):
+    the order in which a vision-language model's image pads, and so its images, appear."""
+    return [i for members in pack_rows(lengths, max(lengths)) for i in members]
+
+
+def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu", rope: list[torch.Tensor] | None = None):
     """The sequences packed into rows as long as the longest (`pack_rows`): input ids and
     position ids [rows, longest], each sequence at positions 0..n-1 (a row's unused tail is a
     sequence of padding of its own), and for every sequence the flat index of each of its
     positions but the last, padded with 0 to [len(tokens), longest - 1] (the padded layout of
-    `logits[:, :-1]`)."""
+    `logits[:, :-1]`).
+
+    `rope`: each sequence's mRoPE positions [3, n] (a vision-language model); the position ids
+    are then [4, rows, longest]: the text positions above first (Qwen2-VL derives the packed
+    mask from them), then the sequences' own three components (a row's tail: its text positions)."""
     capacity = max(len(t) for t in tokens)
     rows = pack_rows([len(t) for t in tokens], capacity)
     ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
     pos = torch.zeros((len(rows), capacity), dtype=torch.long)
+    mrope = None if rope is None else torch.zeros((3, len(rows), capacity), dtype=torch.long)
     index = torch.zeros((len(tokens), capacity - 1), dtype=torch.long)
     for r, members in enumerate(rows):
         offset = 0
@@ -122,9 +143,15 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu"):
             n = len(tokens[i])
             ids[r, offset:offset + n] = torch.tensor(tokens[i], dtype=torch.long)
             pos[r, offset:offset + n] = torch.arange(n)
+            if mrope is not None:
+                mrope[:, r, offset:offset + n] = rope[i]
             index[i, :n - 1] = r * capacity + offset + torch.arange(n - 1)
             offset += n
         pos[r, offset:] = torch.arange(capacity - offset)
+        if mrope is not None:
+            mrope[:, r, offset:] = pos[r, offset:]
+    if mrope is not None:
+        pos = torch.cat([pos[None], mrope])
     return ids.to(device), pos.to(device), index.to(device)
 
 
@@ -174,6 +201,14 @@ class Trainer:
         self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
         self.device = torch.device(device)
         self.world_size = dp.world_size()  # > 1: data-parallel ranks, every model FSDP2-sharded
+        self.model_dir = resolve_model_dir(model_path)
+        # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
+        self.vision = Vision.load(self.model_dir)
+        self._banned = None if self.vision is None else torch.tensor(self.vision.banned_token_ids, device=self.device)
+        if self.vision is not None and algo.advantage == "gae":
+            raise ValueError(f"algorithm.advantage=gae trains a critic (a token-classification value model), which "
+                             f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
+                             "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.model.config.use_cache = False
         self.lora = train.lora.rank > 0
@@ -215,7 +250,8 @@ class Trainer:
         attn = pad_rows([[1] * len(t) for t in tokens], 0, torch.long, self.device)
         return ids, attn
 
-    def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None):
+    def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None,
+                 images: list[list] | None = None):
         """Logits [B, longest - 1, V] for every sequence's targets, and the targets (right-padded
         with pad_token_id). `train.packing`: the model runs on the packed rows (`packed_inputs`),
         attention kept within each sequence by transformers' packed-sequence mask, which it
@@ -226,26 +262,95 @@ class Trainer:
         the output head runs on their hidden states alone (`_keep_rows`), and logits [N, V] and
         targets [N] come back in `keep`'s row-major order. The head, the log-softmax and the
         entropy are the per-position work that grows with the vocabulary; the prompt and the
-        padding never need them in a policy update."""
-        ids, attn = self._inputs(tokens)
-        targets = ids[:, 1:]
+        padding never need them in a policy update.
+
+        A vision-language model (`images`: per sequence, one per image run of its tokens) also
+        gets each sequence's mRoPE positions and the micro-batch's pixels in the order its image
+        pads appear, and its vision special tokens' logits are masked (`mask_banned`): the
+        policy's distribution is the one the engines sample from."""
+        targets = pad_rows(tokens, self.pad_token_id, torch.long, self.device)[:, 1:]
+        B, T = targets.shape
+        seqs, vis = self._with_images(tokens, images)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            if self.train_cfg.packing and len(tokens) > 1:
-                packed, pos, index = packed_inputs(tokens, self.pad_token_id, self.device)
+            if self.train_cfg.packing and len(seqs) > 1:
+                rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
+                packed, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
+                index = index[:B, :T]  # a dummy image's sequence (data parallel) is not scored
+                kw = {} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs]))
                 rows = None if keep is None else index[keep]
                 with _keep_rows(model, rows):
-                    logits = model(input_ids=packed, position_ids=pos, use_cache=False).logits
+                    logits = model(input_ids=packed, position_ids=pos, use_cache=False, **kw).logits
                 logits = logits.flatten(0, 1)[index] if keep is None else logits
             else:
+                ids, attn = self._inputs(seqs)
+                kw = {}
+                if vis is not None:  # padding positions: 0 (masked out)
+                    pos = torch.zeros((3, *ids.shape), dtype=torch.long)
+                    for i, (t, im) in enumerate(zip(seqs, vis)):
+                        pos[:, i, :len(t)] = self._rope(t, im, i)
+                    kw = {"position_ids": pos.to(self.device), "use_cache": False,
+                          **self._pixels(vis, range(len(seqs)))}
                 rows = None
                 if keep is not None:  # flat positions of the kept targets in [B, longest] hidden states
-                    rows = (torch.arange(ids.shape[0], device=self.device)[:, None] * ids.shape[1]
-                            + torch.arange(ids.shape[1] - 1, device=self.device))[keep]
+                    rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
+                            + torch.arange(T, device=self.device))[keep]
                 with _keep_rows(model, rows):
-                    logits = model(input_ids=ids, attention_mask=attn).logits
-                logits = logits[:, :-1] if keep is None else logits
+                    logits = model(input_ids=ids, attention_mask=attn, **kw).logits
+                logits = logits[:B, :T] if keep is None else logits
+        if self._banned is not None:
+            logits = mask_banned(logits, self._banned)
         # bfloat16 logits under mixed precision: token_logprobs works in float32
         return logits, targets if keep is None else targets[keep]
+
+    def _with_images(self, tokens: list[list[int]], images: list[list] | None):
+        """The sequences to run and, for a vision-language model, each one's images (else None).
+
+        Data parallel, a micro-batch without any image gets one more sequence holding a dummy
+        image: FSDP gathers the vision tower's blocks in the forward and reduce-scatters their
+        gradients in the backward only on a rank that runs it, so every rank runs it in every
+        pass, or the ranks' collectives would pair up wrongly. The dummy sequence is never
+        scored: its logits leave the loss, so its gradient (and so its share of every
+        parameter's gradient) is exactly 0, while its activations stay in the graph, so the
+        vision tower's (zero) gradients are reduced with the other ranks'."""
+        if self.vision is None:
+            if images is not None and any(images):
+                raise ValueError(f"the batch carries images, but `{self.model_dir}` is a text-only model")
+            return tokens, None
+        vis = [list(im) for im in images] if images is not None else [[] for _ in tokens]
+        if len(vis) != len(tokens):
+            raise ValueError(f"{len(tokens)} sequences but images for {len(vis)}")
+        if self.world_size > 1 and not any(vis):
+            blob = self._dummy_image()
+            return [*tokens, self._dummy_image_tokens(blob)], [*vis, [blob]]
+        return tokens, vis
+
+    def _dummy_image(self):
+        from PIL import Image
+
+        from tidal.images import as_image
+
+        return as_image(Image.new("RGB", (56, 56)))  # the processor's usual minimum: 4 tokens
+
+    def _dummy_image_tokens(self, blob) -> list[int]:
+        spec = self.vision.spec
+        return [spec.vision_start_token_id, *[spec.image_token_id] * self.vision.num_tokens(blob),
+                spec.vision_end_token_id]
+
+    def _rope(self, tokens: list[int], images: list, i: int) -> torch.Tensor:
+        try:
+            return self.vision.positions(tokens, images)
+        except ValueError as e:
+            raise ValueError(f"sequence {i} of a micro-batch ({len(tokens)} tokens): {e}; TrainBatch.images must hold "
+                             "one image per run of image pads, in order") from None
+
+    def _pixels(self, images: list[list], order) -> dict:
+        """The vision tower's inputs: the images of the sequences in `order` (the order their
+        image pads take in the input ids), concatenated; nothing when there are none."""
+        blobs = [b for i in order for b in images[i]]
+        if not blobs:
+            return {}
+        pixel_values, grid = self.vision.pixels(blobs)
+        return {"pixel_values": pixel_values.to(self.device), "image_grid_thw": grid.to(self.device)}
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         """This batch's micro-batches. Data parallel: padded with `None` (a dummy pass) to the
@@ -276,9 +381,9 @@ class Trainer:
         out: list[list[float]] = [[] for _ in range(len(batch))]
         for idx in self._micro_batches(batch):
             if idx is None:  # data parallel: another rank still has micro-batches; join its all-gathers
-                fn(self._dummy_tokens())
+                fn(self._dummy_tokens(), None)
                 continue
-            values = fn([batch.tokens[i] for i in idx])
+            values = fn([batch.tokens[i] for i in idx], None if batch.images is None else [batch.images[i] for i in idx])
             for row, i in enumerate(idx):
                 out[i] = values[row, : len(batch.tokens[i]) - 1].tolist()
         dp.reshard(model)
@@ -288,28 +393,30 @@ class Trainer:
         """Current-policy log-probs of every token after the first (position 0 scores token 1).
         Data parallel: a collective; each rank scores its own batch."""
         return self._per_position(batch, self.model,
-                                  lambda toks: token_logprobs(*self._forward(self.model, toks), self.temperature))
+                                  lambda toks, ims: token_logprobs(*self._forward(self.model, toks, images=ims),
+                                                                   self.temperature))
 
-    def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None):
+    def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None, images: list[list] | None = None):
         """`_forward` of the frozen reference: its own model, or under LoRA the policy with its
         adapters off (the base weights, which never train)."""
         if not self.lora:
-            return self._forward(self.ref_model, tokens, keep)
+            return self._forward(self.ref_model, tokens, keep, images)
         with self.model.disable_adapter():
-            return self._forward(self.model, tokens, keep)
+            return self._forward(self.model, tokens, keep, images)
 
     def ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The frozen reference's log-probs, aligned as `logprobs`."""
         if not self.has_ref:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
         return self._per_position(batch, self.model if self.lora else self.ref_model,
-                                  lambda toks: token_logprobs(*self._ref_forward(toks), self.temperature))
+                                  lambda toks, ims: token_logprobs(*self._ref_forward(toks, images=ims),
+                                                                   self.temperature))
 
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
         if self.critic is None:
             raise RuntimeError("no critic: algorithm.advantage is not gae")
-        return self._per_position(batch, self.critic.model, lambda toks: self.critic.forward(*self._inputs(toks)))
+        return self._per_position(batch, self.critic.model, lambda toks, _: self.critic.forward(*self._inputs(toks)))
 
     def _dummy_backward(self, kl_in_loss: bool, with_critic: bool) -> None:
         """A pass that adds exactly zero to every gradient but runs the same FSDP collectives
@@ -350,15 +457,16 @@ class Trainer:
                 self._dummy_backward(kl_in_loss, with_critic)
                 continue
             toks = [batch.tokens[i] for i in idx]
+            ims = None if batch.images is None else [batch.images[i] for i in idx]
             pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
             # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
             mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
-            logits, targets = self._forward(self.model, toks, keep=mask)
+            logits, targets = self._forward(self.model, toks, keep=mask, images=ims)
             logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
             ref_logp = None
             if kl_in_loss:
                 with torch.no_grad():
-                    ref_logits = self._ref_forward(toks, keep=mask)[0]
+                    ref_logits = self._ref_forward(toks, keep=mask, images=ims)[0]
                     ref_logp = at_mask(mask, token_logprobs(ref_logits, targets, self.temperature))
             behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
             x = LossInputs(
@@ -458,6 +566,8 @@ class Trainer:
         if dp.rank() == 0:
             if tokenizer is not None:
                 tokenizer.save_pretrained(path / "model")
+            if self.vision is not None:  # the image processor's settings: engines and the trainer load it from model/
+                shutil.copy2(self.model_dir / "preprocessor_config.json", path / "model" / "preprocessor_config.json")
             torch.save(state, path / "trainer_state.pt")
         dp.barrier()  # nobody reads the checkpoint before it is whole
 
