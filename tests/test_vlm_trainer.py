@@ -280,6 +280,25 @@ def test_lora_on_a_vlm_adapts_the_language_model_and_merges_every_key(vlm, tmp_p
     _close({n: p.detach() for n, p in saved.items()}, merged, "saved merged weight", rtol=0, atol=0)
 
 
+def test_a_checkpoint_of_a_vlm_resumes_and_serves_as_a_model(vlm, tmp_path):
+    """model/ holds the weights under the names transformers publishes Qwen2-VL in (`visual.*`,
+    `model.layers.*`) and the image processor's settings: the trainer resumes from it exactly, and
+    it loads as a model directory of its own."""
+    d, vision = vlm
+    b = _batch(vision)
+    tr = _trainer(d)
+    tr.forward_backward(b)
+    tr.optim_step()
+    tr.save(tmp_path / "ck")
+    again = _trainer(d)
+    again.load(tmp_path / "ck")
+    _close(again.named_weights(), tr.named_weights(), "resumed weight", rtol=0, atol=0)
+    assert again.version == 1
+    served = _trainer(str(tmp_path / "ck"))
+    assert served.vision is not None
+    assert served.logprobs(b) == tr.logprobs(b)
+
+
 def test_a_critic_and_images_for_a_text_model_are_refused(vlm, tiny_model_dir):
     d, vision = vlm
     with pytest.raises(ValueError, match="algorithm.advantage=gae"):
@@ -377,6 +396,9 @@ def _fsdp_worker(rank, port, tmp, d):
             out[case, "metrics"] = tr.forward_backward(shard, totals=batch.totals())
             out[case, "grads"] = _grads(tr.model)
             out[case, "step"] = tr.optim_step()
+            if case == "K":  # a checkpoint written by 2 ranks, for one process to resume
+                out[case, "weights"] = tr.named_weights()
+                tr.save(tmp / "ck2")
         torch.save(out, tmp / f"rank{rank}.pt")
     finally:
         destroy()
@@ -424,3 +446,6 @@ def test_two_fsdp_ranks_one_without_images_match_one_process(vlm, tmp_path):
                         torch.testing.assert_close(torch.tensor(row), torch.tensor(ref[case, key][i]), **TOL)
         # every rank ends the step with the same (global) gradient norm
         assert other[case, "step"]["grad_norm"] == got[case, "step"]["grad_norm"]
+    one = _case_trainer(d, "K")
+    one.load(tmp_path / "ck2")
+    _close(one.named_weights(), got["K", "weights"], "resumed from 2 ranks", rtol=0, atol=0)

@@ -185,11 +185,32 @@ def load_hf_weights(model: nn.Module, path) -> tuple[list[str], list[str]]:
 
     index = path / "model.safetensors.index.json"  # save_pretrained splits large models
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    state = {k: v for f in files for k, v in load_file(str(path / f)).items()}
+    state = _own_names(model, {k: v for f in files for k, v in load_file(str(path / f)).items()})
     missing, unexpected = load_full_state(model, state)
     if not is_sharded(model):
         model.tie_weights()
     return missing, unexpected
+
+
+def _own_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (read from a model directory) under `model`'s own parameter names. save_pretrained
+    writes some models under the naming their checkpoints were first published in (Qwen2-VL:
+    `visual.*` and `model.*` for `model.visual.*` and `model.language_model.*`, which is what
+    engines expect) and from_pretrained renames back; a state dict read here gets the same
+    renaming, found by reverting each of the model's own names as save_pretrained does. Keys the
+    model already has stay as they are."""
+    own = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    if not state.keys() - set(own):
+        return state
+    from transformers.core_model_loading import revert_weight_conversion
+
+    probe = torch.empty(0)
+    saved_as = {}
+    for name in own:
+        out = revert_weight_conversion(model, {name: probe})
+        if len(out) == 1:  # a renaming (a weight split or fused on saving keeps its name: then unexpected)
+            saved_as[next(iter(out))] = name
+    return {saved_as.get(k, k): v for k, v in state.items()}
 
 
 def load_full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
