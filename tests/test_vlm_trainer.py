@@ -24,7 +24,7 @@ from test_trainer import GRAD_TOL
 
 from tidal.config import AlgorithmConfig, LoraConfig, TrainConfig
 from tidal.images import as_image
-from tidal.models import load_model
+from tidal.models import load_model, resolve_model_dir
 from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision, image_processor, image_runs
 from tidal.runtime.batch import build_batch
@@ -278,6 +278,17 @@ def test_lora_on_a_vlm_adapts_the_language_model_and_merges_every_key(vlm, tmp_p
     assert Vision.load(tmp_path / "ck" / "model") is not None  # preprocessor_config.json came along
     saved = dict(load_model(tmp_path / "ck" / "model").named_parameters())
     _close({n: p.detach() for n, p in saved.items()}, merged, "saved merged weight", rtol=0, atol=0)
+    # `tidal eval <checkpoint>/adapter`: the adapter merged into its VLM base is a whole VLM directory too
+    os.environ["TIDAL_CACHE_DIR"] = str(tmp_path / "cache")
+    try:
+        merged_dir = resolve_model_dir(tmp_path / "ck" / "adapter")
+    finally:
+        del os.environ["TIDAL_CACHE_DIR"]
+    assert merged_dir.is_relative_to(tmp_path / "cache") and Vision.load(merged_dir) is not None
+    again = dict(load_model(merged_dir).named_parameters())
+    # peft's merge (W + scale·B·A in its own order) against tidal's: the same sum up to float32 rounding of
+    # weights of magnitude ~0.1 (1e-6 is ~100 ulps there).
+    _close({n: p.detach() for n, p in again.items()}, merged, "merged adapter dir weight", rtol=0, atol=1e-6)
 
 
 def test_a_checkpoint_of_a_vlm_resumes_and_serves_as_a_model(vlm, tmp_path):

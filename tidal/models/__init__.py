@@ -68,9 +68,12 @@ def merged_adapter_dir(adapter: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype="auto")
+    from tidal.models.vision import is_vision_config, read_config
+
+    auto = AutoModelForImageTextToText if is_vision_config(read_config(base_dir)) else AutoModelForCausalLM
+    model = auto.from_pretrained(str(base_dir), dtype="auto")
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cache))
@@ -79,6 +82,8 @@ def merged_adapter_dir(adapter: Path) -> Path:
     for f in tok_dir.iterdir():
         if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template"))):
             shutil.copy2(f, tmp / f.name)
+    if (base_dir / "preprocessor_config.json").is_file():  # a vision-language model's image processor
+        shutil.copy2(base_dir / "preprocessor_config.json", tmp / "preprocessor_config.json")
     try:
         tmp.rename(out)  # whole or absent: a concurrent merge of the same adapter may have won
     except OSError:

@@ -227,7 +227,8 @@ class Controller:
                                          cfg.rollout.max_staleness))
         if train_eps:
             batch, prep = build_batch(train_eps, cfg.algorithm, self.trainer, kl_coef=self.kl_ctl.coef,
-                                      baselines=s.baselines)  # advantages
+                                      baselines=s.baselines,  # advantages
+                                      image_token_id=self.vision.image_token_id if self.vision else None)
             metrics.update(prep)
             minis = self._mini_batches(len(batch))
             if cfg.train.epochs * len(minis) > 1 and batch.old_logprobs is None:
