@@ -257,7 +257,7 @@ def test_without_text_positions_packed_sequences_with_images_would_see_each_othe
         assert (right[i, :n] - wrong[i, :n]).abs().max() > 1e-2
 
 
-def test_lora_on_a_vlm_adapts_the_language_model_and_merges_every_key(vlm, tmp_path):
+def test_lora_on_a_vlm_adapts_the_language_model_and_merges_every_key(vlm, tmp_path, monkeypatch):
     """The default targets name the language model's projections: only their adapters train (the
     vision tower stays frozen), the merged weights carry every parameter of the plain model under
     its own name, and the checkpoint's model/ is a whole VLM directory (image processor included)."""
@@ -279,11 +279,8 @@ def test_lora_on_a_vlm_adapts_the_language_model_and_merges_every_key(vlm, tmp_p
     saved = dict(load_model(tmp_path / "ck" / "model").named_parameters())
     _close({n: p.detach() for n, p in saved.items()}, merged, "saved merged weight", rtol=0, atol=0)
     # `tidal eval <checkpoint>/adapter`: the adapter merged into its VLM base is a whole VLM directory too
-    os.environ["TIDAL_CACHE_DIR"] = str(tmp_path / "cache")
-    try:
-        merged_dir = resolve_model_dir(tmp_path / "ck" / "adapter")
-    finally:
-        del os.environ["TIDAL_CACHE_DIR"]
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    merged_dir = resolve_model_dir(tmp_path / "ck" / "adapter")
     assert merged_dir.is_relative_to(tmp_path / "cache") and Vision.load(merged_dir) is not None
     again = dict(load_model(merged_dir).named_parameters())
     # peft's merge (W + scale·B·A in its own order) against tidal's: the same sum up to float32 rounding of
