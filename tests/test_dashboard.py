@@ -5,18 +5,23 @@ browser in tests/test_dashboard_browser.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
 
 import pyarrow.dataset as ds
 import pytest
+from dashboard_vlm_run import make_vlm_run
 from starlette.testclient import TestClient
 
 from tidal.cli import main as cli_main
 from tidal.models import load_tokenizer
+from tidal.models.vision import image_runs
 from tidal.monitor.dashboard.data import DashboardError, RunView
 from tidal.monitor.dashboard.server import COOKIE, DashboardServer, build_app
+from tidal.monitor.episodes import EpisodeWriter
+from tidal.types import Episode
 
 pytest.importorskip("duckdb", reason="the dashboard extra (duckdb, plotly) is in the dev extra")
 
@@ -149,6 +154,7 @@ def test_an_episode_is_shown_token_by_token(client, runs):
     assert got["pieces"] == [tokenizer.decode([t]) for t in recorded["tokens"]]
     assert "".join(got["pieces"]) == recorded["text"]  # as the model saw it (special tokens kept)
     assert got["turns"][0]["start"] == recorded["prompt_len"]
+    assert got["images"] == [] and got["image_runs"] == [] and got["images_note"] is None  # a text model's
 
 
 @pytest.mark.parametrize("path, params, names", [
@@ -183,7 +189,8 @@ def test_off_loopback_a_token_is_required(runs):
     with pytest.raises(DashboardError, match="needs a token"):
         DashboardServer([runs[0]], host="0.0.0.0")
     c = TestClient(build_app([RunView(runs[0])], token="s3cret"), base_url="http://10.1.2.3:8765")
-    for path in ("/", "/api/runs", "/api/metrics", "/api/episodes", "/static/app.js", "/static/plotly.min.js"):
+    for path in ("/", "/api/runs", "/api/metrics", "/api/episodes", "/api/image", "/static/app.js",
+                 "/static/plotly.min.js"):
         assert c.get(path).status_code == 401, path
     assert c.get("/api/runs", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert c.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
@@ -257,3 +264,76 @@ def test_a_missing_extra_is_named_with_its_pip_command(runs, monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "duckdb", None)  # as if `tidal[dashboard]` were not installed
     assert cli_main(["dashboard", str(runs[0]), "--port", "0"]) == 2
     assert "pip install 'tidal[dashboard]'" in capsys.readouterr().err
+
+
+# -- a vision-language run: its pictures ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    return make_vlm_run(tmp_path_factory.mktemp("vlm"))
+
+
+def test_a_vlm_episode_says_where_each_image_sits(vlm):
+    c = TestClient(build_app([RunView(vlm.dir)]), base_url="http://127.0.0.1")
+    got = c.get("/api/episode", params={"id": vlm.episode.episode_id}).json()
+    runs = image_runs(vlm.episode.tokens, vlm.pad_id)
+    assert [e - s for s, e in runs] == [8, 4]  # 100x60 and 56x56 pixels: two runs of pads, told apart
+    assert got["images"] == [b.id for b in vlm.blobs] and got["images_note"] is None
+    assert got["image_runs"] == [{"start": s, "end": e, "id": b.id} for (s, e), b in zip(runs, vlm.blobs)]
+    assert all(got["pieces"][i] == "<|image_pad|>" for s, e in runs for i in range(s, e))
+
+
+def test_images_that_do_not_pair_up_with_pad_runs_are_listed_not_placed(vlm, tmp_path):
+    """A store whose ids and pad runs disagree (here: the second run cut off) is shown as it is, and says so."""
+    ep, cut = vlm.episode, image_runs(vlm.episode.tokens, vlm.pad_id)[1][0]
+    short = Episode(**{**ep.__dict__, "tokens": ep.tokens[:cut], "loss_mask": ep.loss_mask[:cut],
+                       "logprobs": ep.logprobs[:cut], "versions": ep.versions[:cut], "turns": [],
+                       "prompt_len": cut})
+    (tmp_path / "config.yaml").write_text((vlm.dir / "config.yaml").read_text())
+    with EpisodeWriter(tmp_path / "episodes") as w:
+        w.write(1, [short])
+    got = TestClient(build_app([RunView(tmp_path)]), base_url="http://127.0.0.1").get(
+        "/api/episode", params={"id": ep.episode_id}).json()
+    assert got["images"] == ep.images and got["image_runs"] == []
+    assert "listed, not placed" in got["images_note"] and "2 image(s) but 1 run(s)" in got["images_note"]
+
+
+def test_an_image_is_served_as_its_png(vlm):
+    c = TestClient(build_app([RunView(vlm.dir)]), base_url="http://127.0.0.1")
+    for blob in vlm.blobs:
+        r = c.get("/api/image", params={"run": 0, "id": blob.id})
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+        assert r.content == blob.png  # the bytes the writer saved
+        assert "immutable" in r.headers["cache-control"] and r.headers["x-content-type-options"] == "nosniff"
+
+
+@pytest.mark.parametrize("bad", ["", "../../config.yaml", "X" * 64, "upper", "short", "long", "newline", "dots",
+                                 "slash"])
+def test_an_image_id_is_64_lowercase_hex_or_refused(vlm, bad):
+    good = vlm.blobs[0].id
+    image_id = {"upper": good.upper(), "short": good[:63], "long": good + "0", "newline": good + "\n",
+                "dots": "../" + good[3:], "slash": good[:2] + "/" + good[3:]}.get(bad, bad)
+    assert (vlm.dir / "episodes" / "images" / good[:2] / f"{good}.png").is_file()  # the file is there
+    c = TestClient(build_app([RunView(vlm.dir)]), base_url="http://127.0.0.1")
+    r = c.get("/api/image", params={"run": 0, "id": image_id})
+    assert r.status_code == 400 and "64 lowercase hex" in r.json()["error"], image_id
+
+
+def test_an_unknown_image_or_run_is_named(vlm):
+    c = TestClient(build_app([RunView(vlm.dir)]), base_url="http://127.0.0.1")
+    unknown = hashlib.sha256(b"no such picture").hexdigest()
+    r = c.get("/api/image", params={"run": 0, "id": unknown})
+    assert r.status_code == 404 and unknown in r.json()["error"]
+    r = c.get("/api/image", params={"run": 1, "id": vlm.blobs[0].id})
+    assert r.status_code == 400 and "no run 1" in r.json()["error"]
+
+
+def test_an_image_needs_the_token_off_loopback_and_a_loopback_host_on_it(vlm):
+    params = {"run": 0, "id": vlm.blobs[1].id}
+    c = TestClient(build_app([RunView(vlm.dir)], token="s3cret"), base_url="http://10.1.2.3:8765")
+    assert c.get("/api/image", params=params).status_code == 401
+    r = c.get("/api/image", params=params, headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 200 and r.content == vlm.blobs[1].png
+    r = TestClient(build_app([RunView(vlm.dir)]), base_url="http://evil.example").get("/api/image", params=params)
+    assert r.status_code == 403

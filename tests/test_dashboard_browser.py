@@ -15,7 +15,9 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 from browser_support import require_chromium
+from dashboard_vlm_run import make_vlm_run
 
+from tidal.models.vision import image_runs
 from tidal.monitor.dashboard.server import DashboardServer
 from tidal.monitor.episodes import EpisodeWriter, iter_episodes
 from tidal.types import Episode, Status, ToolCallRecord, Turn
@@ -215,6 +217,37 @@ def test_a_running_runs_new_steps_appear_without_a_reload(browser, dashboard_run
                                arg=n, timeout=15_000)
         assert page.evaluate("window.__same_page") is True
         ctx.close()
+
+
+def test_a_vlm_episode_shows_its_pictures_in_place_of_their_pad_runs(page, tmp_path):
+    vlm = make_vlm_run(tmp_path)
+    ep, runs = vlm.episode, image_runs(vlm.episode.tokens, vlm.pad_id)
+    with DashboardServer([vlm.dir]) as srv:
+        load(page, srv.url)
+        page.click("button[data-tab=episodes]")
+        page.locator("tr.episode-row").first.click()
+        page.wait_for_selector(".tokens span.tok-image img")
+        pics = page.locator(".tokens span.tok-image img")
+        page.wait_for_function("() => [...document.querySelectorAll('.tokens img')].every((i) => i.complete)")
+        # the pictures loaded (a broken image has naturalWidth 0), in token order: 100x60, then 56x56 pixels
+        assert pics.evaluate_all("(xs) => xs.map((x) => [x.naturalWidth, x.naturalHeight])") == [[100, 60], [56, 56]]
+        spans = page.locator(".tokens span.tok-image")
+        assert [(int(spans.nth(k).get_attribute("data-start")), int(spans.nth(k).get_attribute("data-end")))
+                for k in range(2)] == runs
+        # each run of 8 and 4 pads is one element; every other token is as before, one span each
+        assert page.locator(".tokens span.tok").count() == len(ep.tokens) - sum(e - s - 1 for s, e in runs)
+        text = page.text_content(".tokens")
+        assert text.count("<|image_pad|>") == 2 and "<|image_pad|>×8" in text and "<|image_pad|>×4" in text
+        assert text.startswith("<|im_start|>user\n<|vision_start|><|image_pad|>×8<|vision_end|>")
+        assert page.locator("ol.images li").evaluate_all("(xs) => xs.map((x) => x.dataset.id)") == ep.images
+        assert "images (2)" in page.text_content("#episode-detail")
+        img = shot(page.locator(".tokens"), "episode-images", tmp_path)
+        assert pixels_near(img, (255, 0, 0), tol=10) > 200  # the red picture drawn (not only loaded)
+        small = pics.first.bounding_box()["height"]
+        spans.first.click()  # enlarged
+        assert pics.first.bounding_box()["height"] > 4 * small
+        spans.first.click()
+        assert pics.first.bounding_box()["height"] == small
 
 
 PAYLOAD = '<img src=x onerror="window.__pwned=1">'

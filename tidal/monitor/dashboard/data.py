@@ -9,12 +9,16 @@
   pushed into the scan, only the columns a view shows (never `tokens`/`logprobs` for the
   list), and the step range pruned by file name before DuckDB opens a file, so a list page of
   a 1,000,000-episode run reads a few columns, and one episode reads one step's file.
+- A vision-language episode's pictures are files of the store's `images/` folder, by id (a
+  content hash, so a picture never changes and may be cached for good); an episode names where
+  each sits in its tokens (`image_runs`: the runs of the tokenizer's `<|image_pad|>`, in order).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,15 +26,22 @@ from typing import Any
 
 import yaml
 
-from tidal.monitor.episodes import batch_decoder, episode_files, file_step
+from tidal.images import ImageDir
+from tidal.monitor.episodes import IMAGES_DIR, batch_decoder, episode_files, file_step
 
 LIST_COLUMNS = ("step", "episode_id", "group_id", "task_id", "env", "status", "error", "reward", "prompt_len")
 STATUSES = ("ok", "truncated", "env_error", "reward_error", "engine_error", "timeout")
 MAX_PAGE = 500
+IMAGE_ID = re.compile(r"[0-9a-f]{64}")  # tidal.images: an image's id is the sha256 of its pixels, in hex
+IMAGE_PAD = "<|image_pad|>"  # Qwen2-VL's image placeholder: one run of it per image in an episode's tokens
 
 
 class DashboardError(ValueError):
     """A request the dashboard cannot answer (unknown run, bad filter, missing episode)."""
+
+
+class DashboardNotFound(DashboardError):
+    """A well-formed request for something the run does not have (answered 404, not 400)."""
 
 
 def _finite(v: Any) -> Any:
@@ -329,7 +340,38 @@ class RunView:
             ep[k] = _finite(ep.get(k))
         ep["seed"] = None if ep.get("seed") is None else str(ep["seed"])  # 64-bit: past a JavaScript number
         ep["pieces"], ep["pieces_note"] = self._pieces(ep["tokens"] or [])
+        ep["images"] = list(ep.get("images") or [])  # a store from before images has no column
+        ep["image_runs"], ep["images_note"] = self._image_runs(ep["tokens"] or [], ep["images"])
         return ep
+
+    def _image_runs(self, tokens: list[int], images: list[str]) -> tuple[list[dict[str, Any]], str | None]:
+        """Where each image sits in the tokens: its run of image pads (`start`, `end`) and its id.
+        None are placed (only listed) when the pads cannot be found or do not pair up with the ids."""
+        if not images:
+            return [], None
+        tok = self._load_tokenizer()
+        if tok is None:
+            return [], "the images are listed, not placed: the run's tokenizer did not load"
+        pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+        if pad is None or pad == tok.unk_token_id:
+            return [], f"the images are listed, not placed: the run's tokenizer has no {IMAGE_PAD} token"
+        from tidal.models.vision import image_runs  # torch: imported only for an episode with images
+
+        runs = image_runs(tokens, pad)
+        if len(runs) != len(images):
+            return [], (f"the images are listed, not placed: the episode has {len(images)} image(s) but "
+                        f"{len(runs)} run(s) of {IMAGE_PAD} tokens")
+        return [{"start": s, "end": e, "id": i} for (s, e), i in zip(runs, images)], None
+
+    def image_path(self, image_id: str | None) -> Path:
+        """The PNG file of one of the run's pictures. Only an exact id names a file (never a path)."""
+        if not image_id or not IMAGE_ID.fullmatch(image_id):
+            raise DashboardError(f"query parameter `id` must be an image id, 64 lowercase hex characters "
+                                 f"(got {(image_id or '')[:80]!r})")
+        path = ImageDir(self.root / "episodes" / IMAGES_DIR).path(image_id)
+        if not path.is_file():
+            raise DashboardNotFound(f"run {self.name} has no image {image_id}")
+        return path
 
     def _pieces(self, tokens: list[int]) -> tuple[list[str] | None, str | None]:
         tok = self._load_tokenizer()

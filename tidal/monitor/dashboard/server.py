@@ -9,7 +9,9 @@ is ours) and asks this server's JSON routes for data (tidal/monitor/dashboard/da
     GET /api/events?run=I             alerts and reward-hacking events
     GET /api/config                   each run's config and the keys that differ between runs
     GET /api/episodes?run=I&...       a filtered page of episodes
-    GET /api/episode?run=I&id=E       one episode whole, with its tokens' texts
+    GET /api/episode?run=I&id=E       one episode whole, with its tokens' texts and where its images sit
+    GET /api/image?run=I&id=HEX       one picture of a vision-language episode (image/png, cached for good:
+                                      the id is its content hash)
 
 Binding: 127.0.0.1 unless told otherwise. Off loopback a token is required on every route
 (`Authorization: Bearer T`, or the cookie set by opening `/?token=T` once). On loopback
@@ -32,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from tidal.monitor.dashboard.data import DashboardError, RunView, config_diff
+from tidal.monitor.dashboard.data import DashboardError, DashboardNotFound, RunView, config_diff
 from tidal.net import ThreadedServer, is_loopback
 
 log = logging.getLogger("tidal")
@@ -50,6 +52,9 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "[::1]"}
+# A picture's id is the hash of its pixels: the same address never names other bytes, so the browser
+# may keep it (private: a token may guard it).
+IMAGE_CACHE = "private, max-age=31536000, immutable"
 
 
 class MissingDashboardExtra(RuntimeError):
@@ -136,7 +141,10 @@ def build_app(runs: list[RunView], token: str | None = None, check_host: bool = 
             if bad is not None:
                 return bad
             try:
-                return JSONResponse(fn(request), headers=SECURITY_HEADERS)
+                result = fn(request)
+                return result if isinstance(result, Response) else JSONResponse(result, headers=SECURITY_HEADERS)
+            except DashboardNotFound as e:
+                return JSONResponse({"error": str(e)}, 404, headers=SECURITY_HEADERS)
             except DashboardError as e:
                 return JSONResponse({"error": str(e)}, 400, headers=SECURITY_HEADERS)
             except Exception as e:  # the page shows it; the server goes on serving
@@ -196,11 +204,16 @@ def build_app(runs: list[RunView], token: str | None = None, check_host: bool = 
             raise DashboardError("query parameter `id` (an episode id) is required")
         return run_of(request).episode(con.cursor(), eid, _int(request, "step"))
 
+    def image_route(request: Request) -> Response:
+        path = run_of(request).image_path(request.query_params.get("id"))
+        return FileResponse(path, media_type="image/png", headers={**SECURITY_HEADERS, "Cache-Control": IMAGE_CACHE})
+
     return Starlette(routes=[
         Route("/", index), Route("/static/{name}", static),
         Route("/api/runs", api(runs_route)), Route("/api/metrics", api(metrics_route)),
         Route("/api/events", api(events_route)), Route("/api/config", api(config_route)),
         Route("/api/episodes", api(episodes_route)), Route("/api/episode", api(episode_route)),
+        Route("/api/image", api(image_route)),
     ])
 
 

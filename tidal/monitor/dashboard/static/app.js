@@ -18,6 +18,7 @@ const state = {
   page: {offset: 0, limit: 50, total: 0},
   colorMode: "mask",
   episode: null,
+  episodeRun: null,    // the run index the open episode came from (its pictures are asked of that run)
 };
 
 function el(tag, attrs, ...children) {
@@ -255,10 +256,39 @@ function tokenColor(mode, i, ep) {
   return `hsl(${(v * 47) % 360}, 60%, 82%)`;
 }
 
+function imageURL(run, id) {
+  const url = new URL("/api/image", location.origin);
+  url.searchParams.set("run", run);
+  url.searchParams.set("id", id);
+  return url.pathname + url.search;
+}
+
+function renderImageRun(ep, image, k) {
+  // One image's run of pad tokens, collapsed: its picture (click to enlarge) and the pad, counted.
+  const i = image.start, n = image.end - image.start;
+  const kind = i < ep.prompt_len ? "prompt" : ep.loss_mask[i] ? "policy" : "obs";
+  const pad = ep.pieces ? ep.pieces[i] : `[${ep.tokens[i]}]`;
+  const span = el("span", {class: `tok tok-${kind} tok-image`, dataset: {start: i, end: image.end, id: image.id},
+                           title: `#${i}–${image.end - 1} · image ${k + 1} · ${n} × id ${ep.tokens[i]} · ${kind} · ` +
+                                  `${image.id} (click to enlarge)`,
+                           onclick: () => span.classList.toggle("enlarged")},
+    el("img", {class: "thumb", src: imageURL(state.episodeRun, image.id), alt: `image ${k + 1}`}), `${pad}×${n}`);
+  const color = tokenColor(state.colorMode, i, ep);
+  if (color) span.style.backgroundColor = color;
+  return span;
+}
+
 function renderTokens(ep) {
   const box = el("div", {class: "tokens", dataset: {mode: state.colorMode}});
+  const images = new Map((ep.image_runs || []).map((r, k) => [r.start, [r, k]]));
   const n = ep.tokens.length;
   for (let i = 0; i < n; i++) {
+    if (images.has(i)) {
+      const [image, k] = images.get(i);
+      box.append(renderImageRun(ep, image, k));
+      i = image.end - 1;
+      continue;
+    }
     const text = ep.pieces ? ep.pieces[i] : `[${ep.tokens[i]}]`;
     const kind = i < ep.prompt_len ? "prompt" : ep.loss_mask[i] ? "policy" : "obs";
     const title = `#${i} id ${ep.tokens[i]} · ${kind}` + (ep.loss_mask[i]
@@ -269,6 +299,19 @@ function renderTokens(ep) {
     box.append(span);
   }
   return box;
+}
+
+function imageList(ep) {
+  if (!ep.images || !ep.images.length) return null;
+  const list = el("ol", {class: "images"});
+  ep.images.forEach((id, k) => {
+    const r = (ep.image_runs || [])[k];
+    list.append(el("li", {dataset: {id}},
+      el("a", {href: imageURL(state.episodeRun, id), target: "_blank", rel: "noopener"}, id),
+      r ? ` · tokens ${r.start}–${r.end - 1} (${r.end - r.start})` : ""));
+  });
+  return el("div", {}, el("h3", {}, `images (${ep.images.length})`), list,
+    ep.images_note ? el("p", {class: "note"}, ep.images_note) : null);
 }
 
 function keyValueTable(obj) {
@@ -307,6 +350,7 @@ function renderEpisode() {
       el("div", {}, el("h3", {}, "reward parts"), keyValueTable(ep.reward_parts)),
       el("div", {}, el("h3", {}, "metrics"), keyValueTable(ep.metrics))),
     ep.turns && ep.turns.length ? el("div", {}, el("h3", {}, "turns and tool calls"), turns) : null,
+    imageList(ep),
     el("h3", {}, "as the model saw it ", el("label", {}, "color by ", modes)),
     el("div", {class: "legend"}, legendFor(state.colorMode)),
     ep.pieces_note ? el("p", {class: "note"}, ep.pieces_note) : null,
@@ -331,6 +375,7 @@ function legendFor(mode) {
 async function openEpisode(run, id, step) {
   try {
     state.episode = await getJSON("/api/episode", {run, id, step});
+    state.episodeRun = run;
   } catch (e) {
     setStatus(e.message, true);
     return;
