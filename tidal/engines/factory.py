@@ -46,12 +46,15 @@ def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: 
             raise ConfigError(f"engine.replicas={cfg.replicas} with engine.vllm_mode=in_process: one process holds one "
                               "in-process vLLM engine; use engine.vllm_mode=server for several replicas")
         from tidal.engines.vllm_engine import VLLMEngine
+        from tidal.models import resolve_model_dir
+        from tidal.models.vision import Vision
 
+        # A vision-language model: vLLM gets the images, each run collapsed to one pad (vllm_engine.py).
         return VLLMEngine(model_dir, mode=cfg.vllm_mode, device=device, dtype=dtype, seed=seed,
                           max_batch_size=cfg.max_batch_size, kv_cache_gib=cfg.kv_cache_gib,
                           gpu_memory_utilization=cfg.gpu_memory_utilization,
                           start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
-                          log_dir=log_dir)
+                          log_dir=log_dir, vision=Vision.load(resolve_model_dir(model_dir)))
     if kind == "sglang":
         from tidal.engines.sglang_engine import SGLangEngine, sglang_available
 

@@ -32,11 +32,28 @@ stays stale. Every update ends with a prefix-cache reset.
 
 Versions: an update waits until every `generate` call in flight has finished and holds
 new calls back until it is done, so each result's `version` produced all of its tokens.
+
+Images (a vision-language model: `vision`, tidal/models/vision.py): a request's prompt holds
+each image's run of pads already expanded by tidal. vLLM expands placeholders itself, and
+expands an already expanded run again (silently: every pad of the run becomes a run), so each
+run goes to vLLM collapsed to one pad (`vision.collapse`), with the request's pictures as
+`multi_modal_data` and their content ids as `multi_modal_uuids`. vLLM's processor is built
+from the same preprocessor_config.json as tidal's; every answer is checked: the prompt vLLM
+expanded must be the request's prompt, token for token, or the call fails naming both run
+lengths. A weight update also resets vLLM's encoder cache (image embeddings computed by the
+old vision tower; a repeated image after an update otherwise fails with "Encoder cache
+miss"). The vision special tokens are never sampled: every request bans them through vLLM's
+`bad_words` (their logits set to -inf before the log-softmax, so the processed log-probs are
+those of the masked distribution the trainer scores, `vision.mask_banned`). Server mode sends
+requests with images to vLLM's token-in/token-out endpoint `/inference/v1/generate` (token
+ids and the pictures as data URLs); text requests keep /v1/completions. Where torchvision
+cannot be imported, tidal/models/vision_shims.py patches what vLLM's Qwen2-VL code needs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import concurrent.futures
 import itertools
@@ -52,7 +69,7 @@ import threading
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import numpy as np
 import torch
@@ -61,6 +78,9 @@ from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
 from tidal.engines.stop_strings import check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from tidal.models.vision import Vision
 
 log = logging.getLogger("tidal")
 
@@ -86,12 +106,13 @@ def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
     return env
 
 
-def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
+def _sampling_fields(p: SamplingParams, banned: tuple[str, ...] = ()) -> dict[str, Any]:
     """tidal SamplingParams → vLLM's. Only the request's own stop tokens end it (`ignore_eos`:
     the model's EOS is in stop_token_ids when the caller wants it, as with the torch engine).
     Stop strings: vLLM matches them in the text of the generated tokens with special tokens
     skipped (as tidal does) and keeps the token that completes one (`include_stop_str_in_output`;
-    without it vLLM still returns that token but cuts the text)."""
+    without it vLLM still returns that token but cuts the text). `banned`: the texts of tokens
+    that are never sampled (`bad_words`; each must encode to its one token: `banned_words`)."""
     greedy = p.temperature <= 0
     fields = {
         "max_tokens": p.max_new_tokens,
@@ -103,11 +124,45 @@ def _sampling_fields(p: SamplingParams) -> dict[str, Any]:
         "ignore_eos": True,
         "logprobs": 0,  # the sampled token's own log-prob only
     }
+    if banned:
+        fields["bad_words"] = list(banned)
     if p.stop:
         fields["stop"] = list(p.stop)
         fields["include_stop_str_in_output"] = True
         fields["skip_special_tokens"] = True  # the text they are matched in (tidal's convention)
     return fields
+
+
+def banned_words(tokenizer, token_ids: tuple[int, ...]) -> tuple[str, ...]:
+    """The texts vLLM's `bad_words` bans `token_ids` by. vLLM encodes each text (without special
+    tokens added) and sets the logit of its last token to -inf at every step whose previous
+    tokens match the rest, so a text that encodes to exactly its one token bans that token
+    everywhere. (vLLM also bans the text with a space before it, which changes nothing here.)
+    Raises ValueError for a token whose text does not encode back to it alone."""
+    words = []
+    for i in token_ids:
+        text = tokenizer.convert_ids_to_tokens(int(i))
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if ids != [int(i)]:
+            raise ValueError(f"the banned token {i} ({text!r}) encodes to {ids}, not to itself alone; vLLM's "
+                             "bad_words could not ban it (is it registered as a special token in the tokenizer?)")
+        words.append(text)
+    return tuple(words)
+
+
+def _check_expanded(r: GenerationRequest, got: list[int] | None, vision: Vision) -> None:
+    """vLLM's expansion of a request's collapsed prompt must be the request's prompt: the same
+    image runs, token for token (its processor and tidal's disagree otherwise, e.g. on resizing)."""
+    if got is None:
+        raise VLLMEngineError(f"request {r.request_id}: vLLM's answer has no prompt token ids to check its image "
+                              "expansion against")
+    if list(got) == list(r.prompt_ids):
+        return
+    raise VLLMEngineError(f"request {r.request_id}: vLLM expanded the prompt to {len(got)} tokens with image runs of "
+                          f"{[e - s for s, e in vision.runs(list(got))]} tokens; tidal's prompt has "
+                          f"{len(r.prompt_ids)} tokens with runs of {[e - s for s, e in vision.runs(r.prompt_ids)]} "
+                          "(its image processor and vLLM's disagree: both are built from the model's "
+                          "preprocessor_config.json)")
 
 
 def _finish_reason(reason: str | None, where: str) -> str:
@@ -132,6 +187,7 @@ class VLLMEngine:
         start_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         log_dir: str | Path | None = None,
+        vision: Vision | None = None,
     ):
         if mode not in ("in_process", "server"):
             raise ValueError(f"vLLM engine mode must be 'in_process' or 'server', got {mode!r}")
@@ -142,7 +198,10 @@ class VLLMEngine:
         self._closed = False
         self._warned_truncation = False
         cfg = json.loads((self.model_dir / "config.json").read_text())
-        self._tied = bool(cfg.get("tie_word_embeddings", False))
+        self._tied = bool(cfg.get("tie_word_embeddings", False) or
+                          (cfg.get("text_config") or {}).get("tie_word_embeddings", False))
+        self.vision = vision
+        self._banned: tuple[str, ...] = ()
         # Gate between generate calls and weight updates (threads: update_weights is sync).
         self._gate = UpdateGate()  # between generate calls and weight updates
         engine_args = {
@@ -155,11 +214,14 @@ class VLLMEngine:
             # rewinds the request's generator offset, which CPU generators do not have): whole
             # prompts only. A batch larger than the token budget still runs, in several steps.
             engine_args["enable_chunked_prefill"] = False
+        if vision is not None:
+            self._banned = self._prepare_vision(engine_args)
         env = vllm_env(mode, kv_cache_gib)
         if mode == "in_process":
-            self._backend: _InProcess | _Server = _InProcess(self.model_dir, engine_args, env)
+            self._backend: _InProcess | _Server = _InProcess(self.model_dir, engine_args, env, vision is not None)
         else:
-            self._backend = _Server(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir)
+            self._backend = _Server(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir,
+                                    vision is not None)
         self.max_model_len = self._backend.max_model_len
         # Close on interpreter exit: no server process outlives tidal.
         self._finalizer = weakref.finalize(self, self._backend.close)
@@ -190,7 +252,7 @@ class VLLMEngine:
         await self._gate.enter(lambda: self._check_open(what))
         version = self._version
         try:
-            outs = await self._backend.generate(requests, self.request_timeout_s)
+            outs = await self._backend.generate(requests, self.request_timeout_s, self.vision, self._banned)
         except VLLMEngineError as e:
             raise VLLMEngineError(f"{self.name}: {e}") from e
         except TimeoutError:
@@ -234,6 +296,41 @@ class VLLMEngine:
         self.close()
 
     # -- helpers ---------------------------------------------------------------------------
+    def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:
+        """Set up a vision-language model: torchvision shims, image-only limits; the texts that
+        ban the vision special tokens."""
+        from tidal.models import load_tokenizer
+        from tidal.models.vision_shims import apply_vllm_shims, plugin_registered, torchvision_usable
+
+        if not torchvision_usable() and not plugin_registered():
+            raise VLLMEngineError(
+                f"vLLM engine: {self.model_dir} is a vision-language model and torchvision cannot be imported here, "
+                "so vLLM needs tidal's shims (tidal/models/vision_shims.py) in its model-inspection subprocess too; "
+                "they reach it as a `vllm.general_plugins` entry point, which this installation of tidal does not "
+                "declare: reinstall it (`pip install -e .` in the tidal checkout)")
+        apply_vllm_shims()  # this process (in-process mode); the entry point covers vLLM's subprocesses
+        # tidal sends images only: no encoder budget reserved for videos, and no video in vLLM's
+        # start-up warm-up (it would need torchvision's video processor).
+        engine_args["limit_mm_per_prompt"] = {"video": 0}
+        try:
+            return banned_words(load_tokenizer(self.model_dir), self.vision.banned_token_ids)
+        except ValueError as e:
+            raise VLLMEngineError(f"vLLM engine: {self.model_dir}: {e}") from None
+
+    def _check_images(self, r: GenerationRequest) -> None:
+        """A request's images pair up with its image runs, each run as long as tidal's processor
+        makes it (vLLM's answer is checked against the same lengths: _check_expanded)."""
+        if not r.images:
+            return
+        if self.vision is None:
+            raise VLLMEngineError(f"{self.name}: request {r.request_id} has {len(r.images)} images but "
+                                  f"{self.model_dir} is not a vision-language model (build the engine with `vision`)")
+        runs = self.vision.runs(r.prompt_ids)
+        want = [self.vision.num_tokens(b) for b in r.images]
+        if [e - s for s, e in runs] != want:
+            raise VLLMEngineError(f"{self.name}: request {r.request_id}: image runs of {[e - s for s, e in runs]} "
+                                  f"tokens in the prompt for {len(r.images)} images of {want} tokens")
+
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise VLLMEngineError(f"{self.name} is closed: {what} refused")
@@ -245,6 +342,7 @@ class VLLMEngine:
         p = r.params
         if not r.prompt_ids:
             raise VLLMEngineError(f"{self.name}: request {r.request_id} has an empty prompt")
+        self._check_images(r)
         if p.stop:
             try:
                 check_stop_strings(p.stop, f"request {r.request_id}")
@@ -261,11 +359,23 @@ class VLLMEngine:
                         "by log(kept mass) per token (first request %s)", self.name, r.request_id)
 
 
+def vllm_prompt(r: GenerationRequest, vision: Vision | None) -> dict[str, Any]:
+    """What vLLM is given for a request: its token ids, and for a request with images each image
+    run collapsed to one pad (vLLM expands it again itself), the pictures and their content ids
+    (`multi_modal_uuids`: vLLM keys its caches by them instead of hashing the pixels)."""
+    if not r.images:
+        return {"prompt_token_ids": list(r.prompt_ids)}
+    return {"prompt_token_ids": vision.collapse(list(r.prompt_ids)),
+            "multi_modal_data": {"image": [b.pil() for b in r.images]},
+            "multi_modal_uuids": {"image": [b.id for b in r.images]}}
+
+
 # -- in-process -----------------------------------------------------------------------------
 class _InProcess:
     """vLLM's LLMEngine in this process, owned by one worker thread."""
 
-    def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str]):
+    def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], multimodal: bool = False):
+        self.multimodal = multimodal
         os.environ.update(env)  # read by vLLM at import and start
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would bury tidal's progress
         # vLLM's CPU worker sets torch to 1 thread for serving and replaces torch.set_num_threads
@@ -371,14 +481,14 @@ class _InProcess:
             self._cv.notify()
         return fut
 
-    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[Completion]:
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float, vision: Vision | None = None,
+                       banned: tuple[str, ...] = ()) -> list[Completion]:
         from vllm import SamplingParams as VParams
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        prompts = [vllm_prompt(r, vision) for r in requests]
         # Text only where stop strings need it (vLLM matches them in its detokenizer).
-        params = [VParams(**_sampling_fields(r.params), detokenize=bool(r.params.stop),
+        params = [VParams(**_sampling_fields(r.params, banned), detokenize=bool(r.params.stop),
                           output_kind=RequestOutputKind.FINAL_ONLY) for r in requests]
         results = [concurrent.futures.Future() for _ in requests]
         ids: list[str] = []
@@ -404,6 +514,8 @@ class _InProcess:
             raise
         parsed = []
         for r, out in zip(requests, outs):
+            if r.images:
+                _check_expanded(r, out.prompt_token_ids, vision)
             c = out.outputs[0]
             toks = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(toks):
@@ -424,6 +536,8 @@ class _InProcess:
         def load() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
+            if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
+                self.llm.llm_engine.reset_encoder_cache()
 
         try:
             self._run(load).result(timeout_s)
@@ -451,7 +565,8 @@ class _Server:
     """An OpenAI-compatible vLLM server child process, supervised."""
 
     def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], start_timeout_s: float,
-                 request_timeout_s: float, log_dir: str | Path | None):
+                 request_timeout_s: float, log_dir: str | Path | None, multimodal: bool = False):
+        self.multimodal = multimodal
         self.host, self.port = "127.0.0.1", free_port()
         self.url = f"http://{self.host}:{self.port}"
         self._tmp = Path(tempfile.mkdtemp(prefix="tidal-vllm-"))
@@ -464,7 +579,10 @@ class _Server:
                "--disable-uvicorn-access-log"]
         for k, v in engine_args.items():
             name = k.replace("_", "-")
-            cmd += [f"--{name}"] if v is True else [f"--no-{name}"] if v is False else [f"--{name}", str(v)]
+            value = json.dumps(v) if isinstance(v, dict) else str(v)
+            cmd += [f"--{name}"] if v is True else [f"--no-{name}"] if v is False else [f"--{name}", value]
+        if multimodal:  # /inference/v1/generate: token ids and images in one request
+            cmd.append("--enable-scale-out")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until close()
         self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -493,31 +611,58 @@ class _Server:
     def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
         return http_call(self.url, method, path, body, timeout_s, VLLMEngineError, self.dead)
 
-    async def generate(self, requests: list[GenerationRequest], timeout_s: float) -> list[Completion]:
+    async def generate(self, requests: list[GenerationRequest], timeout_s: float, vision: Vision | None = None,
+                       banned: tuple[str, ...] = ()) -> list[Completion]:
         import aiohttp  # a dependency of vLLM
 
         timeout = aiohttp.ClientTimeout(total=timeout_s)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) as session:
-            return list(await asyncio.gather(*(self._complete(session, r) for r in requests)))
+            return list(await asyncio.gather(*(
+                self._complete_images(session, r, vision, banned) if r.images else self._complete(session, r, banned)
+                for r in requests)))
 
-    async def _complete(self, session, r: GenerationRequest) -> Completion:
+    async def _post(self, session, path: str, body: dict, where: str) -> dict:
         import aiohttp
 
-        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params), "return_token_ids": True}
-        where = f"request {r.request_id}"
         try:
-            async with session.post(self.url + "/v1/completions", json=body) as resp:
+            async with session.post(self.url + path, json=body) as resp:
                 text = await resp.text()
                 if resp.status != 200:
-                    raise VLLMEngineError(f"{where}: /v1/completions answered {resp.status}: {text[:500]}")
+                    raise VLLMEngineError(f"{where}: {path} answered {resp.status}: {text[:500]}")
         except aiohttp.ClientError as e:
-            raise VLLMEngineError(f"{where}: /v1/completions failed: {type(e).__name__}: {e}. {self.dead()}") from e
-        choice = json.loads(text)["choices"][0]
+            raise VLLMEngineError(f"{where}: {path} failed: {type(e).__name__}: {e}. {self.dead()}") from e
+        return json.loads(text)
+
+    async def _complete(self, session, r: GenerationRequest, banned: tuple[str, ...] = ()) -> Completion:
+        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params, banned),
+                "return_token_ids": True}
+        where = f"request {r.request_id}"
+        choice = (await self._post(session, "/v1/completions", body, where))["choices"][0]
         toks = list(choice["token_ids"])
         lps = list(choice["logprobs"]["token_logprobs"])
         if len(lps) != len(toks):
             raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
         return toks, [float(x) for x in lps], _finish_reason(choice["finish_reason"], where)
+
+    async def _complete_images(self, session, r: GenerationRequest, vision: Vision,
+                               banned: tuple[str, ...]) -> Completion:
+        """A request with images: vLLM's token-in/token-out endpoint (`--enable-scale-out`) takes
+        the collapsed token ids and the pictures as `content_parts` (PNG data URLs, their content
+        ids as uuids) and expands the runs as the in-process engine does."""
+        prompt = vllm_prompt(r, vision)
+        parts = [{"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(b.png).decode("ascii"),
+                  "uuid": b.id} for b in r.images]
+        body = {"model": "policy", "token_ids": prompt["prompt_token_ids"], "content_parts": parts,
+                "sampling_params": _sampling_fields(r.params, banned), "return_token_ids": True}
+        where = f"request {r.request_id}"
+        answer = await self._post(session, "/inference/v1/generate", body, where)
+        _check_expanded(r, answer.get("prompt_token_ids"), vision)
+        choice = answer["choices"][0]
+        toks = list(choice["token_ids"])
+        lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or ()]
+        if len(lps) != len(toks):
+            raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
+        return toks, lps, _finish_reason(choice["finish_reason"], where)
 
     def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
         from safetensors.torch import save_file
@@ -530,6 +675,8 @@ class _Server:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}, "timeout": timeout_s}
         self._http("POST", "/collective_rpc", rpc, timeout_s)
         self._http("POST", "/reset_prefix_cache", {}, 60)
+        if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
+            self._http("POST", "/reset_encoder_cache", {}, 60)
 
     def close(self) -> None:
         stop_process_group(self.proc)
