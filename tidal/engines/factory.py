@@ -32,12 +32,15 @@ def build_engine(kind: str, cfg: EngineConfig, model_dir: str | Path, *, dtype: 
     """One engine replica of a resolved kind ("torch", "vllm" or "sglang")."""
     if kind == "torch":
         from tidal.engines.torch_engine import TorchEngine
-        from tidal.models import load_model, load_tokenizer
+        from tidal.models import load_model, load_tokenizer, resolve_model_dir
+        from tidal.models.vision import Vision
 
-        # The tokenizer lets the engine see text: stop strings (SamplingParams.stop).
+        # The tokenizer lets the engine see text: stop strings (SamplingParams.stop). Vision: a
+        # vision-language model's image processor and tokens (None for a text model).
         return TorchEngine(load_model(model_dir, dtype=dtype, device=device), pad_token_id,
                            max_batch_size=cfg.max_batch_size, partial_rollout=cfg.partial_rollout,
-                           update_timeout_s=cfg.request_timeout_s, tokenizer=load_tokenizer(model_dir))
+                           update_timeout_s=cfg.request_timeout_s, tokenizer=load_tokenizer(model_dir),
+                           vision=Vision.load(resolve_model_dir(model_dir)))
     if kind == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise ConfigError("engine.kind=vllm: vLLM is not installed in this environment "

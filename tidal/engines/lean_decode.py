@@ -10,14 +10,17 @@ make holes that the last rows move into, so a step where a few rows finish copie
 few rows, not the batch; rows that join are copied in beside the others.
 
 `LeanDecoder` is one decode step (one new token per row) of a Llama-family model (Llama,
-Qwen2, Qwen3, Mistral without a sliding window) written as plain tensor ops on the model's
-own parameters: no module calls, no mask building, attention as two batched matmuls over
+Qwen2, Qwen3, Mistral without a sliding window, and the language model of Qwen2-VL and
+Qwen2.5-VL, whose layers are Qwen2's) written as plain tensor ops on the model's own parameters: no module calls, no mask building, attention as two batched matmuls over
 the cache window (for a single query token they beat the fused CPU attention kernel,
 whose setup dominates at this size). The formulas are those of the transformers modules,
 in the same order and dtypes, so the logits agree with the model's own forward to float
 rounding; `LeanDecoder.build` checks that on a probe batch and declines (the engine then
 runs the model's own forward over the same cache) when the model is of another kind or the
-probe disagrees. It reads the parameters at every step, so weight updates (`copy_`) and
+probe disagrees. A vision-language model's decode token has its three mRoPE components
+equal (tidal/models/vision.py), and the model's rotary module, given 1-D positions, expands
+them to three equal ones: the step is the same 1-D RoPE step, at the row's own position (the
+engine's, which for a prompt with images is not its token count). It reads the parameters at every step, so weight updates (`copy_`) and
 device moves are seen; a step while forward hooks are registered on the model (a debugging
 or timing hook) runs the model's forward, so the hooks see every step.
 
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 # Model types whose decoder layer is: x + attn(rmsnorm(x)); x + mlp(rmsnorm(x)), with rotary
 # q/k (Qwen3: per-head RMSNorm on q and k first), grouped-query attention and a gated MLP.
 LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+# Vision-language models whose language model (model.model.language_model) is such a decoder.
+VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")
 
 # Largest |lean - model| logit difference on the probe, relative to the logits' scale, that
 # counts as float rounding. Measured: 0 to 1.5e-5 absolute on logits of scale ~10 in float32
@@ -188,6 +193,21 @@ def model_decode(model, tok_B: torch.Tensor, pos_B: torch.Tensor, kv: KVCache) -
     return logits
 
 
+def _text_config(model):
+    """The language model's config (a vision-language model nests it: `text_config`)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _text_model(model):
+    """The decoder that holds embed_tokens/layers/norm/rotary_emb: `model.model`, or for a
+    vision-language model `model.model.language_model`."""
+    inner = getattr(model, "model", None)
+    if getattr(model.config, "model_type", None) in VISION_LANGUAGE:
+        inner = getattr(inner, "language_model", None)
+    return inner
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm/Qwen2RMSNorm: normalized in float32, scaled in x's dtype."""
     xf = x.to(torch.float32)
@@ -204,9 +224,9 @@ class LeanDecoder:
     """One decode step of a Llama-family model over a `KVCache` (see the module docstring)."""
 
     def __init__(self, model):
-        cfg = model.config
+        cfg = _text_config(model)
         self.model = model
-        self.inner = model.model
+        self.inner = _text_model(model)
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -225,14 +245,16 @@ class LeanDecoder:
     @classmethod
     def unsupported(cls, model) -> str | None:
         """Why the lean step cannot run this model (None: it can)."""
-        cfg = getattr(model, "config", None)
-        kind = getattr(cfg, "model_type", None)
-        if kind not in LLAMA_FAMILY:
-            return f"model type {kind!r} is not one of {LLAMA_FAMILY}"
-        inner = getattr(model, "model", None)
+        kind = getattr(getattr(model, "config", None), "model_type", None)
+        if kind not in LLAMA_FAMILY + VISION_LANGUAGE:
+            return f"model type {kind!r} is not one of {LLAMA_FAMILY + VISION_LANGUAGE}"
+        cfg = _text_config(model)
+        inner = _text_model(model)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
                 or not hasattr(model, "lm_head"):
-            return "the model does not have the Llama module layout (model.embed_tokens/layers/norm/rotary_emb, lm_head)"
+            where = "model.language_model" if kind in VISION_LANGUAGE else "model"
+            return (f"the model does not have the Llama module layout ({where}.embed_tokens/layers/norm/rotary_emb, "
+                    "lm_head)")
         if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or ())):
             return "it has sliding-window layers"
         if kind == "mistral" and getattr(cfg, "sliding_window", None) is not None:
@@ -272,7 +294,8 @@ class LeanDecoder:
         model = self.model
         p = next(model.parameters())
         g = torch.Generator().manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=g).to(p.device)
+        vocab = _text_config(model).vocab_size
+        ids = torch.randint(0, vocab, (2, 5), generator=g).to(p.device)
         attn = torch.ones((2, 5), dtype=torch.long, device=p.device)
         attn[0, :2] = 0
         with torch.inference_mode():
@@ -285,7 +308,7 @@ class LeanDecoder:
             pos = attn.sum(-1)
             worst, scale = 0.0, 0.0
             for step in range(3):
-                tok = torch.randint(0, model.config.vocab_size, (2,), generator=g).to(p.device)
+                tok = torch.randint(0, vocab, (2,), generator=g).to(p.device)
                 mine, theirs = self(tok, pos + step, caches[0]), model_decode(model, tok, pos + step, caches[1])
                 worst = max(worst, float((mine.float() - theirs.float()).abs().max()))
                 scale = max(scale, float(theirs.float().abs().max()))

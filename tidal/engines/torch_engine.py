@@ -41,6 +41,22 @@ run after its left padding. A weight update (and `sleep`) empties it: a kept cac
 used with the weights that computed it. Without it every turn re-prefills the whole
 conversation, which costs more than its decoding once conversations grow.
 
+Images (a vision-language model of the Qwen2-VL family: `TorchEngine(..., vision=Vision)`,
+tidal/models/vision.py). A request's prompt holds each image's run of pads already expanded
+and `images` one picture per run. The prefill feeds input embeddings: the token embeddings
+with each fed image pad replaced by its row of the image's features, which the vision tower
+computes once per image id and `FeatureCache` keeps (emptied with the prefix cache on a weight
+update or sleep, so a picture seen again after an update is encoded by the new weights); the
+model never runs its vision tower itself. Positions are mRoPE [3, rows, fed tokens] from
+`Vision.positions` of the whole prompt (the fed part's columns; left padding is masked), and a
+row's decode positions continue from its prompt's largest position + 1, which after an image
+is less than its token count. A decode token's three components are equal, so decode steps
+are 1-D RoPE steps: the lean step runs them (lean_decode.py). The vision special tokens
+(`Vision.banned_token_ids`) are outside the policy: their logits are masked (`mask_banned`)
+before sampling, so they are never drawn and the log-probs are those of the masked
+distribution, as the trainer computes them. A session's next turn reuses its prefix KV only if
+its images begin with the ones that prefix saw (image pads are one token id for every picture).
+
 Stop strings (`SamplingParams.stop`) need the tokenizer (`TorchEngine(..., tokenizer=)`):
 the row's newest tokens are decoded in a short window after each step
 (`stop_strings.py`); the token that completes a stop string ends the request and is kept.
@@ -61,13 +77,18 @@ import torch
 from transformers import DynamicCache
 
 from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
-from tidal.engines.prefix_cache import Prefix, PrefixCache
+from tidal.engines.prefix_cache import FeatureCache, Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
 from tidal.engines.weights_lock import WeightsLock
+from tidal.images import ImageBlob
+from tidal.models.vision import Vision, mask_banned, next_position
 from tidal.types import GenerationRequest, GenerationResult
 
 DEFAULT_PREFIX_CACHE_BYTES = 1 << 30  # KV kept for sessions' next turns (1 GiB)
+# Image features kept by image id (a VLM): Qwen2-VL-7B's 3584-wide bfloat16 features are ~7 KiB
+# a token, so 256 MiB holds ~36 images of 1000 tokens, or thousands of the small ones RL tasks use.
+DEFAULT_IMAGE_CACHE_BYTES = 1 << 28
 
 # Most generate calls waiting on the scheduler at once, each on its own thread (the default
 # executor has min(32, cores + 4) threads: too few for an agent's concurrent turns).
@@ -87,8 +108,15 @@ class WeightUpdateTimeout(TimeoutError):
 class TorchEngine:
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
                  update_timeout_s: float = 600.0, tokenizer=None, cross_call_batching: bool = True,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, lean_decode: bool = True):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, lean_decode: bool = True,
+                 vision: Vision | None = None, image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES):
         self.model = model.eval()
+        # A vision-language model's images, positions and banned tokens (module docstring); None:
+        # a text model, whose requests may not carry images.
+        self.vision = vision
+        self._banned = None if vision is None else torch.tensor(vision.banned_token_ids, dtype=torch.long)
+        self.features = FeatureCache(image_cache_bytes)
+        self.images_encoded = 0  # images run through the vision tower (a feature-cache hit runs none)
         # Decode steps of Llama-family models run as plain tensor ops (lean_decode.py); other
         # models, and lean_decode=False, run the model's own forward over the same cache.
         # Chosen at the first decode step, on the thread that decodes: its probe run on the
@@ -144,6 +172,7 @@ class TorchEngine:
                     f"torch engine: sleep waited {self.update_timeout_s:g} s for {n} generate steps")):
                 self._awake.clear()
                 self.prefixes.clear()
+                self.features.clear()
                 self._home = self.device
                 self.model.to("cpu")
                 torch.cuda.empty_cache()
@@ -183,6 +212,7 @@ class TorchEngine:
             f"({n} holding the weights; is update_weights called from the thread that runs generate?)")
         with self._weights.exclusive(self.update_timeout_s, too_slow), torch.no_grad():
             self.prefixes.clear()  # computed by the old weights
+            self.features.clear()
             for name, t in tensors.items():
                 params[name].copy_(t)
             self._version = version
@@ -234,6 +264,35 @@ class TorchEngine:
                 raise ValueError(f"request {r.request_id} has stop strings {tuple(r.params.stop)!r} but the torch "
                                  "engine has no tokenizer to see text: TorchEngine(..., tokenizer=...) "
                                  "(build_engine passes the model's)")
+        if r.images and self.vision is None:
+            raise ValueError(f"request {r.request_id} carries {len(r.images)} image(s) but the torch engine's model is "
+                             "text-only (TorchEngine was built without `vision`): use a vision-language model "
+                             "(Qwen2-VL family; build_engine passes Vision.load(model_dir)) or send no images")
+        if self.vision is not None:
+            self._validate_images(r)
+
+    def _validate_images(self, r: GenerationRequest) -> None:
+        """The prompt's image runs pair up with `r.images`: one picture per run, in order, each run
+        as long as its picture's token count (the placeholders expanded once, for these pictures)."""
+        spec = self.vision.spec
+        bad = [b for b in r.images if not isinstance(b, ImageBlob)]
+        if bad:
+            raise ValueError(f"request {r.request_id}: images must be tidal.images.ImageBlob (as_image(value)), "
+                             f"got {type(bad[0]).__name__}")
+        if spec.video_token_id in r.prompt_ids:
+            raise ValueError(f"request {r.request_id}: its prompt holds video pads (token {spec.video_token_id}); "
+                             "the torch engine takes images only")
+        runs = self.vision.runs(r.prompt_ids)
+        if len(runs) != len(r.images):
+            raise ValueError(f"request {r.request_id}: its prompt has {len(runs)} run(s) of image pads (token "
+                             f"{spec.image_token_id}) but the request carries {len(r.images)} image(s); it needs one "
+                             "image per run, in order")
+        for k, ((s, e), blob) in enumerate(zip(runs, r.images)):
+            need = self.vision.num_tokens(blob)
+            if e - s != need:
+                raise ValueError(f"request {r.request_id}: image {k} ({blob.width}x{blob.height}, id {blob.id[:12]}) "
+                                 f"takes {need} image tokens but its run (tokens {s}..{e}) has {e - s}; the prompt's "
+                                 "placeholders must be expanded once, for these images (Vision.expand)")
 
     def _run_alone(self, call: _Call) -> list[GenerationResult]:
         """One call's own decode loop (cross_call_batching=False)."""
@@ -349,7 +408,12 @@ class TorchEngine:
                 rows = new if rows is None else rows.merge(new)
         if rows is None:
             return None
-        tok, lp = sample(rows.logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps)
+        logits = rows.logits
+        if self._banned is not None:  # the vision special tokens are outside the policy (module docstring)
+            if self._banned.device != logits.device:
+                self._banned = self._banned.to(logits.device)
+            logits = mask_banned(logits, self._banned)
+        tok, lp = sample(logits, rows.temperature, rows.top_k, rows.top_p, rows.seeds, rows.steps)
         self.decode_steps += 1
         self.sampled_tokens += len(rows)
         keep = []
@@ -401,12 +465,13 @@ class TorchEngine:
         n = int(rows.cache.attn[row].sum())
         if n != len(tokens):  # never expected: the row's cache is its tokens after its left padding
             return
-        self.prefixes.put(req.session_id, Prefix(tokens, *rows.cache.row(row, n)))
+        # Every image run lies in the prompt (image pads are never sampled): all of its images.
+        self.prefixes.put(req.session_id, Prefix(tokens, *rows.cache.row(row, n), images=_image_ids(req)))
 
     def _prefill(self, seqs: list[_Seq]) -> _Rows:
         """Prefill joining requests; those that found their session's cache apart from the
         others (a cold row in their group would make them all re-feed its whole prompt)."""
-        found = [self.prefixes.take(s.request.session_id, s.request.prompt_ids) for s in seqs]
+        found = [self.prefixes.take(s.request.session_id, s.request.prompt_ids, _image_ids(s.request)) for s in seqs]
         cold = [s for s, h in zip(seqs, found) if h is None]
         warm = [(s, h) for s, h in zip(seqs, found) if h is not None]
         rows = self._prefill_group(cold, [None] * len(cold)) if cold else None
@@ -432,7 +497,18 @@ class TorchEngine:
             attn[i, P - past[i]:P] = 1
             attn[i, P + S - fed[i]:] = 1
         input_ids, attn = input_ids.to(dev), attn.to(dev)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, P:]
+        if self.vision is None:
+            position_ids = (attn.cumsum(-1) - 1).clamp(min=0)[:, P:]
+            inputs = {"input_ids": input_ids}
+            next_pos = attn.sum(-1)
+        else:  # mRoPE positions of the fed columns and the image features in the input embeddings
+            rope = [self.vision.positions(r.prompt_ids, list(r.images)) for r in reqs]
+            position_ids = torch.zeros((3, B, S), dtype=torch.long)  # padding: any position (masked)
+            for i, pos in enumerate(rope):
+                position_ids[:, i, S - fed[i]:] = pos[:, past[i]:]
+            position_ids = position_ids.to(dev)
+            inputs = {"inputs_embeds": self._embed(input_ids, reqs, past, S)}
+            next_pos = torch.tensor([next_position(pos) for pos in rope], dtype=torch.long, device=dev)
         cache = DynamicCache()
         if P > 0:
             ref = next(h for h, p in zip(hits, past) if p > 0)
@@ -446,13 +522,13 @@ class TorchEngine:
                 cache.update(k, v, layer)
         self.prefill_tokens += sum(fed)
         logits = self.model(
-            input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+            **inputs, attention_mask=attn, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
         # Room for the longest budget (up to 256 tokens; beyond, the cache doubles when full).
         reserve = min(max(r.params.max_new_tokens for r in reqs), 256)
         return _Rows(
-            seqs=list(seqs), cache=KVCache.from_dynamic(cache, attn, reserve), next_pos=attn.sum(-1), logits=logits,
+            seqs=list(seqs), cache=KVCache.from_dynamic(cache, attn, reserve), next_pos=next_pos, logits=logits,
             temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
             top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
@@ -460,6 +536,51 @@ class TorchEngine:
             steps=torch.zeros(B, dtype=torch.long, device=dev),
             versions=torch.full((B,), self._version, dtype=torch.long, device=dev),
         )
+
+    def _embed(self, input_ids: torch.Tensor, reqs: list[GenerationRequest], past: list[int], S: int) -> torch.Tensor:
+        """Input embeddings [B, S, hidden] of a prefill: the fed tokens' embeddings, each fed image
+        pad's replaced by its row of its image's features (a row that re-feeds the end of a cached
+        image's run gets that part of its features)."""
+        embeds = self.model.get_input_embeddings()(input_ids)
+        spans = []  # (row, first column, end column, image, first feature row)
+        for i, r in enumerate(reqs):
+            first_col = S - (len(r.prompt_ids) - past[i])  # the column of prompt token past[i]
+            for (s, e), blob in zip(self.vision.runs(r.prompt_ids), r.images):
+                if e > past[i]:  # some of this run is fed
+                    a = max(s, past[i])
+                    spans.append((i, first_col + a - past[i], first_col + e - past[i], blob, a - s))
+        if spans:
+            features = self._image_features([blob for *_, blob, _ in spans])
+            for i, c0, c1, blob, a in spans:
+                embeds[i, c0:c1] = features[blob.id][a:a + c1 - c0].to(embeds.dtype)
+        return embeds
+
+    def _image_features(self, blobs: list[ImageBlob]) -> dict[str, torch.Tensor]:
+        """Features [tokens, hidden] of each image by id: from the cache, else the vision tower
+        (one call for all the missing ones, each image attending only within itself)."""
+        out: dict[str, torch.Tensor] = {}
+        missing: dict[str, ImageBlob] = {}
+        for blob in blobs:
+            if blob.id in out or blob.id in missing:
+                continue
+            hit = self.features.get(blob.id)
+            if hit is None:
+                missing[blob.id] = blob
+            else:
+                out[blob.id] = hit
+        if missing:
+            pixel_values, grid = self.vision.pixels(list(missing.values()))
+            encoded = self.model.get_image_features(pixel_values.to(self.device), grid.to(self.device)).pooler_output
+            self.images_encoded += len(missing)
+            for image_id, f in zip(missing, encoded, strict=True):
+                f = f.clone()  # a view of the call's output: kept alone, it would keep all of it
+                out[image_id] = f
+                self.features.put(image_id, f)
+        return out
+
+
+def _image_ids(request: GenerationRequest) -> tuple[str, ...]:
+    return tuple(b.id for b in request.images)
 
 
 class _Call:

@@ -27,6 +27,7 @@ distribution alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -119,14 +120,18 @@ class Vision:
         """Pixel patches [patches, C·T·P·P] and grid (t, h, w) of one image (cached by id)."""
         hit = self._cache.get(blob.id)
         if hit is not None:
-            self._cache.move_to_end(blob.id)
+            # Threads share the cache (an engine validates requests on each generate call's thread):
+            # another one may evict this entry between the look-up and here.
+            with contextlib.suppress(KeyError):
+                self._cache.move_to_end(blob.id)
             return hit
         out = self.processor(images=[blob.pil()], return_tensors="pt")
         grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
         hit = (out["pixel_values"], grid)
         self._cache[blob.id] = hit
         if len(self._cache) > _PIXEL_CACHE_ENTRIES:
-            self._cache.popitem(last=False)
+            with contextlib.suppress(KeyError):  # emptied by other threads' evictions meanwhile
+                self._cache.popitem(last=False)
         return hit
 
     def grid(self, blob: ImageBlob) -> tuple[int, int, int]:
