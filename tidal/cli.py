@@ -160,8 +160,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     model_dir = resolve_model_dir(ns.model)
     tokenizer = load_tokenizer(model_dir)
     task = build_task(cfg.task)
+    vision = Vision.load(model_dir)
     engine = TorchEngine(load_model(model_dir, cfg.engine_dtype(), cfg.model.resolved_device()), tokenizer.pad_token_id,
-                         cfg.engine.max_batch_size)
+                         cfg.engine.max_batch_size, tokenizer=tokenizer, vision=vision)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
         scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
@@ -170,7 +171,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     t0 = time.time()
     gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
     try:
-        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, Vision.load(model_dir)),
+        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, vision),
                               task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
     finally:
         if gateway is not None:

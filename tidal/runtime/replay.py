@@ -117,12 +117,13 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
     task = build_task(cfg.task)
     row = _row_of(task, recorded)
     model = load_model(model_dir, cfg.engine_dtype(), cfg.model.resolved_device())
-    engine = TorchEngine(model, tokenizer.pad_token_id, cfg.engine.max_batch_size, tokenizer=tokenizer)
+    vision = Vision.load(model_dir)
+    engine = TorchEngine(model, tokenizer.pad_token_id, cfg.engine.max_batch_size, tokenizer=tokenizer, vision=vision)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(tokenizer))
     scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
     try:
-        rollout = make_rollout(cfg, tokenizer, params, scorer, vision=Vision.load(model_dir))
+        rollout = make_rollout(cfg, tokenizer, params, scorer, vision=vision)
         spec = EpisodeSpec(task.make_env(row, recorded["seed"]), episode_id, recorded["group_id"], recorded["task_id"],
                            recorded["seed"], row=row, greedy=episode_id.endswith("-greedy"))
         again = loop_scoped.run(rollout.run([spec], engine, step=recorded["step"]))[0]
