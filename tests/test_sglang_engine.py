@@ -270,3 +270,23 @@ def test_gpu_close_leaves_no_process(tok):
     assert group_members(pgid) == []
     with pytest.raises(SGLangEngineError, match=r"SGLang engine \(server pid .*\) is closed"):
         run(eng.generate(requests([[5, 6, 7]], tok)))
+
+
+
+def test_a_request_with_images_is_refused_not_stripped():
+    """tidal's SGLang engine sends token ids only: an image prompt is refused by name rather than generated
+    from its pad tokens without the pictures."""
+    from types import SimpleNamespace
+
+    from PIL import Image
+
+    from tidal.engines.sglang_engine import SGLangEngine, SGLangEngineError
+    from tidal.images import from_pil
+
+    # No server: _validate reads the request, the length limit and the engine's name.
+    engine = object.__new__(SGLangEngine)
+    engine.max_model_len, engine.proc, engine.url, engine.log_path = 0, SimpleNamespace(pid=0), "-", "-"
+    req = GenerationRequest("r7", [1, 2, 3], SamplingParams(max_new_tokens=4), images=(from_pil(Image.new("RGB", (8, 8))),))
+    with pytest.raises(SGLangEngineError, match="request r7 has 1 image.*engine.kind=torch or vllm"):
+        engine._validate(req)
+    engine._validate(GenerationRequest("r8", [1, 2, 3], SamplingParams(max_new_tokens=4)))  # no image: accepted

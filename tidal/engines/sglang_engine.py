@@ -376,6 +376,9 @@ class SGLangEngine:
     def _validate(self, r: GenerationRequest) -> None:
         if not r.prompt_ids:
             raise SGLangEngineError(f"{self.name}: request {r.request_id} has an empty prompt")
+        if r.images:  # never dropped silently: a text-only generation of an image prompt is another policy
+            raise SGLangEngineError(f"{self.name}: request {r.request_id} has {len(r.images)} image(s); tidal's SGLang "
+                                    "engine takes no images yet (engine.kind=torch or vllm runs vision-language models)")
         if r.params.stop:
             try:
                 check_stop_strings(r.params.stop, f"request {r.request_id}")
