@@ -5,6 +5,7 @@
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
+    tidal build-default-vlm [--out DIR] [--seed N] [--threads N]
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
     tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
@@ -236,6 +237,18 @@ def cmd_build_browser(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_vlm(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.models.vlm_build import build_default_vlm
+
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build_default_vlm(ns.out, seed=ns.seed)
+    print(json.dumps(summary))
+    return 0
+
+
 def _no_extra_args(ns: argparse.Namespace) -> None:
     if ns.args:
         raise ConfigError(f"tidal {ns.command}: unexpected arguments {' '.join(ns.args)}")
@@ -409,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
-    from tidal.models import DEFAULT_MODEL_DIR
+    from tidal.models import DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR
 
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
@@ -424,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     bb.add_argument("--seed", type=int, default=0)
     bb.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     bb.set_defaults(fn=cmd_build_browser, args=[])
+    bv = sub.add_parser("build-default-vlm",
+                        help="rebuild the embedded tiny vision-language model (image tasks) deterministically")
+    bv.add_argument("--out", default=str(DEFAULT_VLM_DIR))
+    bv.add_argument("--seed", type=int, default=0)
+    bv.add_argument("--threads", type=int, default=2, help="torch threads (the result is deterministic per count)")
+    bv.set_defaults(fn=cmd_build_vlm, args=[])
     r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
     r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
     r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")

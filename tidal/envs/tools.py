@@ -17,6 +17,14 @@ calls concurrently and never raises: a malformed call, an unknown tool, bad argu
 timeout or an exception becomes an error observation that the policy sees
 (`{"role": "tool", ..., "content": "error: ..."}`), a typed `ToolCallRecord` and a metric.
 
+A tool returns text (anything else is rendered as JSON), or pictures: a PIL image, an
+`ImageBlob` (tidal/images.py), or a list mixing text and pictures (strings, `{"type": "text"}`
+and `{"type": "image"}` parts, images). Then the tool message's content is a list of parts,
+`{"type": "image", "image": ImageBlob}` and `{"type": "text", "text": ...}`, in the order
+returned, which a vision-language model's chat template renders as its image placeholders
+(`tool_content`). `max_tool_output_chars` bounds the text parts only, together: a picture's
+size is the image processor's business, not a character count.
+
 Timeouts: an async tool is cancelled at its timeout. A sync tool runs in its own daemon
 thread; at its timeout the call ends `timeout` and the policy moves on, but Python cannot kill
 a thread, so the hung function keeps its thread (it never blocks the event loop or the
@@ -39,6 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
+from tidal.images import ImageError
 from tidal.types import ToolCallRecord
 
 ERROR_KINDS = ("parse", "unknown", "args", "timeout", "raised", "limit")
@@ -369,6 +378,60 @@ def _render_output(out: Any) -> str:
         return str(out)
 
 
+def _is_picture(value: Any) -> bool:
+    """An image a tool returned as a value (not a part): an ImageBlob or a PIL image."""
+    from tidal.images import ImageBlob
+
+    if isinstance(value, ImageBlob):
+        return True
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - pillow is a dependency
+        return False
+    return isinstance(value, Image.Image)
+
+
+def _has_picture(item: Any) -> bool:
+    from tidal.images import is_image_part
+
+    return _is_picture(item) or is_image_part(item)
+
+
+def tool_content(out: Any, max_chars: int, where: str = "tool output") -> tuple[str | list[dict[str, Any]], int]:
+    """The content of the tool message that answers with `out`, and the characters of its text
+    before truncation. Text (and anything without a picture) is one string cut to `max_chars`;
+    a picture, or a list that holds one, is a list of parts in order: pictures as
+    `{"type": "image", "image": ImageBlob}`, the rest as text parts that share the `max_chars`
+    budget (a text part past it keeps only the truncation marker). Raises ImageError when a
+    picture cannot be read."""
+    from tidal.images import as_image, is_image_part
+
+    if _has_picture(out):
+        items = [out]
+    elif isinstance(out, (list, tuple)) and any(_has_picture(x) for x in out):
+        items = list(out)
+    else:
+        text = _render_output(out)
+        return truncate(text, max_chars), len(text)
+    parts: list[dict[str, Any]] = []
+    budget, total = max_chars, 0
+    for i, item in enumerate(items):
+        if _is_picture(item) or is_image_part(item):
+            value = item.get("image", item.get("image_url")) if isinstance(item, dict) else item
+            if isinstance(value, dict) and "url" in value:  # OpenAI's {"image_url": {"url": ...}}
+                value = value["url"]
+            parts.append({"type": "image", "image": as_image(value, f"{where}, part {i}")})
+            continue
+        if isinstance(item, dict) and item.get("type") == "text":
+            text = str(item.get("text", ""))
+        else:
+            text = _render_output(item)
+        total += len(text)
+        parts.append({"type": "text", "text": truncate(text, budget)})
+        budget = max(0, budget - len(text))
+    return parts, total
+
+
 async def _run_sync_in_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """Run `fn` in a daemon thread of its own: a hung tool keeps its thread but never blocks
     the loop, a shared executor (whose threads it would use up) or the interpreter's exit."""
@@ -407,7 +470,8 @@ def empty_metrics() -> dict[str, float]:
     return {"tools/calls": 0.0, **{f"tools/errors/{k}": 0.0 for k in ERROR_KINDS}}
 
 
-async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, max_chars: int) -> tuple[str, ToolCallRecord]:
+async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float,
+                   max_chars: int) -> tuple[str | list[dict[str, Any]], ToolCallRecord]:
     rec = ToolCallRecord(name=call.name, arguments=call.arguments_text, call_id=call.call_id)
     t0 = time.perf_counter()
 
@@ -437,9 +501,12 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float, max
         raise
     except Exception as e:  # noqa: BLE001 - the tool's failure is the policy's observation
         return fail("raised", f"`{tool.name}` raised {type(e).__name__}: {e}")
-    text = _render_output(out)
-    rec.output_chars, rec.duration_s = len(text), time.perf_counter() - t0
-    return truncate(text, max_chars), rec
+    try:
+        content, chars = tool_content(out, max_chars, f"`{tool.name}`'s output")
+    except ImageError as e:
+        return fail("raised", f"`{tool.name}` returned an image that cannot be read: {e}")
+    rec.output_chars, rec.duration_s = chars, time.perf_counter() - t0
+    return content, rec
 
 
 async def execute(calls: list[ToolCall], tools: dict[str, Tool] | Iterable[Tool | Callable[..., Any]],

@@ -14,6 +14,8 @@ from tidal import cache_root
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-arith"
+DEFAULT_VLM_DIR = Path(__file__).parent / "assets" / "tiny-vlm"  # `tidal build-default-vlm` (vlm_build.py)
+NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR}
 
 
 class ModelLoadError(ValueError):
@@ -22,10 +24,11 @@ class ModelLoadError(ValueError):
 
 def resolve_model_dir(path: str | Path) -> Path:
     """A model directory, or the `model/` folder inside a tidal checkpoint directory, or a peft
-    LoRA adapter directory (`merged_adapter_dir`)."""
+    LoRA adapter directory (`merged_adapter_dir`). `default` names the embedded text model,
+    `default-vlm` the embedded vision-language model."""
     p = Path(path)
-    if str(path) == "default":
-        p = DEFAULT_MODEL_DIR
+    if str(path) in NAMED_MODELS:
+        p = NAMED_MODELS[str(path)]
     if (p / "model" / "config.json").is_file():
         p = p / "model"
     if not p.is_dir():

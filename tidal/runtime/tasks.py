@@ -19,6 +19,9 @@ from tidal.importing import import_object
 BUILTIN_ENVS = {
     "single_turn": "tidal.envs.single_turn:SingleTurnEnv",
     "tool_arith": "tidal.envs.tool_arith:ToolArithEnv",
+    "vlm_color": "tidal.envs.image_tasks:ColorEnv",
+    "vlm_count": "tidal.envs.image_tasks:CountEnv",
+    "vlm_zoom": "tidal.envs.image_tasks:ZoomEnv",
     "code": "tidal.envs.code:CodeEnv",
     "shell": "tidal.envs.shell:ShellEnv",
     "browser": "tidal.envs.browser:BrowserEnv",
