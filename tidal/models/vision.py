@@ -179,6 +179,15 @@ class Vision:
         """mRoPE positions [3, len(ids)] of one sequence whose image runs are `blobs`' (in order)."""
         return rope_positions(ids, [self.grid(b) for b in blobs], self.spec.image_token_id, self.spec.merge_size)
 
+    def model_inputs(self, ids: list[int], blobs: list[ImageBlob], device=None) -> dict[str, torch.Tensor]:
+        """The keyword arguments of one whole-sequence forward of the model ([1, len(ids)]): input ids,
+        mRoPE position ids and, when it has images, their pixel values and grids."""
+        kw = {"input_ids": torch.tensor([ids], dtype=torch.long),
+              "position_ids": self.positions(ids, blobs)[:, None]}
+        if blobs:
+            kw["pixel_values"], kw["image_grid_thw"] = self.pixels(blobs)
+        return {k: v.to(device) for k, v in kw.items()} if device is not None else kw
+
 
 def image_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
     runs: list[tuple[int, int]] = []

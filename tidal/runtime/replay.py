@@ -88,8 +88,10 @@ def checkpoint_of_version(run_dir: Path, version: int, updates_per_step: int) ->
 def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None = None) -> Replay:
     from tidal.config import load_resume_config
     from tidal.engines.torch_engine import TorchEngine
+    from tidal.images import ImageDir
     from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
     from tidal.models.vision import Vision
+    from tidal.monitor.episodes import IMAGES_DIR
     from tidal.rewards.pool import build_scorer, spec_keys
     from tidal.runtime.controller import make_rollout
     from tidal.runtime.rollout import EpisodeSpec
@@ -131,7 +133,8 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
         if scorer is not None:
             asyncio.run(scorer.close())
         engine.close()
-    return _compare(recorded, again, model, tokenizer, version, str(model_dir), cfg.rollout.temperature)
+    images = [ImageDir(run_dir / "episodes" / IMAGES_DIR).get(i) for i in recorded.get("images") or []]
+    return _compare(recorded, again, model, tokenizer, version, str(model_dir), cfg.rollout.temperature, vision, images)
 
 
 def _row_of(task, recorded: dict[str, Any]) -> dict[str, Any]:
@@ -144,10 +147,13 @@ def _row_of(task, recorded: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compare(recorded: dict[str, Any], again, model, tokenizer, version: int, checkpoint: str,
-             temperature: float) -> Replay:
+             temperature: float, vision=None, images: list | None = None) -> Replay:
+    """`images`: the recorded episode's pictures (from the store), one per image run of its tokens
+    (a vision-language model), in order."""
     import torch
 
     from tidal.algorithms.losses import token_logprobs
+    from tidal.models.vision import image_runs, mask_banned
 
     a, b = list(recorded["tokens"]), list(again.tokens)
     out = Replay(recorded["episode_id"], version, checkpoint, a == b, len(a), len(b))
@@ -155,13 +161,21 @@ def _compare(recorded: dict[str, Any], again, model, tokenizer, version: int, ch
     # its own context as it was generated and trained.
     under_replay = [0.0] * len(a)
     bounds = [*(recorded.get("segments") or [0]), len(a)]
+    device = next(model.parameters()).device
+    run_starts = [s for s, _ in image_runs(a, vision.image_token_id)] if vision is not None else []
     with torch.inference_mode():
         for start, end in itertools.pairwise(bounds):
             if end - start < 2:
                 continue
-            ids = torch.tensor([a[start:end]], dtype=torch.long, device=next(model.parameters()).device)
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            lp = token_logprobs(logits, ids[:, 1:], temperature=max(temperature, 1e-6))[0].tolist()
+            if vision is not None:  # the segment's own pictures: those whose runs start in it
+                seg = [img for img, s in zip(images or [], run_starts) if start <= s < end]
+                kw = vision.model_inputs(a[start:end], seg, device)
+            else:
+                kw = {"input_ids": torch.tensor([a[start:end]], dtype=torch.long, device=device)}
+            logits = model(**kw).logits[:, :-1].float()
+            if vision is not None:
+                logits = mask_banned(logits, vision.banned_token_ids)
+            lp = token_logprobs(logits, kw["input_ids"][:, 1:], temperature=max(temperature, 1e-6))[0].tolist()
             under_replay[start + 1:end] = lp
     mask = list(recorded["loss_mask"])
     diffs = [abs(under_replay[i] - recorded["logprobs"][i]) for i in range(len(a)) if mask[i]]
