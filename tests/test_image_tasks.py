@@ -17,8 +17,11 @@ from PIL import Image
 from tidal.envs.base import Action
 from tidal.envs.image_tasks import (
     COLORS,
+    OVERVIEW,
     REGIONS,
+    SCENE,
     SIZE,
+    ZOOM_SQUARE,
     ColorEnv,
     CountEnv,
     ZoomEnv,
@@ -44,7 +47,7 @@ def count_pixels(img: Image.Image, rgb: tuple[int, int, int]) -> int:
 
 
 def key_of(name: str, row) -> str:
-    return f"{row['scene'].id}/{row['region']}" if name == "vlm_zoom" else picture_of(row).id
+    return row["scene"].id if name == "vlm_zoom" else picture_of(row).id
 
 
 @pytest.mark.parametrize("name", list(ENVS))
@@ -79,19 +82,24 @@ def test_pictures_show_what_the_row_says():
         assert reds == 100 * int(row["answer"])  # 10×10 pixels per red square, none overlapping
         assert row["squares"] > int(row["answer"])  # a distractor always: the hasty count is wrong
     for row in ZoomEnv.rows("train", 10, seed=0):
-        assert row["answer"] != row["tile_color"] and row["region"] in REGIONS
-        assert picture_of(row).id == overview(row["scene"]).id and picture_of(row).width == SIZE
-        crop = row["scene"].pil().crop(region_box(row["region"], 224, 224))
-        detail = count_pixels(crop, COLORS[row["answer"]])
-        assert 8 * 8 <= detail <= 12 * 12  # the quarter holds its small square at full resolution
+        assert row["region"] in REGIONS and row["answer"] == row["colors"][row["region"]]
+        assert len(set(row["colors"].values())) == 4  # one colour per quarter
+        assert picture_of(row).id == overview(row["scene"]).id and picture_of(row).width == OVERVIEW
+        crop = row["scene"].pil().crop(region_box(row["region"], SCENE, SCENE))
+        lo, hi = ZOOM_SQUARE
+        assert lo * lo <= count_pixels(crop, COLORS[row["answer"]]) <= hi * hi  # its square, at full resolution
+        # in the overview (an 8× box filter) the square keeps its exact colour on at most a 3×3 patch
+        assert count_pixels(picture_of(row).pil(), COLORS[row["answer"]]) <= 9
 
 
 @pytest.mark.parametrize("name", list(ENVS))
 def test_the_right_answer_scores_one_and_the_hasty_habit_zero(name):
-    hasty = {"vlm_color": "small_color", "vlm_count": "squares", "vlm_zoom": "tile_color"}[name]
+    from tidal.models.vlm_build import teacher_turns
+
     for row in ENVS[name].rows("test", 10, seed=0):
         assert score(f"<answer>{row['answer']}</answer>", row["answer"]) == {"correct": 1.0, "format": 0.1}
-        assert score(f"<answer>{row[hasty]}</answer>", row["answer"])["correct"] == 0.0
+        assert score(teacher_turns(name, row, careful=True)[-1], row["answer"])["correct"] == 1.0
+        assert score(teacher_turns(name, row, careful=False)[-1], row["answer"]) == {"correct": 0.0, "format": 0.1}
     assert score("<answer> Red </answer>", "red")["correct"] == 1.0  # case and spaces aside
     assert score("red", "red") == {"correct": 0.0, "format": 0.0}
     assert score("<answer>blue</answer> <answer>red</answer>", "red") == {"correct": 1.0, "format": 0.0}
@@ -122,8 +130,8 @@ def test_the_zoom_tool_returns_the_quarter_and_a_bad_region_is_an_error_observat
     assert msg["role"] == "tool" and msg["name"] == "zoom"
     (part,) = msg["content"]
     assert part["type"] == "image" and isinstance(part["image"], ImageBlob)
-    expected = row["scene"].pil().crop(region_box(row["region"], 224, 224))
-    assert (part["image"].width, part["image"].height) == (112, 112)
+    expected = row["scene"].pil().crop(region_box(row["region"], SCENE, SCENE))
+    assert (part["image"].width, part["image"].height) == (SCENE // 2, SCENE // 2)
     assert part["image"].pil().tobytes() == expected.tobytes()
     assert not bad.done and bad.tool_calls[0].status == "args" and bad.metrics["tools/errors/args"] == 1.0
     assert isinstance(bad.messages[0]["content"], str) and "must be one of" in bad.messages[0]["content"]
@@ -206,7 +214,8 @@ def tiny_vlm(tmp_path_factory):
 
 def test_teacher_demonstrations_run_through_the_rollout_with_both_habits(tiny_vlm):
     """Each habit's demonstration is an ok episode of the real rollout: the careful zoom calls the
-    tool and sees the quarter (two pictures), the hasty one answers at once (one picture)."""
+    tool and sees the quarter (two pictures), the hasty one answers at once (one picture) with the
+    colour of the opposite quarter."""
     from tidal.models.vlm_build import demonstrations
 
     tok, vision = tiny_vlm
@@ -214,12 +223,13 @@ def test_teacher_demonstrations_run_through_the_rollout_with_both_habits(tiny_vl
     careful, hasty = demonstrations(tok, vision, "vlm_zoom", rows, [True, False])
     tokens, mask, images = careful
     assert [b.id for b in images] == [picture_of(rows[0]).id, asyncio.run(_zoomed(rows[0])).id]
-    assert [e - s for s, e in vision.runs(tokens)] == [4, 16]  # 56×56 overview, 112×112 quarter
+    assert [e - s for s, e in vision.runs(tokens)] == [4, 16]  # the 28×28 overview enlarged to 56×56; 112×112
     said = tok.decode([t for t, m in zip(tokens, mask) if m], skip_special_tokens=True)
     assert said == call_text("zoom", {"region": rows[0]["region"]}) + f"<answer>{rows[0]['answer']}</answer>"
     tokens, mask, images = hasty
+    opposite = REGIONS[3 - REGIONS.index(rows[1]["region"])]
     assert len(images) == 1 and tok.decode([t for t, m in zip(tokens, mask) if m], skip_special_tokens=True) == \
-        f"<answer>{rows[1]['tile_color']}</answer>"
+        f"<answer>{rows[1]['colors'][opposite]}</answer>"
     (color,) = demonstrations(tok, vision, "vlm_color", ColorEnv.rows("test", 1, seed=0), [False])
     assert vision.image_token_id not in [t for t, m in zip(color[0], color[1]) if m]
 
@@ -266,3 +276,21 @@ def test_the_builder_is_deterministic(tmp_path):
     assert a["val"] == b["val"] and a["loss"] == b["loss"]
     recorded = json.loads((tmp_path / "a" / "tidal_build.json").read_text())
     assert recorded["steps"] == 6 and set(recorded["val"]) == set(ENVS)
+
+
+def test_the_shipped_tiny_vlm_is_wrong_greedily_and_right_among_its_samples():
+    """The embedded model, through the torch engine and the rollout: on held-out pictures its greedy
+    answer follows the hasty habit (mostly wrong) while a right answer is among 8 samples. The
+    bounds leave room around what the build measured on 200 held-out rows (greedy 0.045 / 0.035 /
+    0.18, pass@8 0.935 / 0.90 / 0.94): 40 rows, and float summation order differs across machines."""
+    from tidal.models import DEFAULT_VLM_DIR, load_model, load_tokenizer
+    from tidal.models.vision import Vision
+    from tidal.models.vlm_build import held_out
+
+    record = json.loads((DEFAULT_VLM_DIR / "tidal_build.json").read_text())
+    model, tok, vision = load_model(DEFAULT_VLM_DIR), load_tokenizer(DEFAULT_VLM_DIR), Vision.load(DEFAULT_VLM_DIR)
+    assert set(record["val"]) == set(ENVS) and record["params"] == sum(p.numel() for p in model.parameters())
+    for name, env in ENVS.items():
+        res = held_out(model, tok, vision, name, env.rows("test", 40, seed=0), k=8)
+        assert res["failed"] == 0
+        assert res["accuracy"] <= 0.35 and res["pass_at_k"] >= 0.75, (name, res)

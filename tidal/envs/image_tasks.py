@@ -6,26 +6,29 @@ Three built-in tasks, each an environment class with its own rows (`rows(split, 
   is the big square?" → `<answer>blue</answer>`.
 - `vlm_count` (CountEnv): squares on a 4×4 grid, 1–4 red ones among 1–3 of other colours;
   "How many red squares are there?" → `<answer>3</answer>`.
-- `vlm_zoom` (ZoomEnv, multi-turn): a 224×224 scene of four quarters, each a coloured tile with a
-  small square of another colour inside. The prompt shows the scene downscaled to 56×56, where
-  the small squares are 2–3 pixels across, and asks for the colour of the small square in one
-  quarter; the `zoom(region)` tool returns that quarter at full resolution (112×112), where it
-  is 8–12 pixels across. The answer needs the zoomed detail.
+- `vlm_zoom` (ZoomEnv, multi-turn): a 224×224 scene of four 112×112 quarters, each holding one
+  square (22–30 px) of its own colour. The prompt shows the scene downscaled to 28×28, where a
+  square is 3–4 pixels across, and asks for the colour of the square in one quarter ("the lower
+  left quarter"); the `zoom(region)` tool returns that quarter at full resolution, as a picture in
+  the tool's answer. The answer needs the zoomed detail.
 
 The pictures are sized for the embedded tiny VLM (tidal/models/tiny_vlm.py: 14-pixel patches
-merged 2×2, so a 56×56 picture is 4 image tokens and a 112×112 one 16): the single-turn ones
-are the two that PLATFORM.md measured learning in seconds of RL. Rendering uses integer
-rectangles only (no anti-aliasing, no fonts), so the same seed gives the same pixels and, through
-`ImageBlob`, the same PNG bytes.
+merged 2×2, so a 56×56 picture is 4 image tokens and a 112×112 quarter 16; the processor enlarges
+the 28×28 overview to 56×56, blurred). The single-turn tasks are the two that PLATFORM.md
+measured learning in seconds of RL; a zoomed square is as large, in patches, as `vlm_color`'s big
+square, which the tiny model's vision tower learns to read quickly (a 10–14 px one it did not
+learn to read in the warm start's budget). Rendering uses integer rectangles only (no
+anti-aliasing, no fonts), so the same seed gives the same pixels and, through `ImageBlob`, the
+same PNG bytes.
 
 Splits: rows are drawn from a generator seeded by the split and the seed, and a picture belongs
-to the held-out split when the first byte of its content id (for `vlm_zoom`, of the scene's id
-and the region asked) falls in one bucket of ten, as tidal/envs/tool_arith.py does for its
+to the held-out split when the first byte of a hash of its content id (for `vlm_zoom`, the
+scene's) falls in one bucket of ten, as tidal/envs/tool_arith.py does for its
 problems; so train and held-out never share a picture, whatever the seeds and sizes. Rows carry
 the prompt as chat messages with image parts (`{"type": "image", "image": ImageBlob}`), the
 `answer` column, and what a scripted teacher needs to answer the task right or with a habit
-(tidal/models/vlm_build.py): the colours of both squares, the number of squares, the quarter's
-tile colour.
+(tidal/models/vlm_build.py): the colours of both squares, the number of all squares, the colour
+of every quarter's square.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ REWARD = "tidal.rewards.vision:score"
 Region = Literal["top_left", "top_right", "bottom_left", "bottom_right"]
 REGIONS: tuple[str, ...] = ("top_left", "top_right", "bottom_left", "bottom_right")
 
-SIZE = 56  # the single-turn pictures and the zoom task's overview
-SCENE = 224  # the zoom task's full-resolution scene (four 112×112 quarters)
+SIZE = 56  # the single-turn pictures
+SCENE = 224  # the zoom task's full-resolution scene: four 112×112 quarters
+OVERVIEW = 28  # the zoom task's overview: the scene downscaled 8×
+ZOOM_SQUARE = (22, 30)  # side of a quarter's square, pixels at full resolution
 GRID = 4  # the count task's cells per side
 
 
@@ -106,23 +111,17 @@ def count_picture(rng: random.Random) -> tuple[Image.Image, dict[str, Any]]:
 
 
 def zoom_scene(rng: random.Random) -> tuple[Image.Image, dict[str, Any]]:
-    """Four 112-pixel quarters, each a tile (64–88 px) with a small square (8–12 px) of another
-    colour inside it, 4 px or more from the tile's edge."""
+    """Four quarters, each with one square (`ZOOM_SQUARE` px) of a colour of its own, 4 px or more
+    from the quarter's edges."""
     img = Image.new("RGB", (SCENE, SCENE), BACKGROUND)
     draw = ImageDraw.Draw(img)
-    half = SCENE // 2
-    tiles, details = {}, {}
+    colors = dict(zip(REGIONS, rng.sample(sorted(COLORS), len(REGIONS))))
     for i, region in enumerate(REGIONS):
-        ox, oy = (i % 2) * half, (i // 2) * half
-        tile, detail = rng.sample(sorted(COLORS), 2)
-        side = rng.randint(64, 88)
-        tx, ty = ox + rng.randint(4, half - 4 - side), oy + rng.randint(4, half - 4 - side)
-        d = rng.randint(8, 12)
-        dx, dy = tx + rng.randint(4, side - 4 - d), ty + rng.randint(4, side - 4 - d)
-        _square(draw, tx, ty, side, tile)
-        _square(draw, dx, dy, d, detail)
-        tiles[region], details[region] = tile, detail
-    return img, {"tiles": tiles, "details": details}
+        side = rng.randint(*ZOOM_SQUARE)
+        half = SCENE // 2
+        x, y = (i % 2) * half + rng.randint(4, half - 4 - side), (i // 2) * half + rng.randint(4, half - 4 - side)
+        _square(draw, x, y, side, colors[region])
+    return img, {"colors": colors}
 
 
 def region_box(region: str, width: int, height: int) -> tuple[int, int, int, int]:
@@ -139,7 +138,7 @@ def zoom(scene: ImageBlob, region: str) -> ImageBlob:
     return from_pil(scene.pil().crop(region_box(region, scene.width, scene.height)))
 
 
-def overview(scene: ImageBlob, size: int = SIZE) -> ImageBlob:
+def overview(scene: ImageBlob, size: int = OVERVIEW) -> ImageBlob:
     """The scene downscaled to `size`×`size` (a box filter: each pixel the mean of its block)."""
     return from_pil(scene.pil().resize((size, size), Image.Resampling.BOX))
 
@@ -152,9 +151,17 @@ COLOR_QUESTION = "What color is the big square? Answer as <answer>color</answer>
 COUNT_QUESTION = "How many red squares are there? Answer as <answer>number</answer>."
 
 
+# The question names a quarter in other words than the tool's argument (upper left → top_left). The
+# tool's schema in the system turn lists every argument value, so the value's own tokens would have
+# five places to be copied from; measured, the tiny model did not learn to pick the question's (its
+# calls named the right quarter 25% of the time, chance), while words found only in the question
+# are learned as a lookup.
+QUARTER_WORDS = {"top_left": "upper left", "top_right": "upper right", "bottom_left": "lower left",
+                 "bottom_right": "lower right"}
+
+
 def zoom_question(region: str) -> str:
-    # The quarter is named as the tool's argument spells it (`top_left`): the call copies it.
-    return (f"What color is the small square in the {region} quarter? "
+    return (f"What color is the square in the {QUARTER_WORDS[region]} quarter? "
             "zoom(region) shows a quarter up close. Answer as <answer>color</answer>.")
 
 
@@ -216,9 +223,9 @@ def zoom_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
         img, meta = zoom_scene(rng)
         region = rng.choice(REGIONS)
         scene = from_pil(img)
-        return f"{scene.id}/{region}", {
-            "prompt": image_prompt(overview(scene), zoom_question(region)), "answer": meta["details"][region],
-            "scene": scene, "region": region, "tile_color": meta["tiles"][region]}
+        return scene.id, {
+            "prompt": image_prompt(overview(scene), zoom_question(region)), "answer": meta["colors"][region],
+            "scene": scene, "region": region, "colors": meta["colors"]}
 
     return _draw_rows("vlm_zoom", split, n, seed, one)
 

@@ -7,12 +7,25 @@ the right answer is among its samples, and the gain is left to RL.
 machine type and thread count → same weights), as tidal/models/tiny.py does for the text model.
 
 The teacher has two habits per task, drawn per demonstration (`careful` is the careful one's
-share, 0.3 by default): for `vlm_color`, the big square's colour (right) or the small square's
-(wrong); for `vlm_count`, the red squares (right) or all squares (wrong: there is always a
-distractor); for `vlm_zoom`, a `zoom` call on the quarter asked about and the small square's
-colour read from the crop (right), or an answer at once with the quarter's tile colour, the big
-thing the overview shows (wrong). Greedy decoding follows the hasty habit, the samples hold the
-careful one: the reward has to teach which pays.
+share, 0.3 by default). Both read the same thing in the picture; the hasty one then slips:
+for `vlm_color` it names the big square's colour (right) or mixes it up with the neighbouring
+hue (red/orange, yellow/green, blue/purple); for `vlm_count` it counts the red squares (right)
+or counts one too many; for `vlm_zoom` it calls `zoom` on the quarter asked about and names the
+colour it sees there (right), or answers at once with the colour of the square diagonally
+opposite, a glance at the wrong place in the overview. Greedy decoding follows the hasty habit,
+the samples hold the careful one: the reward has to teach which pays.
+
+Why the habits read the same thing: the vision tower learns from scratch here, and it learns
+slowly from answers that are a mix of two readings of a picture. Measured while building this
+(2 cores, batches of 32, lr 1e-3): a 30/70 mix of the big and the small square's colour left it
+blind (pass@1 at chance) after 1500 steps, 500 of them on colours; deterministic instructions
+naming either square ("Name the color of the small square.") still left the colour loss near
+chance after 300 colour steps; answers that are one reading (the big square's colour) teach it
+in ~150. So the warm start runs in two phases: the careful teacher alone for `see_steps` (the
+vision tower learns to see), then the mix of both habits (greedy decoding learns the hasty
+slip, which needs nothing new to be seen). The zoom task takes two steps of every four: it has
+two skills to learn (copy the quarter into the call, read the zoomed picture); with one step
+of three its calls named the right quarter at chance.
 
 Demonstrations are episodes of the real rollout (tidal/runtime/rollout.py) driven by a scripted
 engine that plays the teacher, so their tokens, masks and images are exactly what RL will see
@@ -20,8 +33,9 @@ engine that plays the teacher, so their tokens, masks and images are exactly wha
 teacher-forced SFT loop on the Hugging Face model written here: pixel values and grids from the
 model's `Vision`, mRoPE positions from `Vision.positions`, the vision special tokens masked as the
 policy masks them, loss on the policy's tokens only; the vision tower trains with the rest. One
-task per step (the zoom episodes are four times longer; mixing them would pad the short ones).
-Validation uses a slice of each task's *train* split: held-out stays unseen.
+task per step (the zoom episodes are several times longer, with the tools' system turn, which
+goes through the model once per batch: `sft_loss`). Validation uses a slice of each task's
+*train* split: held-out stays unseen.
 
 Evaluation goes through `tidal.runtime.evaluate` with the built-in torch engine: the rollout, the
 env, the reward and the engine of `tidal eval`.
@@ -40,7 +54,7 @@ from typing import Any
 
 import torch
 
-from tidal.envs.image_tasks import ColorEnv, CountEnv, ZoomEnv
+from tidal.envs.image_tasks import REGIONS, ColorEnv, CountEnv, ZoomEnv
 from tidal.models.tiny_vlm import PROCESSOR, build_vlm, build_vlm_tokenizer, save_vlm
 from tidal.models.tool_model import call_text
 from tidal.models.vision import Vision, VisionSpec, image_processor, mask_banned
@@ -57,16 +71,26 @@ REWARD = "tidal.rewards.vision:score"
 # the teacher
 
 
+# The hasty habit's colour mix-ups: neighbouring hues.
+NEIGHBOUR_HUE = {"red": "orange", "orange": "red", "yellow": "green", "green": "yellow", "blue": "purple",
+                 "purple": "blue"}
+
+
+def opposite(region: str) -> str:
+    """The quarter diagonally opposite."""
+    return REGIONS[len(REGIONS) - 1 - REGIONS.index(region)]
+
+
 def teacher_turns(task: str, row: dict[str, Any], careful: bool) -> list[str]:
     """The scripted policy turns of one demonstration (module docstring: the two habits)."""
     if task == "vlm_color":
-        return [f"<answer>{row['big_color'] if careful else row['small_color']}</answer>"]
+        return [f"<answer>{row['big_color'] if careful else NEIGHBOUR_HUE[row['big_color']]}</answer>"]
     if task == "vlm_count":
-        return [f"<answer>{row['answer'] if careful else row['squares']}</answer>"]
+        return [f"<answer>{int(row['answer']) + (0 if careful else 1)}</answer>"]
     if task == "vlm_zoom":
         if careful:
             return [call_text("zoom", {"region": row["region"]}), f"<answer>{row['answer']}</answer>"]
-        return [f"<answer>{row['tile_color']}</answer>"]
+        return [f"<answer>{row['colors'][opposite(row['region'])]}</answer>"]
     raise ValueError(f"unknown image task {task!r} (tasks: {', '.join(TASKS)})")
 
 
@@ -116,7 +140,7 @@ def demonstrations(tokenizer, vision: Vision, task: str, rows: list[dict[str, An
     episodes = asyncio.run(rollout.run(specs, ScriptedEngine(policy, tokenizer=tokenizer), step=0))
     bad = [e for e in episodes if e.status.value != "ok"]
     if bad:
-        raise AssertionError(f"{task}: {len(bad)} teacher demonstrations did not end ok, e.g. {bad[0].error!r}")
+        raise RuntimeError(f"{task}: {len(bad)} teacher demonstrations did not end ok, e.g. {bad[0].error!r}")
     return [(e.tokens, e.loss_mask, e.image_list()) for e in episodes]
 
 
@@ -168,8 +192,8 @@ class _Examples:
         self.positions: list[torch.Tensor] = []
         self.images: list[list[str]] = []
         self.pixels: dict[str, tuple[torch.Tensor, tuple[int, int, int]]] = {}
-        self.careful: list[int] = []  # indices of the careful teacher's demonstrations
-        self.mixed: list[int] = []  # indices of the demonstrations of the habit mix
+        self.careful: list[int] = []  # the careful teacher's demonstrations, one per picture
+        self.mixed: list[int] = []  # one per picture, of its drawn habit
 
     def add(self, demos, vision: Vision) -> None:
         """Add demonstrations whose images `vision` processed last (still in its cache: fewer than
@@ -246,7 +270,7 @@ def build_default_vlm(
     out_dir: str | Path = VLM_DIR,
     seed: int = 0,
     steps: int = 1200,
-    see_steps: int = 600,
+    see_steps: int = 480,
     batch_size: int = 32,
     lr: float = 1e-3,
     warmup: int = 50,
@@ -261,8 +285,9 @@ def build_default_vlm(
     `tidal_build.json` (the recipe and the validation accuracies); return that summary.
 
     `careful`: the careful habit's share per task (module docstring); `train_size`: distinct
-    pictures per task (the first `eval_n` of them are the validation slice, never trained on).
-    Steps cycle through the tasks, one task's batch per step."""
+    pictures per task (the `eval_n` before them are the validation slice, never trained on);
+    `see_steps`: the first phase, the careful teacher alone. Steps cycle through the tasks, one
+    task's batch per step."""
     t_start = time.time()
     careful = careful or {task: 0.3 for task in TASKS}
     train_size = train_size or {"vlm_color": 2000, "vlm_count": 2000, "vlm_zoom": 1200}
@@ -279,20 +304,20 @@ def build_default_vlm(
     vision = vision_of(model)
     examples = {}
     for task, task_rows in train.items():
-        # every row has the careful teacher's demonstration; those whose habit is hasty have the
-        # hasty one too; `mixed` holds one per row, of the row's habit
+        # per picture: the careful teacher's demonstration (phase 1) and the drawn habit's (phase 2:
+        # the same one when the habit is careful)
         habits = [rng.random() < careful[task] for _ in task_rows]
         ex = examples[task] = _Examples(vision.image_token_id)
-        for i in range(0, len(task_rows), 200):  # 200 episodes hold at most 400 pictures: all in vision's cache
-            chunk, hasty = task_rows[i : i + 200], [r for r, h in zip(task_rows[i : i + 200], habits[i : i + 200]) if not h]
+        for i in range(0, len(task_rows), 100):  # 100 pictures' demonstrations use at most 200 images: all in
+            chunk, drawn = task_rows[i : i + 100], habits[i : i + 100]  # vision's cache, none processed twice
             first = len(ex)
             ex.add(demonstrations(tokenizer, vision, task, chunk, [True] * len(chunk)), vision)
-            ex.careful += range(first, len(ex))
-            first = len(ex)
+            hasty = [r for r, h in zip(chunk, drawn) if not h]
+            start = len(ex)
             ex.add(demonstrations(tokenizer, vision, task, hasty, [False] * len(hasty)), vision)
-            hasty_idx = iter(range(first, len(ex)))
-            ex.mixed += [first_c if h else next(hasty_idx)
-                         for first_c, h in zip(ex.careful[-len(chunk):], habits[i : i + 200])]
+            ex.careful += range(first, start)
+            slips = iter(range(start, len(ex)))
+            ex.mixed += [first + j if h else next(slips) for j, h in enumerate(drawn)]
     t_data = time.time() - t_start
     print(f"vlm warm-start: {sum(len(e) for e in examples.values())} demonstrations ({t_data:.0f}s)", flush=True)
 
@@ -301,7 +326,8 @@ def build_default_vlm(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
     banned = vision.banned_token_ids
     model.train()
-    names = list(TASKS)
+    # the zoom task takes two steps of every four (module docstring)
+    names = ["vlm_color", "vlm_zoom", "vlm_count", "vlm_zoom"]
     # a shared prefix pays for its extra forward only when it is long (the zoom task's tools)
     prefix = {task: p if (p := ex.shared_prefix()) >= 32 else 0 for task, ex in examples.items()}
     losses: dict[str, float] = {}
@@ -334,7 +360,8 @@ def build_default_vlm(
     save_vlm(model, tokenizer, out_dir)
     summary = {
         "seed": seed, "steps": steps, "see_steps": see_steps, "batch_size": batch_size, "lr": lr, "warmup": warmup, "careful": careful,
-        "train_size": train_size, "vocab_size": len(tokenizer), "threads": torch.get_num_threads(),
+        "train_size": train_size, "task_cycle": names, "vocab_size": len(tokenizer),
+        "threads": torch.get_num_threads(),
         "params": sum(p.numel() for p in model.parameters()),
         "val": results, "val_note": f"the first {eval_n} rows of each task's train split (seed {30_000 + seed}), "
                                     f"never trained on; pass@{eval_k} at temperature 1",
