@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import json
 
 import numpy as np
@@ -285,11 +286,16 @@ def test_the_shipped_tiny_vlm_is_wrong_greedily_and_right_among_its_samples():
     0.18, pass@8 0.935 / 0.90 / 0.94): 40 rows, and float summation order differs across machines."""
     from tidal.models import DEFAULT_VLM_DIR, load_model, load_tokenizer
     from tidal.models.vision import Vision
-    from tidal.models.vlm_build import held_out
+    from tidal.models.vlm_build import build_default_vlm, held_out
 
     record = json.loads((DEFAULT_VLM_DIR / "tidal_build.json").read_text())
     model, tok, vision = load_model(DEFAULT_VLM_DIR), load_tokenizer(DEFAULT_VLM_DIR), Vision.load(DEFAULT_VLM_DIR)
     assert set(record["val"]) == set(ENVS) and record["params"] == sum(p.numel() for p in model.parameters())
+    # the shipped directory is what `tidal build-default-vlm` makes: its record has the builder's defaults
+    defaults = {k: p.default for k, p in inspect.signature(build_default_vlm).parameters.items()}
+    for key in ("seed", "steps", "see_steps", "batch_size", "lr", "warmup"):
+        assert record[key] == defaults[key], key
+    assert record["careful"] == {name: 0.3 for name in ENVS} and record["threads"] == 2  # the CLI's default
     for name, env in ENVS.items():
         res = held_out(model, tok, vision, name, env.rows("test", 40, seed=0), k=8)
         assert res["failed"] == 0
