@@ -15,11 +15,30 @@ import json
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("tidal")
 
 MANIFEST = "manifest.json"
+
+
+@dataclass
+class RunPaths:
+    """Where a run keeps its checkpoints: `ROOT/checkpoints/step_N/`."""
+
+    root: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step_{step:06d}"
+
+    def latest_checkpoint(self) -> Path | None:
+        """The newest checkpoint whose manifest verifies (a damaged newer one is named and skipped)."""
+        return latest_good(self.checkpoints)
 
 
 def _sha256(path: Path) -> str:

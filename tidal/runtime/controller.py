@@ -39,7 +39,7 @@ from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.batch import build_batch, informative, shape_rewards
-from tidal.runtime.checkpoints import file_system_error, latest_good, prune, read_best, write_best, write_manifest
+from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
 from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.placement import build_roles
 from tidal.runtime.recovery import role_restarts
@@ -94,22 +94,6 @@ class Sampled:
     t_start: float
     t_end: float
     admission_wait: float = 0.0  # time the rollout waited for fresh enough weights
-
-
-@dataclass
-class RunPaths:
-    root: Path
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step_{step:06d}"
-
-    def latest_checkpoint(self) -> Path | None:
-        """The newest checkpoint whose manifest verifies (a damaged newer one is named and skipped)."""
-        return latest_good(self.checkpoints)
 
 
 class Controller:
