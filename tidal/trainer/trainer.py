@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +41,16 @@ from tidal.models import load_model, resolve_model_dir
 from tidal.models.vision import Vision, mask_banned
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
+from tidal.trainer.layout import (
+    at_mask,
+    keep_rows,
+    micro_batches,
+    pack_rows,  # noqa: F401 - re-exported: tests import it from here
+    packed_inputs,
+    packed_order,
+    pad_rows,
+)
+from tidal.trainer.lora import add_lora, load_adapter, merged_weights
 
 
 @dataclass
@@ -78,116 +86,6 @@ class TrainBatch:
         batch. A data-parallel rank passes the totals of the global batch instead."""
         masks = [m[1:] for m in self.loss_mask]
         return float(sum(sum(m) for m in masks)), float(sum(1 for m in masks if any(m)))
-
-
-def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
-    """Split sequence indices into micro-batches whose padded size (rows × longest) stays
-    within `token_budget`. Sorting by length keeps padding low; the split never changes the
-    loss (see module docstring)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for i in order:
-        if lengths[i] > token_budget:
-            raise ValueError(f"a sequence of {lengths[i]} tokens exceeds train.micro_batch_tokens={token_budget}")
-        if cur and (len(cur) + 1) * lengths[i] > token_budget:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    return out
-
-
-def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Sequence indices per row, first-fit decreasing: each row's lengths sum to at most
-    `capacity` (at least the longest length)."""
-    rows: list[list[int]] = []
-    free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        r = next((r for r, f in enumerate(free) if f >= lengths[i]), None)
-        if r is None:
-            rows.append([])
-            free.append(capacity)
-            r = len(rows) - 1
-        rows[r].append(i)
-        free[r] -= lengths[i]
-    return rows
-
-
-def packed_order(lengths: list[int]) -> list[int]:
-    """Sequence indices in the order `packed_inputs` lays them out (row by row, left to right):
-    the order in which a vision-language model's image pads, and so its images, appear."""
-    return [i for members in pack_rows(lengths, max(lengths)) for i in members]
-
-
-def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu", rope: list[torch.Tensor] | None = None):
-    """The sequences packed into rows as long as the longest (`pack_rows`): input ids and
-    position ids [rows, longest], each sequence at positions 0..n-1 (a row's unused tail is a
-    sequence of padding of its own), and for every sequence the flat index of each of its
-    positions but the last, padded with 0 to [len(tokens), longest - 1] (the padded layout of
-    `logits[:, :-1]`).
-
-    `rope`: each sequence's mRoPE positions [3, n] (a vision-language model); the position ids
-    are then [4, rows, longest]: the text positions above first (Qwen2-VL derives the packed
-    mask from them), then the sequences' own three components (a row's tail: its text positions)."""
-    capacity = max(len(t) for t in tokens)
-    rows = pack_rows([len(t) for t in tokens], capacity)
-    ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), capacity), dtype=torch.long)
-    mrope = None if rope is None else torch.zeros((3, len(rows), capacity), dtype=torch.long)
-    index = torch.zeros((len(tokens), capacity - 1), dtype=torch.long)
-    for r, members in enumerate(rows):
-        offset = 0
-        for i in members:
-            n = len(tokens[i])
-            ids[r, offset:offset + n] = torch.tensor(tokens[i], dtype=torch.long)
-            pos[r, offset:offset + n] = torch.arange(n)
-            if mrope is not None:
-                mrope[:, r, offset:offset + n] = rope[i]
-            index[i, :n - 1] = r * capacity + offset + torch.arange(n - 1)
-            offset += n
-        pos[r, offset:] = torch.arange(capacity - offset)
-        if mrope is not None:
-            mrope[:, r, offset:] = pos[r, offset:]
-    if mrope is not None:
-        pos = torch.cat([pos[None], mrope])
-    return ids.to(device), pos.to(device), index.to(device)
-
-
-def at_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """`values` ([N], one per True entry of `mask`, in row-major order) laid out as `mask`'s
-    shape, 0 elsewhere; differentiable in `values`."""
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
-
-
-def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
-    """Right-pad ragged rows into one [len(rows), longest] tensor."""
-    L = max(len(r) for r in rows)
-    out = torch.full((len(rows), L), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out.to(device)
-
-
-class _keep_rows:
-    """While active, `model`'s output head sees only the hidden states at `rows` (flat indices
-    into [batch × positions]): a forward pre-hook on `get_output_embeddings()`, so the model's
-    own forward (and FSDP's hooks around it) run unchanged and its logits come out [N, V].
-    `rows=None`: nothing changes."""
-
-    def __init__(self, model, rows: torch.Tensor | None):
-        self.head, self.rows, self.handle = model.get_output_embeddings(), rows, None
-
-    def __enter__(self):
-        if self.rows is not None:
-            rows = self.rows
-            self.handle = self.head.register_forward_pre_hook(lambda _m, args: (args[0].flatten(0, 1)[rows],))
-        return self
-
-    def __exit__(self, *exc):
-        if self.handle is not None:
-            self.handle.remove()
 
 
 class Trainer:
@@ -259,7 +157,7 @@ class Trainer:
         gathered back into the padded layout.
 
         `keep` ([B, longest - 1] bool, the targets' layout): only those positions get logits:
-        the output head runs on their hidden states alone (`_keep_rows`), and logits [N, V] and
+        the output head runs on their hidden states alone (`keep_rows`), and logits [N, V] and
         targets [N] come back in `keep`'s row-major order. The head, the log-softmax and the
         entropy are the per-position work that grows with the vocabulary; the prompt and the
         padding never need them in a policy update.
@@ -278,7 +176,7 @@ class Trainer:
                 index = index[:B, :T]  # a dummy image's sequence (data parallel) is not scored
                 kw = {} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs]))
                 rows = None if keep is None else index[keep]
-                with _keep_rows(model, rows):
+                with keep_rows(model, rows):
                     logits = model(input_ids=packed, position_ids=pos, use_cache=False, **kw).logits
                 logits = logits.flatten(0, 1)[index] if keep is None else logits
             else:
@@ -294,7 +192,7 @@ class Trainer:
                 if keep is not None:  # flat positions of the kept targets in [B, longest] hidden states
                     rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
                             + torch.arange(T, device=self.device))[keep]
-                with _keep_rows(model, rows):
+                with keep_rows(model, rows):
                     logits = model(input_ids=ids, attention_mask=attn, **kw).logits
                 logits = logits[:B, :T] if keep is None else logits
         if self._banned is not None:
@@ -615,56 +513,3 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-
-
-# -- LoRA (peft) ---------------------------------------------------------------------------
-def add_lora(model, lora):
-    """`model` with peft LoRA adapters on `lora.targets`: B starts at zero, so the adapted
-    model computes exactly what the base does until the first step."""
-    from peft import LoraConfig, get_peft_model
-
-    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-    unknown = sorted(set(lora.targets) - names)
-    if unknown:
-        raise ValueError(f"train.lora.targets: no module of the model is named {unknown} (its linear layers: "
-                         f"{sorted({n.rsplit('.', 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})})")
-    with warnings.catch_warnings():  # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing`
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        return get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                target_modules=list(lora.targets), bias="none"))
-
-
-def merged_weights(peft_model) -> dict[str, torch.Tensor]:
-    """The base model's parameters by their own names, whole, each adapted linear layer's weight
-    with its adapters merged in (W + scale · B·A): what an engine holding the plain model loads.
-    Data parallel: a collective (every parameter is all-gathered, in the same order on every rank)."""
-    from peft.tuners.lora import LoraLayer
-
-    dp.reshard(peft_model)
-    base = peft_model.get_base_model()
-    full = {n: dp.full_tensor(p.detach()) for n, p in base.named_parameters()}
-    out = {n.replace(".base_layer.", "."): w for n, w in full.items() if "lora_" not in n}
-    for name, mod in base.named_modules():
-        if not isinstance(mod, LoraLayer):
-            continue
-        key = f"{name}.weight"
-        for a in mod.active_adapters:
-            delta = full[f"{name}.lora_B.{a}.weight"] @ full[f"{name}.lora_A.{a}.weight"] * mod.scaling[a]
-            out[key] = out[key] + (delta.T if mod.fan_in_fan_out else delta).to(out[key].dtype)
-    return out
-
-
-def load_adapter(peft_model, path: Path) -> None:
-    """Restore adapter weights saved by `save` (peft's adapter_model.safetensors, whose keys
-    carry no adapter name), sharded or not."""
-    from safetensors.torch import load_file
-
-    f = path / "adapter_model.safetensors"
-    if not f.is_file():
-        raise ValueError(f"checkpoint {path.parent} has no adapter ({f} is missing), but train.lora.rank > 0: it was "
-                         "saved by a full fine-tuning run; resume it without train.lora")
-    state = {re.sub(r"\.(lora_[AB])\.", r".\1.default.", k): v for k, v in load_file(str(f)).items()}
-    missing, unexpected = dp.load_full_state(peft_model, state)
-    missing = [k for k in missing if "lora_" in k]
-    if unexpected or missing:
-        raise ValueError(f"adapter {path} does not match train.lora: missing {missing[:5]}, unexpected {unexpected[:5]}")
