@@ -71,7 +71,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -80,6 +79,7 @@ from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import FeatureCache, Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
+from tidal.engines.torch_batch import Call, Rows, Seq, calls_of, fail_calls
 from tidal.engines.weights_lock import WeightsLock
 from tidal.images import ImageBlob
 from tidal.models.vision import Vision, mask_banned, next_position
@@ -143,7 +143,7 @@ class TorchEngine:
         self._closed = False
         self._home: torch.device | None = None  # where the weights live while asleep on the host
         self._cv = threading.Condition()  # guards the queue and the scheduler thread
-        self._queue: deque[_Call] = deque()
+        self._queue: deque[Call] = deque()
         self._scheduler: threading.Thread | None = None
         self._callers: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -236,7 +236,7 @@ class TorchEngine:
             self._validate(r)
         if not requests:
             return []
-        call = _Call(requests)
+        call = Call(requests)
         if not self.cross_call_batching:
             return self._run_alone(call)
         with self._cv:
@@ -294,10 +294,10 @@ class TorchEngine:
                                  f"takes {need} image tokens but its run (tokens {s}..{e}) has {e - s}; the prompt's "
                                  "placeholders must be expanded once, for these images (Vision.expand)")
 
-    def _run_alone(self, call: _Call) -> list[GenerationResult]:
+    def _run_alone(self, call: Call) -> list[GenerationResult]:
         """One call's own decode loop (cross_call_batching=False)."""
         waiting = deque(call.seqs())
-        rows: _Rows | None = None
+        rows: Rows | None = None
         step_lock = self._weights.shared if self.partial_rollout else contextlib.nullcontext
         with contextlib.ExitStack() as whole:
             if not self.partial_rollout:
@@ -311,8 +311,8 @@ class TorchEngine:
     def _schedule(self) -> None:
         """The scheduler thread: admit queued calls between decode steps, decode, resolve
         each call as its last request finishes; exit once nothing is queued or in flight."""
-        waiting: deque[_Seq] = deque()
-        rows: _Rows | None = None
+        waiting: deque[Seq] = deque()
+        rows: Rows | None = None
         holding = False  # partial_rollout=False: the lock is held while requests are in flight
         try:
             with torch.inference_mode():
@@ -345,7 +345,7 @@ class TorchEngine:
                             try:
                                 rows = self._step(waiting, rows)
                             except Exception as e:  # noqa: BLE001 - the calls in flight fail; later ones are served
-                                _fail(_calls_of(waiting, rows), e)
+                                fail_calls(calls_of(waiting, rows), e)
                                 waiting.clear()
                                 rows = None
                     if asleep:
@@ -353,7 +353,7 @@ class TorchEngine:
         except BaseException as e:  # closed, or the thread itself failed: nobody may wait forever
             err = e if isinstance(e, EngineClosed) else EngineClosed(
                 f"torch engine: the scheduler thread failed: {type(e).__name__}: {e}")
-            _fail(_calls_of(waiting, rows), err)
+            fail_calls(calls_of(waiting, rows), err)
             with self._cv:
                 self._scheduler = None
                 self._fail_queued(err)
@@ -387,7 +387,7 @@ class TorchEngine:
             if not call.future.done():
                 call.future.set_exception(error)
 
-    def _step(self, waiting: deque[_Seq], rows: _Rows | None) -> _Rows | None:
+    def _step(self, waiting: deque[Seq], rows: Rows | None) -> Rows | None:
         """One iteration: waiting requests join, every row samples a token, finished rows
         leave, the others are decoded. Returns the running batch (None when empty)."""
         while waiting and waiting[0].call.future.cancelled():
@@ -396,7 +396,7 @@ class TorchEngine:
         # New requests join when a worthwhile number of slots is free (one prefill
         # per join), or when every waiting request fits.
         if waiting and free > 0 and (rows is None or free >= min(len(waiting), self._join_at)):
-            take: list[_Seq] = []
+            take: list[Seq] = []
             while waiting and len(take) < free:
                 s = waiting.popleft()
                 if not s.call.future.cancelled():
@@ -454,7 +454,7 @@ class TorchEngine:
     def _join_at(self) -> int:
         return max(1, self.max_batch_size // 8)
 
-    def _keep_prefix(self, rows: _Rows, row: int) -> None:
+    def _keep_prefix(self, rows: Rows, row: int) -> None:
         """Keep a finished row's KV cache (prompt + generation but its last token, which was
         never fed) for its session's next request, if all of it came from today's weights."""
         seq = rows.seqs[row]
@@ -468,7 +468,7 @@ class TorchEngine:
         # Every image run lies in the prompt (image pads are never sampled): all of its images.
         self.prefixes.put(req.session_id, Prefix(tokens, *rows.cache.row(row, n), images=_image_ids(req)))
 
-    def _prefill(self, seqs: list[_Seq]) -> _Rows:
+    def _prefill(self, seqs: list[Seq]) -> Rows:
         """Prefill joining requests; those that found their session's cache apart from the
         others (a cold row in their group would make them all re-feed its whole prompt)."""
         found = [self.prefixes.take(s.request.session_id, s.request.prompt_ids, _image_ids(s.request)) for s in seqs]
@@ -480,7 +480,7 @@ class TorchEngine:
             rows = new if rows is None else rows.merge(new)
         return rows
 
-    def _prefill_group(self, seqs: list[_Seq], hits: list[Prefix | None]) -> _Rows:
+    def _prefill_group(self, seqs: list[Seq], hits: list[Prefix | None]) -> Rows:
         reqs = [s.request for s in seqs]
         dev, B = self.device, len(reqs)
         lens = [len(r.prompt_ids) for r in reqs]
@@ -527,7 +527,7 @@ class TorchEngine:
         ).logits[:, -1]
         # Room for the longest budget (up to 256 tokens; beyond, the cache doubles when full).
         reserve = min(max(r.params.max_new_tokens for r in reqs), 256)
-        return _Rows(
+        return Rows(
             seqs=list(seqs), cache=KVCache.from_dynamic(cache, attn, reserve), next_pos=next_pos, logits=logits,
             temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
             top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
@@ -581,106 +581,3 @@ class TorchEngine:
 
 def _image_ids(request: GenerationRequest) -> tuple[str, ...]:
     return tuple(b.id for b in request.images)
-
-
-class _Call:
-    """One generate call: its requests, their results as they finish, and the future its
-    caller waits on (resolved when the last of them finishes)."""
-
-    def __init__(self, requests: list[GenerationRequest]):
-        self.requests = requests
-        self.out: list[GenerationResult | None] = [None] * len(requests)
-        self.left = len(requests)
-        self.future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def seqs(self) -> list[_Seq]:
-        return [_Seq(self, i) for i in range(len(self.requests))]
-
-
-@dataclass(eq=False)
-class _Seq:
-    """One request being generated: the tokens, log-probs and versions so far."""
-
-    call: _Call
-    index: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-
-    @property
-    def request(self) -> GenerationRequest:
-        return self.call.requests[self.index]
-
-    def finish(self, reason: str) -> None:
-        call = self.call
-        call.out[self.index] = GenerationResult(self.request.request_id, self.tokens, self.logprobs, reason,
-                                                max(self.versions), token_versions=self.versions)
-        call.left -= 1
-        if call.left == 0 and not call.future.done():
-            try:
-                call.future.set_result(call.out)
-            except concurrent.futures.InvalidStateError:  # cancelled just now
-                pass
-
-
-def _calls_of(waiting, rows) -> set[_Call]:
-    return {s.call for s in waiting} | ({s.call for s in rows.seqs} if rows is not None else set())
-
-
-def _fail(calls, error: BaseException) -> None:
-    for call in calls:
-        if not call.future.done():
-            try:
-                call.future.set_exception(error)
-            except concurrent.futures.InvalidStateError:
-                pass
-
-
-@dataclass
-class _Rows:
-    """The running batch: one row per request being decoded, with its KV cache (left-padded
-    to a common length, with its mask), next position, next-token logits and sampling
-    parameters. Rows leave (`select`) and join (`merge`) between decode steps."""
-
-    seqs: list[_Seq]  # the request of each row
-    cache: KVCache
-    next_pos: torch.Tensor
-    logits: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    seeds: torch.Tensor
-    steps: torch.Tensor  # tokens generated so far per row: the position of the sampling noise
-    versions: torch.Tensor  # weight version that computed each row's `logits`
-
-    _PER_ROW = ("next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def select(self, keep: list[int]) -> torch.Tensor:
-        """Keep the rows `keep`; returns their new order (old row at each new position) as
-        a tensor, for the caller's own per-row tensors."""
-        order = self.cache.select(keep)  # also cuts left padding that no remaining row needs
-        order_t = torch.tensor(order, device=self.seeds.device)
-        for name in self._PER_ROW:
-            setattr(self, name, getattr(self, name)[order_t])
-        self.seqs = [self.seqs[i] for i in order]
-        return order_t
-
-    def decode(self, step, tok: torch.Tensor, version: int) -> None:
-        """Feed each row's sampled token through `step(tok, positions, cache) -> logits`; the
-        logits become those of the next position, computed by the weights of `version`
-        (earlier positions keep their cache)."""
-        self.logits = step(tok, self.next_pos, self.cache)
-        self.next_pos = self.next_pos + 1
-        self.steps = self.steps + 1
-        self.versions = torch.full_like(self.versions, version)
-
-    def merge(self, new: _Rows) -> _Rows:
-        """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
-        self.cache = self.cache.merge(new.cache)
-        for name in self._PER_ROW:
-            setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
-        self.seqs = self.seqs + new.seqs
-        return self

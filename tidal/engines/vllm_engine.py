@@ -53,7 +53,6 @@ cannot be imported, tidal/models/vision_shims.py patches what vLLM's Qwen2-VL co
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import concurrent.futures
 import itertools
@@ -61,10 +60,6 @@ import json
 import logging
 import os
 import random
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import weakref
 from collections.abc import Mapping
@@ -75,9 +70,18 @@ import numpy as np
 import torch
 
 from tidal.engines.gate import UpdateGate, with_tied_head
-from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
 from tidal.engines.stop_strings import check_stop_strings
-from tidal.types import GenerationRequest, GenerationResult, SamplingParams
+from tidal.engines.vllm_requests import (
+    Completion,
+    VLLMEngineError,
+    _check_expanded,
+    _finish_reason,
+    _sampling_fields,
+    banned_words,
+    vllm_prompt,
+)
+from tidal.engines.vllm_server import VLLMServer
+from tidal.types import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from tidal.models.vision import Vision
@@ -86,11 +90,6 @@ log = logging.getLogger("tidal")
 
 Mode = Literal["in_process", "server"]
 LOGPROBS_MODE = "processed_logprobs"
-Completion = tuple[list[int], list[float], str]  # token ids, their log-probs, finish reason
-
-
-class VLLMEngineError(RuntimeError):
-    """A vLLM engine call failed; the message names the engine, the call and the request."""
 
 
 def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
@@ -104,71 +103,6 @@ def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
     else:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # /collective_rpc and /reset_prefix_cache
     return env
-
-
-def _sampling_fields(p: SamplingParams, banned: tuple[str, ...] = ()) -> dict[str, Any]:
-    """tidal SamplingParams → vLLM's. Only the request's own stop tokens end it (`ignore_eos`:
-    the model's EOS is in stop_token_ids when the caller wants it, as with the torch engine).
-    Stop strings: vLLM matches them in the text of the generated tokens with special tokens
-    skipped (as tidal does) and keeps the token that completes one (`include_stop_str_in_output`;
-    without it vLLM still returns that token but cuts the text). `banned`: the texts of tokens
-    that are never sampled (`bad_words`; each must encode to its one token: `banned_words`)."""
-    greedy = p.temperature <= 0
-    fields = {
-        "max_tokens": p.max_new_tokens,
-        "temperature": 0.0 if greedy else p.temperature,
-        "top_p": 1.0 if greedy else p.top_p,
-        "top_k": 0 if greedy else p.top_k,
-        "seed": p.seed,
-        "stop_token_ids": list(p.stop_token_ids),
-        "ignore_eos": True,
-        "logprobs": 0,  # the sampled token's own log-prob only
-    }
-    if banned:
-        fields["bad_words"] = list(banned)
-    if p.stop:
-        fields["stop"] = list(p.stop)
-        fields["include_stop_str_in_output"] = True
-        fields["skip_special_tokens"] = True  # the text they are matched in (tidal's convention)
-    return fields
-
-
-def banned_words(tokenizer, token_ids: tuple[int, ...]) -> tuple[str, ...]:
-    """The texts vLLM's `bad_words` bans `token_ids` by. vLLM encodes each text (without special
-    tokens added) and sets the logit of its last token to -inf at every step whose previous
-    tokens match the rest, so a text that encodes to exactly its one token bans that token
-    everywhere. (vLLM also bans the text with a space before it, which changes nothing here.)
-    Raises ValueError for a token whose text does not encode back to it alone."""
-    words = []
-    for i in token_ids:
-        text = tokenizer.convert_ids_to_tokens(int(i))
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if ids != [int(i)]:
-            raise ValueError(f"the banned token {i} ({text!r}) encodes to {ids}, not to itself alone; vLLM's "
-                             "bad_words could not ban it (is it registered as a special token in the tokenizer?)")
-        words.append(text)
-    return tuple(words)
-
-
-def _check_expanded(r: GenerationRequest, got: list[int] | None, vision: Vision) -> None:
-    """vLLM's expansion of a request's collapsed prompt must be the request's prompt: the same
-    image runs, token for token (its processor and tidal's disagree otherwise, e.g. on resizing)."""
-    if got is None:
-        raise VLLMEngineError(f"request {r.request_id}: vLLM's answer has no prompt token ids to check its image "
-                              "expansion against")
-    if list(got) == list(r.prompt_ids):
-        return
-    raise VLLMEngineError(f"request {r.request_id}: vLLM expanded the prompt to {len(got)} tokens with image runs of "
-                          f"{[e - s for s, e in vision.runs(list(got))]} tokens; tidal's prompt has "
-                          f"{len(r.prompt_ids)} tokens with runs of {[e - s for s, e in vision.runs(r.prompt_ids)]} "
-                          "(its image processor and vLLM's disagree: both are built from the model's "
-                          "preprocessor_config.json)")
-
-
-def _finish_reason(reason: str | None, where: str) -> str:
-    if reason in ("stop", "length"):
-        return reason
-    raise VLLMEngineError(f"{where}: vLLM finished it with reason {reason!r} (expected 'stop' or 'length')")
 
 
 class VLLMEngine:
@@ -218,9 +152,9 @@ class VLLMEngine:
             self._banned = self._prepare_vision(engine_args)
         env = vllm_env(mode, kv_cache_gib)
         if mode == "in_process":
-            self._backend: _InProcess | _Server = _InProcess(self.model_dir, engine_args, env, vision is not None)
+            self._backend: _InProcess | VLLMServer = _InProcess(self.model_dir, engine_args, env, vision is not None)
         else:
-            self._backend = _Server(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir,
+            self._backend = VLLMServer(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir,
                                     vision is not None)
         self.max_model_len = self._backend.max_model_len
         # Close on interpreter exit: no server process outlives tidal.
@@ -357,17 +291,6 @@ class VLLMEngine:
             log.warning("%s: top_k/top_p truncation: vLLM returns log-probs renormalized over the kept tokens, "
                         "not tidal's untruncated log softmax(logits/T); engine/trainer log-prob mismatch grows "
                         "by log(kept mass) per token (first request %s)", self.name, r.request_id)
-
-
-def vllm_prompt(r: GenerationRequest, vision: Vision | None) -> dict[str, Any]:
-    """What vLLM is given for a request: its token ids, and for a request with images each image
-    run collapsed to one pad (vLLM expands it again itself), the pictures and their content ids
-    (`multi_modal_uuids`: vLLM keys its caches by them instead of hashing the pixels)."""
-    if not r.images:
-        return {"prompt_token_ids": list(r.prompt_ids)}
-    return {"prompt_token_ids": vision.collapse(list(r.prompt_ids)),
-            "multi_modal_data": {"image": [b.pil() for b in r.images]},
-            "multi_modal_uuids": {"image": [b.id for b in r.images]}}
 
 
 # -- in-process -----------------------------------------------------------------------------
@@ -558,129 +481,3 @@ class _InProcess:
             cleanup_dist_env_and_memory()
         except Exception as e:  # noqa: BLE001
             log.debug("closing the in-process vLLM engine: %s", e)
-
-
-# -- server ---------------------------------------------------------------------------------
-class _Server:
-    """An OpenAI-compatible vLLM server child process, supervised."""
-
-    def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], start_timeout_s: float,
-                 request_timeout_s: float, log_dir: str | Path | None, multimodal: bool = False):
-        self.multimodal = multimodal
-        self.host, self.port = "127.0.0.1", free_port()
-        self.url = f"http://{self.host}:{self.port}"
-        self._tmp = Path(tempfile.mkdtemp(prefix="tidal-vllm-"))
-        self.weights_dir = self._tmp / "weights"
-        log_root = Path(log_dir) if log_dir is not None else self._tmp
-        log_root.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_root / f"vllm-server-{self.port}.log"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", "policy", "--host", self.host, "--port", str(self.port),
-               "--disable-uvicorn-access-log"]
-        for k, v in engine_args.items():
-            name = k.replace("_", "-")
-            value = json.dumps(v) if isinstance(v, dict) else str(v)
-            cmd += [f"--{name}"] if v is True else [f"--no-{name}"] if v is False else [f"--{name}", value]
-        if multimodal:  # /inference/v1/generate: token ids and images in one request
-            cmd.append("--enable-scale-out")
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until close()
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.max_model_len = 0
-        try:
-            self._wait_healthy(start_timeout_s)
-            models = json.loads(self._http("GET", "/v1/models", None, 30))
-            self.max_model_len = int(models["data"][0]["max_model_len"])
-        except BaseException:
-            self.close()
-            raise
-
-    def describe(self) -> str:
-        return f"server pid {self.proc.pid} on {self.url}, log {self.log_path}"
-
-    def dead(self) -> str:
-        code = self.proc.poll()
-        if code is None:
-            return ""
-        return f"The server exited with code {code}; last lines of {self.log_path}:\n{tail(self.log_path)}"
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        wait_healthy(self.proc, self.url + "/health", timeout_s, "vLLM server", self.log_path, VLLMEngineError,
-                      "engine.vllm_start_timeout_s")
-
-    def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
-        return http_call(self.url, method, path, body, timeout_s, VLLMEngineError, self.dead)
-
-    async def generate(self, requests: list[GenerationRequest], timeout_s: float, vision: Vision | None = None,
-                       banned: tuple[str, ...] = ()) -> list[Completion]:
-        import aiohttp  # a dependency of vLLM
-
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=256)) as session:
-            return list(await asyncio.gather(*(
-                self._complete_images(session, r, vision, banned) if r.images else self._complete(session, r, banned)
-                for r in requests)))
-
-    async def _post(self, session, path: str, body: dict, where: str) -> dict:
-        import aiohttp
-
-        try:
-            async with session.post(self.url + path, json=body) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise VLLMEngineError(f"{where}: {path} answered {resp.status}: {text[:500]}")
-        except aiohttp.ClientError as e:
-            raise VLLMEngineError(f"{where}: {path} failed: {type(e).__name__}: {e}. {self.dead()}") from e
-        return json.loads(text)
-
-    async def _complete(self, session, r: GenerationRequest, banned: tuple[str, ...] = ()) -> Completion:
-        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params, banned),
-                "return_token_ids": True}
-        where = f"request {r.request_id}"
-        choice = (await self._post(session, "/v1/completions", body, where))["choices"][0]
-        toks = list(choice["token_ids"])
-        lps = list(choice["logprobs"]["token_logprobs"])
-        if len(lps) != len(toks):
-            raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
-        return toks, [float(x) for x in lps], _finish_reason(choice["finish_reason"], where)
-
-    async def _complete_images(self, session, r: GenerationRequest, vision: Vision,
-                               banned: tuple[str, ...]) -> Completion:
-        """A request with images: vLLM's token-in/token-out endpoint (`--enable-scale-out`) takes
-        the collapsed token ids and the pictures as `content_parts` (PNG data URLs, their content
-        ids as uuids) and expands the runs as the in-process engine does."""
-        prompt = vllm_prompt(r, vision)
-        parts = [{"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(b.png).decode("ascii"),
-                  "uuid": b.id} for b in r.images]
-        body = {"model": "policy", "token_ids": prompt["prompt_token_ids"], "content_parts": parts,
-                "sampling_params": _sampling_fields(r.params, banned), "return_token_ids": True}
-        where = f"request {r.request_id}"
-        answer = await self._post(session, "/inference/v1/generate", body, where)
-        _check_expanded(r, answer.get("prompt_token_ids"), vision)
-        choice = answer["choices"][0]
-        toks = list(choice["token_ids"])
-        lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or ()]
-        if len(lps) != len(toks):
-            raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
-        return toks, lps, _finish_reason(choice["finish_reason"], where)
-
-    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
-        from safetensors.torch import save_file
-
-        # One fixed directory: reload_weights points the server's model config at it.
-        self.weights_dir.mkdir(exist_ok=True)
-        tmp = self.weights_dir / "model.safetensors.tmp"
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in named.items()}, str(tmp))
-        tmp.replace(self.weights_dir / "model.safetensors")
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(self.weights_dir)}, "timeout": timeout_s}
-        self._http("POST", "/collective_rpc", rpc, timeout_s)
-        self._http("POST", "/reset_prefix_cache", {}, 60)
-        if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
-            self._http("POST", "/reset_encoder_cache", {}, 60)
-
-    def close(self) -> None:
-        stop_process_group(self.proc)
-        self._log.close()
-        shutil.rmtree(self.weights_dir, ignore_errors=True)
-        if self.log_path.parent != self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)

@@ -1,0 +1,121 @@
+"""The torch engine's records of the work in flight: generate calls, their requests, the running batch.
+
+A `Call` is one `generate` call, resolved when the last of its requests finishes; a `Seq` is one
+request being generated (its tokens, log-probs and weight versions so far); `Rows` is the batch
+being decoded, one row per `Seq`, holding the rows' KV cache and sampling state as tensors so
+that a decode step runs on all rows at once. Rows leave and join between decode steps
+(tidal/engines/torch_engine.py says when).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.engines.lean_decode import KVCache
+from tidal.types import GenerationRequest, GenerationResult
+
+
+class Call:
+    """One generate call: its requests, their results as they finish, and the future its
+    caller waits on (resolved when the last of them finishes)."""
+
+    def __init__(self, requests: list[GenerationRequest]):
+        self.requests = requests
+        self.out: list[GenerationResult | None] = [None] * len(requests)
+        self.left = len(requests)
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def seqs(self) -> list[Seq]:
+        return [Seq(self, i) for i in range(len(self.requests))]
+
+
+@dataclass(eq=False)
+class Seq:
+    """One request being generated: the tokens, log-probs and versions so far."""
+
+    call: Call
+    index: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def request(self) -> GenerationRequest:
+        return self.call.requests[self.index]
+
+    def finish(self, reason: str) -> None:
+        call = self.call
+        call.out[self.index] = GenerationResult(self.request.request_id, self.tokens, self.logprobs, reason,
+                                                max(self.versions), token_versions=self.versions)
+        call.left -= 1
+        if call.left == 0 and not call.future.done():
+            try:
+                call.future.set_result(call.out)
+            except concurrent.futures.InvalidStateError:  # cancelled just now
+                pass
+
+
+def calls_of(waiting, rows) -> set[Call]:
+    return {s.call for s in waiting} | ({s.call for s in rows.seqs} if rows is not None else set())
+
+
+def fail_calls(calls, error: BaseException) -> None:
+    for call in calls:
+        if not call.future.done():
+            try:
+                call.future.set_exception(error)
+            except concurrent.futures.InvalidStateError:
+                pass
+
+
+@dataclass
+class Rows:
+    """The running batch: one row per request being decoded, with its KV cache (left-padded
+    to a common length, with its mask), next position, next-token logits and sampling
+    parameters. Rows leave (`select`) and join (`merge`) between decode steps."""
+
+    seqs: list[Seq]  # the request of each row
+    cache: KVCache
+    next_pos: torch.Tensor
+    logits: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seeds: torch.Tensor
+    steps: torch.Tensor  # tokens generated so far per row: the position of the sampling noise
+    versions: torch.Tensor  # weight version that computed each row's `logits`
+
+    _PER_ROW = ("next_pos", "logits", "temperature", "top_k", "top_p", "seeds", "steps", "versions")
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def select(self, keep: list[int]) -> torch.Tensor:
+        """Keep the rows `keep`; returns their new order (old row at each new position) as
+        a tensor, for the caller's own per-row tensors."""
+        order = self.cache.select(keep)  # also cuts left padding that no remaining row needs
+        order_t = torch.tensor(order, device=self.seeds.device)
+        for name in self._PER_ROW:
+            setattr(self, name, getattr(self, name)[order_t])
+        self.seqs = [self.seqs[i] for i in order]
+        return order_t
+
+    def decode(self, step, tok: torch.Tensor, version: int) -> None:
+        """Feed each row's sampled token through `step(tok, positions, cache) -> logits`; the
+        logits become those of the next position, computed by the weights of `version`
+        (earlier positions keep their cache)."""
+        self.logits = step(tok, self.next_pos, self.cache)
+        self.next_pos = self.next_pos + 1
+        self.steps = self.steps + 1
+        self.versions = torch.full_like(self.versions, version)
+
+    def merge(self, new: Rows) -> Rows:
+        """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
+        self.cache = self.cache.merge(new.cache)
+        for name in self._PER_ROW:
+            setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
+        self.seqs = self.seqs + new.seqs
+        return self
