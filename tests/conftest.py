@@ -13,8 +13,23 @@ import torch
 def tiny_model_dir(tmp_path_factory):
     from tidal.models.tiny import build_untrained
 
+    before = torch.get_num_threads()
     torch.set_num_threads(2)
-    return build_untrained(tmp_path_factory.mktemp("tiny") / "model", hidden=64, layers=2, heads=4, kv_heads=2)
+    try:
+        return build_untrained(tmp_path_factory.mktemp("tiny") / "model", hidden=64, layers=2, heads=4, kv_heads=2)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a module (`pytestmark = pytest.mark.usefixtures("one_thread")`),
+    restored after it: its matrices are tiny, and two threads on two cores that other processes share
+    spin (a 64 x 64-token generate takes 30+ s with 2 threads instead of under 1 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -24,13 +24,7 @@ PROMPTS = ["What is 12 + 34?", "What is 99 - 7?", "Hi", "What is 5 + 5? Answer q
 LOGPROB_TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the matrices are tiny, and on a loaded CPU torch's pool spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _ids(tokenizer, text):

@@ -22,14 +22,7 @@ MODEL = resolve_model_dir("default")
 STEP_DELAY_S = 0.004  # per forward pass: the update surely lands mid-generation on a fast machine too
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: these matrices are tiny, and on a loaded CPU torch's thread pool
-    spins (a 64 x 64-token generate takes 30+ s with 2 threads instead of under 1 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-import torch
 
 from tidal.cli import main as cli_main
 from tidal.envs.arithmetic import ArithmeticConfig, make_problems
@@ -32,15 +31,7 @@ BATCH_TOL = 1e-4
 TOKEN = "s3cret-token"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread(tiny_model_dir):
-    """One torch thread here (after conftest built the tiny model with two): two threads on two
-    cores that other processes share spin, and slow a tiny model's passes by an order of
-    magnitude. Restored for the other modules."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

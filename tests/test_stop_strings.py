@@ -8,7 +8,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from engine_checks import first_stop_end
 
 from tidal.config import EngineConfig
@@ -21,13 +20,7 @@ from tidal.types import GenerationRequest, SamplingParams
 HOT = 1.5  # the random tiny model at a high temperature: varied text, many different substrings
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the matrices are tiny, and on a loaded CPU torch's pool spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

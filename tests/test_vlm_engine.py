@@ -6,11 +6,7 @@ vision tower's features); across a session's two turns through the prefix cache;
 tokens never sampled; the lean decode step agreeing with the model's own forward; requests whose
 images do not fit their prompt refused.
 
-The random model is sharpened (query/key projections, embeddings and the vision tower's patch
-embedding and output scaled up, norms and biases jittered) so that what is checked shows in the
-log-probs: with the raw initialisation attention is near uniform, and decoding at token-count
-positions or showing a red square instead of a purple one moves a log-prob by ~3e-3 only;
-sharpened, by ~0.4 and ~0.2."""
+The random model is sharpened so that what is checked shows in the log-probs (tests/vlm_checks.py)."""
 
 from __future__ import annotations
 
@@ -18,13 +14,13 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from tests.vlm_checks import sharpened_vlm
 from tidal.algorithms import token_logprobs
 from tidal.config import EngineConfig
 from tidal.engines.factory import build_engine
 from tidal.engines.torch_engine import TorchEngine
 from tidal.images import as_image
 from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer, stop_token_ids
-from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision, mask_banned
 from tidal.types import GenerationRequest, SamplingParams
 
@@ -38,31 +34,12 @@ TOL = 1e-4
 SIZES = {"small": (56, 56), "wide": (100, 60), "square": (84, 84)}  # 4, 8 and 9 image tokens
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: the matrices are tiny, and on a loaded CPU torch's pool spins."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    d = build_untrained_vlm(tmp_path_factory.mktemp("vlm") / "model", seed=3)
-    model = load_model(d)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # sharpened (module docstring)
-        for name, p in model.named_parameters():
-            if "language_model" in name and ("q_proj" in name or "k_proj" in name):
-                p.mul_(6)
-            if "embed_tokens" in name:
-                p.mul_(4)
-            if "visual.patch_embed" in name or "visual.merger.mlp.2" in name:
-                p.mul_(3 if "patch_embed" in name else 8)
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    model.save_pretrained(d)
+    d = sharpened_vlm(tmp_path_factory.mktemp("vlm") / "model", vision=True)  # module docstring
     return str(d), load_tokenizer(d), Vision.load(d)
 
 

@@ -5,8 +5,8 @@ update too, a picture seen before it among the requests (vLLM fails with "Encode
 unless its encoder cache is reset); vLLM is given one pad per image and expands it to exactly tidal's
 runs; vision special tokens are never sampled; server mode over HTTP.
 
-The random model is sharpened (query/key projections and embeddings scaled up, norms and biases
-jittered) so that what is checked shows in the log-probs, as in tests/test_vlm_engine.py.
+The random model is sharpened (its text side: tests/vlm_checks.py) so that what is checked shows in
+the log-probs.
 
 Skipped only where vLLM is not installed and TIDAL_REQUIRE_VLLM is unset (as tests/test_vllm_engine.py).
 """
@@ -22,10 +22,10 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from tests.vlm_checks import sharpened_vlm
 from tidal.algorithms import token_logprobs
 from tidal.images import as_image
 from tidal.models import load_model, load_tokenizer, stop_token_ids
-from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision, mask_banned
 from tidal.types import GenerationRequest, SamplingParams
 
@@ -53,18 +53,7 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    d = build_untrained_vlm(tmp_path_factory.mktemp("vlm") / "model", seed=3)
-    model = load_model(d)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # sharpened (module docstring)
-        for name, p in model.named_parameters():
-            if "language_model" in name and ("q_proj" in name or "k_proj" in name):
-                p.mul_(6)
-            if "embed_tokens" in name:
-                p.mul_(4)
-            if name.endswith("bias") or "norm" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    model.save_pretrained(d)
+    d = sharpened_vlm(tmp_path_factory.mktemp("vlm") / "model", vision=False)  # module docstring
     return str(d), load_tokenizer(d), Vision.load(d)
 
 
