@@ -34,8 +34,8 @@ from tidal.envs.browser.pool import BrowserConfig, BrowserPool
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
 from tidal.envs.browser.tasks import OBJECTS, VERBS, button_labels, make_tasks
 from tidal.envs.tools import assistant_message, parse_tool_calls
-from tidal.models.tiny import build_model
-from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokenizer, call_text, save_model, sft_train
+from tidal.models.tiny import build_model, save_model
+from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokenizer, call_text, sft_train
 
 BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]

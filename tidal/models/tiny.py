@@ -85,15 +85,22 @@ def task_corpus(rows) -> list[str]:
     return corpus
 
 
+def save_model(model, tokenizer, out_dir: str | Path) -> Path:
+    """The model (safetensors, its cache on for generation) and tokenizer as an HF directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.use_cache = True
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def build_untrained(out_dir: str | Path, seed: int = 0, **model_kwargs) -> Path:
     """Tokenizer and randomly initialised model, saved as an HF directory (tests use it)."""
     rows = make_problems(ArithmeticConfig(), "train", 2000, seed=10_000 + seed)
     tokenizer = build_tokenizer(task_corpus(rows))
     model = build_model(tokenizer, seed=seed, **model_kwargs)
-    out = Path(out_dir)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_model(model, tokenizer, out_dir)
 
 
 def _sft_example(tokenizer, row, response: str) -> tuple[list[int], list[bool]]:
@@ -190,11 +197,7 @@ def build_default_model(
             history.append({"step": step, "loss": round(loss.item(), 4), **res})
             print(f"warm-start step {step}: loss {loss.item():.3f}  val accuracy {res['accuracy']:.3f}  "
                   f"pass@8 {res['pass_at_k']:.3f}  ({time.time() - t0:.0f}s)", flush=True)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    out = save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "careful_fraction": careful_fraction, "val": history[-1],
                "params": sum(p.numel() for p in model.parameters()), "task": task.model_dump(), "history": history}
     (out / "tidal_build.json").write_text(json.dumps(summary, indent=1))

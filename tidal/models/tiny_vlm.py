@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tidal.models.tiny import save_model
 from tidal.models.tool_model import CHAT_TEMPLATE as TOOL_TEMPLATE
 from tidal.models.tool_model import build_tokenizer
 
@@ -85,11 +86,7 @@ def build_vlm(tokenizer, hidden: int = 128, layers: int = 2, heads: int = 4, kv_
 
 def save_vlm(model, tokenizer, out_dir: str | Path) -> Path:
     """An HF directory: weights, config, tokenizer and the image processor's config."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    out = save_model(model, tokenizer, out_dir)
     (out / "preprocessor_config.json").write_text(json.dumps(PROCESSOR, indent=1))
     return out
 

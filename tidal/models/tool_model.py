@@ -31,7 +31,7 @@ import torch
 
 from tidal.envs.base import Action
 from tidal.envs.tool_arith import ToolArithEnv, make_rows
-from tidal.models.tiny import SPECIAL_TOKENS, build_model, train_chatml_tokenizer
+from tidal.models.tiny import SPECIAL_TOKENS, build_model, save_model, train_chatml_tokenizer
 
 TOOL_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-tool"
 
@@ -354,10 +354,3 @@ def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: r
     return history
 
 
-def save_model(model, tokenizer, out_dir: str | Path) -> None:
-    """The model (safetensors, its cache on for generation) and tokenizer as an HF directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.config.use_cache = True
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
