@@ -399,3 +399,17 @@ def test_oversized_and_hostile_bodies_are_refused(served):
         c.chat.completions.create(model="tiny-tool", messages=QUESTION, stop=["y" * 10_000])
     assert e.value.body["param"] == "stop"
     assert httpx.get(server.base + "/health", timeout=10).status_code == 200  # still serving
+
+
+def test_a_vision_language_models_context_comes_from_its_text_config():
+    """Qwen2-VL keeps max_position_embeddings in `text_config`: the gateway over the tiny VLM
+    refuses what exceeds its 1024 positions, not a 4096 fallback."""
+    from tidal.models import DEFAULT_VLM_DIR
+
+    tokenizer = load_tokenizer(DEFAULT_VLM_DIR)
+    engine = ScriptedEngine([stop_token_ids(tokenizer)[:1]], tokenizer=tokenizer)
+    server = start_gateway(Router([engine]), tokenizer, DEFAULT_VLM_DIR, GatewayConfig())
+    try:
+        assert server.gateway.max_model_len == 1024
+    finally:
+        server.close()

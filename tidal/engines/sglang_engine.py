@@ -226,8 +226,9 @@ class SGLangEngine:
         self._closed = False
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
-        self.max_model_len = int(cfg.get("max_position_embeddings") or 0)  # 0: unknown, not checked
-        from tidal.models import load_tokenizer
+        from tidal.models import context_length, load_tokenizer
+
+        self.max_model_len = context_length(cfg) or 0  # 0: unknown, not checked
 
         self._eos = model_eos_ids(self.model_dir, load_tokenizer(self.model_dir))
         self._ids = itertools.count()

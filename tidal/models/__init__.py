@@ -135,6 +135,13 @@ def is_vision_model(path: str | Path) -> bool:
     return is_vision_config(read_config(resolve_model_dir(path)))
 
 
+def context_length(config: dict) -> int | None:
+    """A model's longest context from its config.json (a dict): `max_position_embeddings`, or its
+    text model's for a vision-language model (Qwen2-VL keeps it in `text_config`); None if absent."""
+    n = config.get("max_position_embeddings") or (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(n) if n else None
+
+
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
     """Token ids that end an assistant turn: EOS plus ChatML's <|im_end|> when present."""
     ids = {tokenizer.eos_token_id}

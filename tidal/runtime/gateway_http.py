@@ -167,10 +167,10 @@ def start_gateway(engine, tokenizer, model_dir, cfg, *, run_dir=None) -> Gateway
     import secrets
     from pathlib import Path
 
-    from tidal.models import stop_token_ids
+    from tidal.models import context_length, stop_token_ids
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    max_len = cfg.max_model_len or int(config.get("max_position_embeddings") or 4096)
+    max_len = cfg.max_model_len or context_length(config) or 4096
     token = cfg.token or (None if is_loopback(cfg.host) else secrets.token_urlsafe(24))
     gateway = Gateway(engine, tokenizer, cfg.model_name or Path(model_dir).name, max_model_len=max_len,
                       default_max_tokens=cfg.max_tokens, stop_token_ids=stop_token_ids(tokenizer))
