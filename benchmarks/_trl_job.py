@@ -114,6 +114,7 @@ def main() -> None:
         epsilon_high=h["clip_high"], scale_rewards="group", num_iterations=1, shuffle_dataset=False,
         use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no", logging_steps=1,
         disable_dropout=True, log_completions=False, dataloader_num_workers=0,
+        gradient_checkpointing=h["activation_checkpointing"],  # TRL's default is on, tidal's off
     )
     trainer = Timed(model=model, reward_funcs=[reward], args=config, train_dataset=train, processing_class=tok,
                     callbacks=[PerStep()])

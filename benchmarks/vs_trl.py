@@ -10,7 +10,8 @@ them (TRL's sampler does not shuffle them again), 32 prompts × 8 samples, at mo
 at temperature 1, the arithmetic score (correct + 0.1 format) as the reward, group-normalised
 advantages, clip 0.2/0.28, no KL, token-mean loss (TRL's `dapo`), one update per batch, AdamW
 (lr 3e-4, betas 0.9/0.99, no weight decay, grad clip 1), 5 warm-up steps then constant, float32,
-the same torch thread count. After each step both decode the same held-out prompts greedily and
+no activation checkpointing (TRL's GRPOConfig turns it on by default; tidal's is off), the same
+torch thread count. After each step both decode the same held-out prompts greedily and
 score them, off the clock.
 
 Modes (tidal's side; TRL runs its one configuration in both):
@@ -78,6 +79,8 @@ def job_spec(steps: int, threads: int, eval_n: int) -> dict:
             "temperature": r.temperature, "lr": t.lr, "warmup_steps": t.warmup_steps, "betas": list(t.betas),
             "weight_decay": t.weight_decay, "grad_clip": t.grad_clip, "kl_coef": a.kl_coef,
             "clip_low": a.clip_low, "clip_high": a.clip_high,
+            # TRL's GRPOConfig turns gradient checkpointing on by default; tidal's is off
+            "activation_checkpointing": t.activation_checkpointing,
             # 256 completions per update in two micro-batches of 128 (~6k tokens, as tidal's
             # micro_batch_tokens 8192 splits them); one generation per update
             "micro_batch": completions // 2, "accum": 2,
