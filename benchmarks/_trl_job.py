@@ -15,18 +15,11 @@ greedily and scored, off the clock. OUT gets one record per step.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
 
-
-def load_score(repo: Path):
-    spec = importlib.util.spec_from_file_location("tidal_arith_score", repo / "tidal" / "rewards" / "arithmetic.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.score
+from _trl_common import load_score, run_grpo
 
 
 def main() -> None:
@@ -35,12 +28,10 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    score = load_score(Path(spec["repo"]))
+    score = load_score(Path(spec["repo"]), "arithmetic.py")
     h = spec["hparams"]
     tok = AutoTokenizer.from_pretrained(spec["model"])
     tok.padding_side = "left"
@@ -51,26 +42,6 @@ def main() -> None:
     def reward(prompts, completions, answer, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [sum(score(t, a).values()) for t, a in zip(texts, answer)]
-
-    timing = {"gen": 0.0}
-
-    class Timed(GRPOTrainer):
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            """tidal's warm-up: step s (from 0) at lr × min(1, (s + 1) / warmup), then constant
-            (transformers' constant_with_warmup is one step behind: its first step has lr 0)."""
-            if self.lr_scheduler is None:
-                w = h["warmup_steps"]
-                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                    optimizer or self.optimizer, lambda s: min(1.0, (s + 1) / w) if w > 0 else 1.0)
-                self._created_lr_scheduler = True
-            return self.lr_scheduler
-
-        def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            try:
-                return super()._generate_and_score_completions(inputs)
-            finally:
-                timing["gen"] += time.perf_counter() - t0
 
     stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")} - {None})
     prompts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in held_out]
@@ -89,40 +60,8 @@ def main() -> None:
         m.train(was)
         return correct / len(prompts)
 
-    records: list[dict] = []
-
-    class PerStep(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0, timing["gen"] = time.perf_counter(), 0.0
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            step_s = time.perf_counter() - self.t0
-            t1 = time.perf_counter()
-            acc = greedy_accuracy(model)
-            records.append({"step": state.global_step, "step_s": step_s, "gen_s": timing["gen"],
-                            "train_s": step_s - timing["gen"], "accuracy": acc, "eval_s": time.perf_counter() - t1})
-            print(json.dumps(records[-1]), flush=True)
-
-    config = GRPOConfig(
-        output_dir=str(out_path.parent / "trl-out"), max_steps=spec["steps"], seed=spec["seed"],
-        per_device_train_batch_size=h["micro_batch"], gradient_accumulation_steps=h["accum"],
-        num_generations=h["samples_per_prompt"], max_completion_length=h["max_new_tokens"],
-        temperature=h["temperature"], top_p=1.0, top_k=0,
-        learning_rate=h["lr"],
-        adam_beta1=h["betas"][0], adam_beta2=h["betas"][1], weight_decay=h["weight_decay"],
-        max_grad_norm=h["grad_clip"], loss_type="dapo", beta=h["kl_coef"], epsilon=h["clip_low"],
-        epsilon_high=h["clip_high"], scale_rewards="group", num_iterations=1, shuffle_dataset=False,
-        use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no", logging_steps=1,
-        disable_dropout=True, log_completions=False, dataloader_num_workers=0,
-        gradient_checkpointing=h["activation_checkpointing"],  # TRL's default is on, tidal's off
-    )
-    trainer = Timed(model=model, reward_funcs=[reward], args=config, train_dataset=train, processing_class=tok,
-                    callbacks=[PerStep()])
-    trainer.train()
-    import transformers
-
-    out_path.write_text(json.dumps({"trl": trl.__version__, "transformers": transformers.__version__,
-                                    "torch": torch.__version__, "steps": records}, indent=1))
+    run_grpo(spec, out_path, model=model, processing_class=tok, train=train, reward=reward,
+             greedy_accuracy=greedy_accuracy, eval_at_start=False)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ What had to change for TRL to run this model here (all inside this file, nothing
   image-only subclass of `Qwen2VLProcessor` (its constructor without the video processor) holds
   it with the tokenizer and the chat template; it is passed as `processing_class`. Images are
   processed by the same transformers code as in tidal's venv.
-- The learning-rate schedule: tidal's warm-up (`create_scheduler`, as benchmarks/_trl_job.py).
-- Timing: `_generate_and_score_completions` timed apart (as benchmarks/_trl_job.py).
+- The learning-rate schedule: tidal's warm-up, and the timing of generation apart
+  (benchmarks/_trl_common.py, shared with the text job).
 - Activation (gradient) checkpointing follows tidal's `train.activation_checkpointing` (off by
   default) instead of TRL's default (on): the same gradients, one forward pass less per update.
 No TRL or transformers source is patched.
@@ -38,23 +38,16 @@ forward pass with mRoPE positions both give). OUT gets one record per step
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-import time
 from pathlib import Path
+
+from _trl_common import load_score, run_grpo
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PROCESSOR_KEYS = {"min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size", "image_mean",
                   "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize", "do_convert_rgb", "size",
                   "resample"}
-
-
-def load_score(repo: Path):
-    spec = importlib.util.spec_from_file_location("tidal_vision_score", repo / "tidal" / "rewards" / "vision.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.score
 
 
 def processor(model_dir: str, tok):
@@ -83,14 +76,11 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    import transformers
-    import trl
     from datasets import Dataset
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    score = load_score(Path(spec["repo"]))
+    score = load_score(Path(spec["repo"]), "vision.py")
     h = spec["hparams"]
     tok = AutoTokenizer.from_pretrained(spec["model"])
     proc = processor(spec["model"], tok)
@@ -108,25 +98,6 @@ def main() -> None:
     def reward(prompts, completions, answer, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [sum(score(t, a).values()) for t, a in zip(texts, answer)]
-
-    timing = {"gen": 0.0}
-
-    class Timed(GRPOTrainer):
-        def create_scheduler(self, num_training_steps, optimizer=None):
-            """tidal's warm-up: step s (from 0) at lr × min(1, (s + 1) / warmup), then constant."""
-            if self.lr_scheduler is None:
-                w = h["warmup_steps"]
-                self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-                    optimizer or self.optimizer, lambda s: min(1.0, (s + 1) / w) if w > 0 else 1.0)
-                self._created_lr_scheduler = True
-            return self.lr_scheduler
-
-        def _generate_and_score_completions(self, inputs):
-            t0 = time.perf_counter()
-            try:
-                return super()._generate_and_score_completions(inputs)
-            finally:
-                timing["gen"] += time.perf_counter() - t0
 
     stop_ids = sorted({tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"), model.generation_config.eos_token_id}
                       - {None})
@@ -150,43 +121,8 @@ def main() -> None:
         m.train(was)
         return correct / len(eval_msgs)
 
-    records: list[dict] = []
-
-    class PerStep(TrainerCallback):
-        def on_train_begin(self, args, state, control, model=None, **kw):
-            t1 = time.perf_counter()
-            records.append({"step": 0, "accuracy": greedy_accuracy(model), "eval_s": time.perf_counter() - t1})
-            print(json.dumps(records[-1]), flush=True)
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0, timing["gen"] = time.perf_counter(), 0.0
-
-        def on_step_end(self, args, state, control, model=None, **kw):
-            step_s = time.perf_counter() - self.t0
-            t1 = time.perf_counter()
-            acc = greedy_accuracy(model)
-            records.append({"step": state.global_step, "step_s": step_s, "gen_s": timing["gen"],
-                            "train_s": step_s - timing["gen"], "accuracy": acc, "eval_s": time.perf_counter() - t1})
-            print(json.dumps(records[-1]), flush=True)
-
-    config = GRPOConfig(
-        output_dir=str(out_path.parent / "trl-out"), max_steps=spec["steps"], seed=spec["seed"],
-        per_device_train_batch_size=h["micro_batch"], gradient_accumulation_steps=h["accum"],
-        num_generations=h["samples_per_prompt"], max_completion_length=h["max_new_tokens"],
-        temperature=h["temperature"], top_p=1.0, top_k=0,
-        learning_rate=h["lr"],
-        adam_beta1=h["betas"][0], adam_beta2=h["betas"][1], weight_decay=h["weight_decay"],
-        max_grad_norm=h["grad_clip"], loss_type="dapo", beta=h["kl_coef"], epsilon=h["clip_low"],
-        epsilon_high=h["clip_high"], scale_rewards="group", num_iterations=1, shuffle_dataset=False,
-        use_cpu=True, bf16=False, fp16=False, report_to=[], save_strategy="no", logging_steps=1,
-        disable_dropout=True, log_completions=False, dataloader_num_workers=0,
-        gradient_checkpointing=h["activation_checkpointing"],
-    )
-    trainer = Timed(model=model, reward_funcs=[reward], args=config, train_dataset=train, processing_class=proc,
-                    callbacks=[PerStep()])
-    trainer.train()
-    out_path.write_text(json.dumps({"trl": trl.__version__, "transformers": transformers.__version__,
-                                    "torch": torch.__version__, "steps": records}, indent=1))
+    run_grpo(spec, out_path, model=model, processing_class=proc, train=train, reward=reward,
+             greedy_accuracy=greedy_accuracy, eval_at_start=True)
 
 
 if __name__ == "__main__":

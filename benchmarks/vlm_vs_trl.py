@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_trl import ROOT, TRL_VENV
+from vs_trl import ROOT, TRL_VENV, run_trl
 from vs_trl import setup as trl_setup
 
 TARGET = 0.8
@@ -145,20 +145,6 @@ def run_tidal(task_name: str, steps: int, threads: int, eval_n: int, tmp: Path) 
     return {"steps": recs, "process_s": wall}
 
 
-def run_trl(spec: dict, tmp: Path) -> dict:
-    spec_path, out = tmp / f"spec-{spec['task']}.json", tmp / f"trl-{time.time_ns()}.json"
-    spec_path.write_text(json.dumps(spec))
-    t0 = time.time()
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
-    proc = subprocess.run([str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "_trl_vlm_job.py"),
-                           str(spec_path), str(out)], check=False, capture_output=True, text=True, env=env, cwd=tmp)
-    if proc.returncode:
-        raise SystemExit(f"the TRL job failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    res = json.loads(out.read_text())
-    res["process_s"] = time.time() - t0
-    return res
-
-
 def summarize(rec: dict, completions: int) -> dict:
     """Accuracy before (step 0) -> after (the last step); time to the target (the steps' own time summed
     up to the first step whose held-out greedy accuracy reaches it; eval and process start excluded);
@@ -208,7 +194,7 @@ def main() -> None:
                 row: dict = {"round": rnd + 1, "order": order}
                 for who in order:
                     load = round(os.getloadavg()[0], 2)  # another job on the machine shows here
-                    rec = run_trl(spec, tmp) if who == "trl" else run_tidal(task_name, ns.steps, ns.threads,
+                    rec = run_trl(spec, tmp, "_trl_vlm_job.py") if who == "trl" else run_tidal(task_name, ns.steps, ns.threads,
                                                                             ns.eval_n, tmp)
                     row[who] = {**rec, "load_avg_1m_before": load, "summary": summarize(rec, completions)}
                     s = row[who]["summary"]

@@ -104,12 +104,13 @@ def run_tidal(steps: int, threads: int, eval_n: int, overrides: list[str], tmp: 
     return {"steps": steps_rec, "process_s": wall}
 
 
-def run_trl(spec: dict, tmp: Path) -> dict:
-    spec_path, out = tmp / "spec.json", tmp / f"trl-{time.time_ns()}.json"
+def run_trl(spec: dict, tmp: Path, child: str = "_trl_job.py") -> dict:
+    """`child` (a TRL job in benchmarks/) in the TRL venv on `spec`; its records and process time."""
+    spec_path, out = tmp / f"spec-{time.time_ns()}.json", tmp / f"trl-{time.time_ns()}.json"
     spec_path.write_text(json.dumps(spec))
     t0 = time.time()
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true"}
-    proc = subprocess.run([str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / "_trl_job.py"), str(spec_path),
+    proc = subprocess.run([str(TRL_VENV / "bin" / "python"), str(ROOT / "benchmarks" / child), str(spec_path),
                            str(out)], check=False, capture_output=True, text=True, env=env, cwd=tmp)
     if proc.returncode:
         raise SystemExit(f"the TRL job failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
