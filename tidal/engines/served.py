@@ -31,6 +31,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_workspace(kind: str, log_dir: str | Path | None) -> tuple[int, Path, Path, Path]:
+    """A served engine's place to run: a free loopback port, a fresh temporary directory (new weights
+    go to its `weights/`) and the server's log file, `<kind>-server-<port>.log` in `log_dir` (or in
+    the temporary directory). Returns (port, tmp, weights_dir, log_path)."""
+    import tempfile
+
+    port = free_port()
+    tmp = Path(tempfile.mkdtemp(prefix=f"tidal-{kind}-"))
+    log_root = Path(log_dir) if log_dir is not None else tmp
+    log_root.mkdir(parents=True, exist_ok=True)
+    return port, tmp, tmp / "weights", log_root / f"{kind}-server-{port}.log"
+
+
 def group_members(pgid: int) -> list[int]:
     """Live (not zombie) processes of a process group, from /proc."""
     members = []

@@ -68,7 +68,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,7 +76,7 @@ from typing import Any, Self
 import torch
 
 from tidal.engines.gate import UpdateGate, with_tied_head
-from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
+from tidal.engines.served import http_call, server_workspace, stop_process_group, tail, wait_healthy
 from tidal.engines.stop_strings import check_stop_strings
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
@@ -234,13 +233,9 @@ class SGLangEngine:
         self._ids = itertools.count()
         self._gate = UpdateGate()  # between generate calls and weight updates
 
-        self.host, self.port = "127.0.0.1", free_port()
+        self.host = "127.0.0.1"
+        self.port, self._tmp, self.weights_dir, self.log_path = server_workspace("sglang", log_dir)
         self.url = f"http://{self.host}:{self.port}"
-        self._tmp = Path(tempfile.mkdtemp(prefix="tidal-sglang-"))
-        self.weights_dir = self._tmp / "weights"
-        log_root = Path(log_dir) if log_dir is not None else self._tmp
-        log_root.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_root / f"sglang-server-{self.port}.log"
         cmd = server_command(self.model_dir, self.host, self.port, dtype=dtype, seed=seed,
                              max_batch_size=max_batch_size, mem_fraction_static=gpu_memory_utilization)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until close()

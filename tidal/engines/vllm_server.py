@@ -16,13 +16,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tidal.engines.served import free_port, http_call, stop_process_group, tail, wait_healthy
+from tidal.engines.served import http_call, server_workspace, stop_process_group, tail, wait_healthy
 from tidal.engines.vllm_requests import (
     Completion,
     VLLMEngineError,
@@ -43,13 +42,9 @@ class VLLMServer:
     def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], start_timeout_s: float,
                  request_timeout_s: float, log_dir: str | Path | None, multimodal: bool = False):
         self.multimodal = multimodal
-        self.host, self.port = "127.0.0.1", free_port()
+        self.host = "127.0.0.1"
+        self.port, self._tmp, self.weights_dir, self.log_path = server_workspace("vllm", log_dir)
         self.url = f"http://{self.host}:{self.port}"
-        self._tmp = Path(tempfile.mkdtemp(prefix="tidal-vllm-"))
-        self.weights_dir = self._tmp / "weights"
-        log_root = Path(log_dir) if log_dir is not None else self._tmp
-        log_root.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_root / f"vllm-server-{self.port}.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", "policy", "--host", self.host, "--port", str(self.port),
                "--disable-uvicorn-access-log"]
