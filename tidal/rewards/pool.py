@@ -24,6 +24,9 @@ ends `reward_error`. A worker that dies on its own (a segfault, `os._exit`) is r
 same way. Nothing waits forever: a replacement that cannot start fails the calls waiting
 for it, and `close()` stops every worker.
 
+The two backends: worker processes in tidal/rewards/pool_process.py, Ray actors in
+tidal/rewards/pool_ray.py; both build on `_PoolScorer` here.
+
 IPC is batched: the calls of one `score` sent to one worker travel in one message (inputs
 once, whatever the number of rewards), and the answers that finish together come back in one.
 """
@@ -35,12 +38,6 @@ import contextlib
 import heapq
 import itertools
 import logging
-import os
-import pickle
-import queue
-import signal
-import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -491,214 +488,6 @@ def _set_results(items) -> None:
             fut.set_result(value)
 
 
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "no exit status"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
-
-
-# -- worker processes --------------------------------------------------------------------------
-class _Proc:
-    """One worker process: its pipes, a reader thread and a sender thread (a full pipe blocks
-    only the sender, never the caller's event loop or the bookkeeping)."""
-
-    def __init__(self, pool: _ProcessPool, slot: _Slot):
-        from multiprocessing.connection import Connection
-
-        self.pool, self.slot = pool, slot
-        to_worker_r, to_worker_w = os.pipe()
-        from_worker_r, from_worker_w = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tidal.rewards.worker", str(to_worker_r), str(from_worker_w)],
-                pass_fds=(to_worker_r, from_worker_w), start_new_session=True, stdin=subprocess.DEVNULL, env=env)
-        finally:
-            os.close(to_worker_r)
-            os.close(from_worker_w)
-        self.tx = Connection(to_worker_w, readable=False)
-        self.rx = Connection(from_worker_r, writable=False)
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.outbox.put(pickle.dumps({"init": {"specs": pool.specs, "timeout_s": pool.timeout_s,
-                                               "sys_path": list(sys.path)}}))
-        self.killed = False
-        threading.Thread(target=self._write, name=f"tidal-reward-tx{slot.index}", daemon=True).start()
-        threading.Thread(target=self._read, name=f"tidal-reward-rx{slot.index}", daemon=True).start()
-
-    def _write(self) -> None:
-        while (data := self.outbox.get()) is not None:
-            try:
-                self.tx.send_bytes(data)
-            except OSError:
-                break
-        with contextlib.suppress(OSError):
-            self.tx.close()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                if not self.rx.poll(1.0):
-                    if self.proc.poll() is not None:
-                        break
-                    continue
-                msg = pickle.loads(self.rx.recv_bytes())
-            except (EOFError, OSError):
-                break
-            with self.pool._lock:
-                if "results" in msg:
-                    self.pool._on_results(self.slot, msg["results"])
-                elif "ready" in msg:
-                    self.pool._on_ready(self.slot, msg["ready"])
-                elif "failed" in msg:
-                    self.pool._on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
-                self.pool._flush_wakes()
-        code = self.proc.wait()
-        self.outbox.put(None)
-        with contextlib.suppress(OSError):
-            self.rx.close()
-        with self.pool._lock:
-            self.pool._on_exit(self.slot, _exit_text(code))
-            self.pool._flush_wakes()
-
-    def send(self, data: bytes) -> None:
-        self.outbox.put(data)
-
-    def kill(self) -> None:
-        """SIGKILL to the worker's process group: a subprocess the reward started goes too
-        (one that made itself a new session escapes; the sandbox's own runs are bounded)."""
-        self.killed = True
-        # The group outlives its leader while a member lives, so its id is not reused meanwhile.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.outbox.put(None)
-
-
-class _ProcessPool(_PoolScorer):
-    """Rewards in `reward.workers` worker processes on this machine."""
-
-    def __init__(self, specs: list[dict[str, Any]], cfg):
-        super().__init__(specs, cfg, int(cfg.workers), int(cfg.max_concurrency))
-
-    def _start(self, slot: _Slot) -> None:
-        slot.transport = _Proc(self, slot)
-        slot.pid = slot.transport.proc.pid
-
-    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
-        slot.transport.send(pickle.dumps(_wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
-
-    def _kill(self, slot: _Slot) -> None:
-        if slot.transport is not None:
-            slot.transport.kill()
-
-    def _stop(self, slots: list[_Slot]) -> None:
-        procs = [s.transport for s in slots if s.transport is not None]
-        for p in procs:
-            p.send(pickle.dumps({"close": True}))
-        deadline = time.monotonic() + 5.0
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.proc.wait(max(0.0, deadline - time.monotonic()))
-            p.kill()  # whatever is left of its process group
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.proc.wait(1.0)
-
-
-# -- Ray reward actors -------------------------------------------------------------------------
-class _RayPool(_PoolScorer):
-    """Rewards in Ray actors (`RewardWorker`, placement.reward_workers). `actors` is
-    placement's `RewardActors`: `spawn(i, specs, timeout_s)` starts the actor of slot i (in
-    its placement-group bundle), also to replace one that was killed or died."""
-
-    lane_exclusive = True  # Ray keeps the order of calls within one actor call, not across calls
-
-    def __init__(self, specs: list[dict[str, Any]], cfg, actors):
-        self.actors = actors
-        # Ray runs a future's callback in its own thread, or at once in ours when the future is
-        # done already (with our lock held): every callback is handed to one thread instead.
-        self._events: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run_events, name="tidal-reward-ray", daemon=True).start()
-        super().__init__(specs, cfg, int(actors.count), min(int(cfg.max_concurrency), RAY_ACTOR_CONCURRENCY - 4))
-
-    def _run_events(self) -> None:
-        while (event := self._events.get()) is not None:
-            event()
-
-    def _on(self, ref, handler) -> None:
-        ref.future().add_done_callback(lambda f: self._events.put(lambda: handler(f)))
-
-    def _start(self, slot: _Slot) -> None:
-        slot.transport = self.actors.spawn(slot.index, self.specs, self.timeout_s)
-        self._on(slot.transport.ready.remote(), lambda f: self._ray_ready(slot, f))
-
-    def _ray_ready(self, slot: _Slot, f) -> None:
-        try:
-            info = f.result()
-        except Exception as e:  # noqa: BLE001 - the actor's constructor raised (a reward failed to load) or it died
-            with self._lock:
-                self._on_start_failed(slot, _ray_cause(e))
-                self._flush_wakes()
-            return
-        with self._lock:
-            if "failed" in info:
-                self._on_start_failed(slot, info["failed"], info.get("traceback", ""))
-            else:
-                self._on_ready(slot, info)
-            self._flush_wakes()
-
-    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
-        """One streaming actor call for the lot: answers come back in bunches as they finish
-        (a synchronous call's answer tells that the next one started, as with the processes)."""
-        gen = slot.transport.run_batch.options(num_returns="streaming").remote(_wire(calls))
-        threading.Thread(target=self._consume, args=(slot, gen, calls), name=f"tidal-reward-ray{slot.index}",
-                         daemon=True).start()
-
-    def _consume(self, slot: _Slot, gen, calls: list[_Call]) -> None:
-        import ray
-        from ray.exceptions import RayActorError
-
-        try:
-            for ref in gen:
-                chunk = ray.get(ref)
-                with self._lock:
-                    self._on_results(slot, chunk)
-                    self._flush_wakes()
-        except RayActorError as e:
-            with self._lock:
-                self._on_exit(slot, _ray_cause(e))
-                self._flush_wakes()
-        except Exception as e:  # noqa: BLE001 - the host itself failed: its calls are errors, not hangs
-            why = f"the reward worker raised {_ray_cause(e)}"
-            with self._lock:
-                self._on_results(slot, [(c.id, _unscored(why, len(c.inputs)), False) for c in calls])
-                self._flush_wakes()
-
-    def _kill(self, slot: _Slot) -> None:
-        if slot.transport is not None:
-            import ray
-
-            with contextlib.suppress(Exception):  # already gone
-                ray.kill(slot.transport, no_restart=True)
-
-    def _stop(self, slots: list[_Slot]) -> None:
-        for s in slots:
-            self._kill(s)
-        self._events.put(None)
-
-
-def _ray_cause(e: BaseException) -> str:
-    cause = getattr(e, "cause", None)
-    if isinstance(cause, BaseException):
-        return str(cause) if isinstance(cause, ValueError) else f"{type(cause).__name__}({cause})"
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first}"
-
-
 # -- what build_scorer returns -----------------------------------------------------------------
 class _Scorer:
     """The pool behind a handle that nothing inside the pool refers to: a scorer that is
@@ -738,11 +527,15 @@ class ProcessScorer(_Scorer):
     """Rewards in `reward.workers` worker processes on this machine."""
 
     def __init__(self, specs: list[dict[str, Any]], cfg):
-        super().__init__(_ProcessPool(specs, cfg))
+        from tidal.rewards.pool_process import ProcessPool  # it builds on this module
+
+        super().__init__(ProcessPool(specs, cfg))
 
 
 class RayScorer(_Scorer):
     """Rewards in Ray reward actors (placement.reward_workers), started through `actors`."""
 
     def __init__(self, specs: list[dict[str, Any]], cfg, actors):
-        super().__init__(_RayPool(specs, cfg, actors))
+        from tidal.rewards.pool_ray import RayPool  # it builds on this module
+
+        super().__init__(RayPool(specs, cfg, actors))

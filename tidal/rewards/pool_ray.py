@@ -1,0 +1,108 @@
+"""The Ray backend of the reward pools: rewards in Ray actors (`RewardWorker`,
+placement.reward_workers). How the pools work: tidal/rewards/pool.py."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from typing import Any
+
+from tidal.rewards.pool import (
+    RAY_ACTOR_CONCURRENCY,
+    _Call,
+    _PoolScorer,
+    _Slot,
+    _unscored,
+    _wire,
+)
+
+
+# -- Ray reward actors -------------------------------------------------------------------------
+class RayPool(_PoolScorer):
+    """Rewards in Ray actors (`RewardWorker`, placement.reward_workers). `actors` is
+    placement's `RewardActors`: `spawn(i, specs, timeout_s)` starts the actor of slot i (in
+    its placement-group bundle), also to replace one that was killed or died."""
+
+    lane_exclusive = True  # Ray keeps the order of calls within one actor call, not across calls
+
+    def __init__(self, specs: list[dict[str, Any]], cfg, actors):
+        self.actors = actors
+        # Ray runs a future's callback in its own thread, or at once in ours when the future is
+        # done already (with our lock held): every callback is handed to one thread instead.
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run_events, name="tidal-reward-ray", daemon=True).start()
+        super().__init__(specs, cfg, int(actors.count), min(int(cfg.max_concurrency), RAY_ACTOR_CONCURRENCY - 4))
+
+    def _run_events(self) -> None:
+        while (event := self._events.get()) is not None:
+            event()
+
+    def _on(self, ref, handler) -> None:
+        ref.future().add_done_callback(lambda f: self._events.put(lambda: handler(f)))
+
+    def _start(self, slot: _Slot) -> None:
+        slot.transport = self.actors.spawn(slot.index, self.specs, self.timeout_s)
+        self._on(slot.transport.ready.remote(), lambda f: self._ray_ready(slot, f))
+
+    def _ray_ready(self, slot: _Slot, f) -> None:
+        try:
+            info = f.result()
+        except Exception as e:  # noqa: BLE001 - the actor's constructor raised (a reward failed to load) or it died
+            with self._lock:
+                self._on_start_failed(slot, _ray_cause(e))
+                self._flush_wakes()
+            return
+        with self._lock:
+            if "failed" in info:
+                self._on_start_failed(slot, info["failed"], info.get("traceback", ""))
+            else:
+                self._on_ready(slot, info)
+            self._flush_wakes()
+
+    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
+        """One streaming actor call for the lot: answers come back in bunches as they finish
+        (a synchronous call's answer tells that the next one started, as with the processes)."""
+        gen = slot.transport.run_batch.options(num_returns="streaming").remote(_wire(calls))
+        threading.Thread(target=self._consume, args=(slot, gen, calls), name=f"tidal-reward-ray{slot.index}",
+                         daemon=True).start()
+
+    def _consume(self, slot: _Slot, gen, calls: list[_Call]) -> None:
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            for ref in gen:
+                chunk = ray.get(ref)
+                with self._lock:
+                    self._on_results(slot, chunk)
+                    self._flush_wakes()
+        except RayActorError as e:
+            with self._lock:
+                self._on_exit(slot, _ray_cause(e))
+                self._flush_wakes()
+        except Exception as e:  # noqa: BLE001 - the host itself failed: its calls are errors, not hangs
+            why = f"the reward worker raised {_ray_cause(e)}"
+            with self._lock:
+                self._on_results(slot, [(c.id, _unscored(why, len(c.inputs)), False) for c in calls])
+                self._flush_wakes()
+
+    def _kill(self, slot: _Slot) -> None:
+        if slot.transport is not None:
+            import ray
+
+            with contextlib.suppress(Exception):  # already gone
+                ray.kill(slot.transport, no_restart=True)
+
+    def _stop(self, slots: list[_Slot]) -> None:
+        for s in slots:
+            self._kill(s)
+        self._events.put(None)
+
+
+def _ray_cause(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return str(cause) if isinstance(cause, ValueError) else f"{type(cause).__name__}({cause})"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"
