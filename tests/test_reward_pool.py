@@ -119,7 +119,7 @@ def gone(pid: int, within: float = 5.0) -> bool:
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between open and read
             return True
         if state in ("Z", "X"):
             return True

@@ -187,6 +187,35 @@ def test_the_deadline_fires_again_after_a_swallowed_alarm():
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     assert signal.getsignal(signal.SIGALRM) is before
 
+def test_a_swallowed_alarm_is_not_reported_and_other_unraisables_still_are():
+    """An alarm that lands in a finalizer becomes an 'unraisable' exception: inside the
+    deadline it is dropped (the next alarm ends the block), while any other unraisable exception
+    still reaches the hook that was installed before, and that hook is back afterwards."""
+    import sys
+
+    from tidal.rewards.math import _deadline, _OutOfTime
+
+    class Finalizer:
+        def __init__(self, error: type[BaseException]):
+            self.error = error
+
+        def __del__(self):
+            raise self.error
+
+    seen: list[type[BaseException]] = []
+    before = sys.unraisablehook
+    sys.unraisablehook = lambda args: seen.append(args.exc_type)
+    recorder = sys.unraisablehook
+    try:
+        with _deadline(30):
+            Finalizer(_OutOfTime)  # dropped at once: its __del__ raises what an alarm would
+            Finalizer(ValueError)
+        assert sys.unraisablehook is recorder
+    finally:
+        sys.unraisablehook = before
+    assert seen == [ValueError]
+
+
 # -- code -----------------------------------------------------------------------------------
 
 ADD_TESTS = "assert add(2, 3) == 5\nassert add(-1, 1) == 0\n"

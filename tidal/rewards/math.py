@@ -39,6 +39,7 @@ import contextlib
 import functools
 import re
 import signal
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -302,17 +303,35 @@ def _deadline(seconds: int | None) -> Iterator[None]:
     timeout is one SIGALRM whose exception can land where Python ignores it (a weakref
     callback during garbage collection: seen in CI, the parse then ran to completion and the
     answer counted as correct); this alarm fires again every REFIRE_S until the block ends,
-    so a swallowed one is followed by another."""
+    so a swallowed one is followed by another.
+
+    A swallowed alarm goes to `sys.unraisablehook`. For the block's length a hook drops it
+    (it is expected, and the next alarm ends the block) and hands any other unraisable
+    exception to the hook that was there, with the alarm held off meanwhile: a repeat that
+    landed inside that hook (reading source lines to format a traceback: seen in CI) would
+    break it."""
     if seconds is None:
         yield
         return
-    armed = [True]
+    armed, in_hook = [True], [False]
 
     def fire(signum: int, frame: Any) -> None:
-        if armed[0]:
+        if armed[0] and not in_hook[0]:
             raise _OutOfTime
 
+    previous_hook = sys.unraisablehook
+
+    def unraisable(args: Any) -> None:
+        if isinstance(args.exc_type, type) and issubclass(args.exc_type, _OutOfTime):
+            return
+        in_hook[0] = True
+        try:
+            previous_hook(args)
+        finally:
+            in_hook[0] = False
+
     previous = signal.signal(signal.SIGALRM, fire)
+    sys.unraisablehook = unraisable
     try:
         signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
         yield
@@ -322,6 +341,8 @@ def _deadline(seconds: int | None) -> Iterator[None]:
                 armed[0] = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, previous)
+                if sys.unraisablehook is unraisable:  # unless something in the block replaced it
+                    sys.unraisablehook = previous_hook
                 break
             except _OutOfTime:
                 continue
