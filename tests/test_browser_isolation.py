@@ -423,6 +423,15 @@ def live(pid: int) -> bool:
         return False
 
 
+def playwright_child(pid: int) -> bool:
+    """A live Playwright driver started by this process (any process may end while it is read)."""
+    try:
+        return (live(pid) and "playwright" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid()))
+    except OSError:
+        return False
+
+
 def test_pool_close_leaves_no_process():
     require_chromium()
 
@@ -432,9 +441,7 @@ def test_pool_close_leaves_no_process():
         for tab in tabs:
             await tab.page.goto(ORIGIN + "/")
         before = pool.processes()
-        driver = {p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if live(p)
-                  and "playwright" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
-                  and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(os.getpid())}
+        driver = {p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if playwright_child(p)}
         await pool.close()  # tabs left open: close() ends them too
         return pool, before, driver
 
