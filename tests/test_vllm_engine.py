@@ -201,3 +201,25 @@ def test_controller_trains_with_vllm(engine, tmp_path):
         assert last["logprob_max_abs_diff"] < LOGPROB_TOL
     finally:
         ctl.close()
+
+
+def test_tidal_eval_generates_with_the_engine_kind_it_is_given():
+    """`tidal eval engine.kind=vllm` evaluates with vLLM (it used to take the torch engine
+    whatever the config said): the same held-out problems, greedy, as the torch engine. The two
+    engines' log-probs agree to LOGPROB_TOL, so greedy answers differ only at a near-tie; one
+    problem of the 32 may flip, no more."""
+    import json
+    import subprocess
+    import sys
+
+    from cli_limits import EVAL_TIMEOUT_S
+
+    def evaluate(kind: str) -> dict:
+        out = subprocess.run([sys.executable, "-m", "tidal.cli", "eval", "default", f"engine.kind={kind}", "eval.n=32",
+                              "eval.k=1", "--json"], check=True, capture_output=True, text=True, timeout=EVAL_TIMEOUT_S)
+        return json.loads(out.stdout.splitlines()[-1])
+
+    with_vllm, with_torch = evaluate("vllm"), evaluate("torch")
+    assert (with_vllm["engine"], with_torch["engine"]) == ("vllm", "torch")
+    assert with_vllm["n"] == with_torch["n"] == 32
+    assert abs(with_vllm["accuracy"] - with_torch["accuracy"]) <= 1 / 32, (with_vllm, with_torch)

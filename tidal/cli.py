@@ -147,8 +147,8 @@ def _config_for_model(model: str, config: str | None, overrides: list[str]) -> T
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     from tidal.config import RewardSpec
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
+    from tidal.engines.factory import build_engine, choose_engine_kind
+    from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
     from tidal.models.vision import Vision
     from tidal.rewards.pool import build_scorer, spec_keys
     from tidal.runtime.controller import make_rollout, start_run_gateway
@@ -162,16 +162,19 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(model_dir)
     task = build_task(cfg.task)
     vision = Vision.load(model_dir)
-    engine = TorchEngine(load_model(model_dir, cfg.engine_dtype(), cfg.model.resolved_device()), tokenizer.pad_token_id,
-                         cfg.engine.max_batch_size, tokenizer=tokenizer, vision=vision)
+    # the engine `engine.kind` names, as the run's rollout would (auto: the torch engine on a CPU)
+    kind, _ = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
+    engine = build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
+                          pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
     if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
         scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
     else:
         scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
     t0 = time.time()
-    gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
+    gateway = None
     try:
+        gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
         res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, vision),
                               task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
     finally:
@@ -179,7 +182,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
             gateway.close()
         if scorer is not None:
             asyncio.run(scorer.close())
-    res = {"model": str(model_dir), **res, "wall_s": round(time.time() - t0, 1)}
+        engine.close()  # a vLLM engine's process or server goes with it
+    res = {"model": str(model_dir), "engine": kind, **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
     elif res["accuracy"] is None:
