@@ -167,13 +167,13 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     engine = build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
                           pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed)
     params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    t0 = time.time()
     scorer = gateway = None
     try:  # whatever fails from here, the engine (a vLLM process or server) is closed
         if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
             scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
         elif task.rewards:
             scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task))
+        t0 = time.time()  # wall_s: the evaluation, as before (not the engine's or the scorer's start)
         gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
         res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, vision),
                               task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)

@@ -322,7 +322,7 @@ def _deadline(seconds: int | None) -> Iterator[None]:
     previous_hook = sys.unraisablehook
 
     def unraisable(args: Any) -> None:
-        if isinstance(args.exc_type, type) and issubclass(args.exc_type, _OutOfTime):
+        if issubclass(args.exc_type, _OutOfTime):
             return
         in_hook[0] = True
         try:
