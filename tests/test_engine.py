@@ -298,6 +298,25 @@ def _turn2(tokenizer, reqs, results, seed0=300):
     return out
 
 
+def test_requests_that_share_a_prompt_prefill_it_once(engine, tokenizer):
+    """A GRPO group's samples share their prompt: the prompt is computed once per join and its
+    keys, values and first logits are copied to each sample's row. Each sample decodes as it
+    would alone (its own seed: tokens equal, log-probs to float rounding across batch shapes)."""
+    reqs = [GenerationRequest(f"r{i}", r.prompt_ids, SamplingParams(max_new_tokens=10, temperature=1.0, seed=7 + i))
+            for i, r in enumerate(_requests(tokenizer, SamplingParams(), PROMPTS * 4))]  # interleaved groups
+    before = engine.prefill_tokens
+    together = engine.generate_sync(reqs)
+    distinct = {tuple(r.prompt_ids) for r in reqs}
+    assert len(distinct) == len(PROMPTS)
+    assert engine.prefill_tokens - before == sum(len(p) for p in distinct)  # 4x this without sharing
+    alone = [engine.generate_sync([r])[0] for r in reqs]
+    assert [t.token_ids for t in together] == [a.token_ids for a in alone]
+    assert len({tuple(t.token_ids) for t in together}) > len(PROMPTS)  # the samples of a prompt differ
+    for t, a in zip(together, alone):
+        torch.testing.assert_close(torch.tensor(t.logprobs), torch.tensor(a.logprobs), atol=LOGPROB_TOLERANCE,
+                                   rtol=0)
+
+
 def test_prefix_cache_next_turn_prefills_only_what_is_new(tiny_model_dir, tokenizer):
     """A session's next turn starts from the KV cache its last turn left: only the new tokens
     are prefilled, and the tokens are those a cold engine samples (log-probs to float

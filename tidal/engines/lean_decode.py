@@ -66,18 +66,22 @@ class KVCache:
         self.n, self.lo, self.hi = n, lo, hi
 
     @classmethod
-    def from_dynamic(cls, cache: DynamicCache, attn: torch.Tensor, reserve: int) -> KVCache:
+    def from_dynamic(cls, cache: DynamicCache, attn: torch.Tensor, reserve: int,
+                     rows: torch.Tensor | None = None) -> KVCache:
         """A prefill's cache ([B, K, T, D] per layer, `attn` [B, T]) with room for `reserve`
-        more tokens per row."""
+        more tokens per row. `rows` [B'] (optional): row i of the result is the prefill's row
+        rows[i] (prompts computed once for several requests); `attn` is then [B', T]."""
         keys = [la.keys for la in cache.layers]
         L, (B, K, T, D) = len(keys), keys[0].shape
+        if rows is not None:
+            B = len(rows)
         C = T + max(1, reserve)
         # Columns past the window are written before they are read: no need to zero them.
         k = keys[0].new_empty((L, B, K, C, D))
         v = keys[0].new_empty((L, B, K, C, D))
         for i, la in enumerate(cache.layers):
-            k[i, :, :, :T] = la.keys
-            v[i, :, :, :T] = la.values
+            k[i, :, :, :T] = la.keys if rows is None else la.keys[rows]
+            v[i, :, :, :T] = la.values if rows is None else la.values[rows]
         mask = torch.zeros((B, C), dtype=torch.bool, device=attn.device)
         mask[:, :T] = attn.bool()
         return cls(k, v, mask, B, 0, T)

@@ -482,6 +482,43 @@ class TorchEngine:
 
     def _prefill_group(self, seqs: list[Seq], hits: list[Prefix | None]) -> Rows:
         reqs = [s.request for s in seqs]
+        dev = self.device
+        # Requests with the same prompt (a GRPO group's samples) are computed once: the
+        # prompt's keys, values and next-token logits are the same for each of them.
+        same: list[int] | None = None  # each request's row among the distinct prompts
+        if all(h is None for h in hits):
+            distinct: dict[tuple, int] = {}
+            same = [distinct.setdefault((tuple(r.prompt_ids), _image_ids(r)), len(distinct)) for r in reqs]
+            if len(distinct) < len(reqs):
+                leaders: dict[int, int] = {}
+                for i, u in enumerate(same):
+                    leaders.setdefault(u, i)
+                reqs, hits = [reqs[i] for i in leaders.values()], [None] * len(distinct)
+            else:
+                same = None
+        cache, attn, next_pos, logits = self._forward_prompts(reqs, hits)
+        index = None
+        if same is not None:
+            index = torch.tensor(same, dtype=torch.long, device=dev)
+            attn, next_pos, logits = attn[index], next_pos[index], logits[index]
+            reqs = [s.request for s in seqs]
+        # Room for the longest budget (up to 256 tokens; beyond, the cache doubles when full).
+        reserve = min(max(r.params.max_new_tokens for r in reqs), 256)
+        B = len(reqs)
+        return Rows(
+            seqs=list(seqs), cache=KVCache.from_dynamic(cache, attn, reserve, rows=index), next_pos=next_pos,
+            logits=logits,
+            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
+            top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
+            seeds=torch.tensor([r.params.seed for r in reqs], dtype=torch.long, device=dev),
+            steps=torch.zeros(B, dtype=torch.long, device=dev),
+            versions=torch.full((B,), self._version, dtype=torch.long, device=dev),
+        )
+
+    def _forward_prompts(self, reqs: list[GenerationRequest], hits: list[Prefix | None]):
+        """The model over the prompts' uncached tokens, left-padded: (cache, attention mask,
+        next position, next-token logits), one row per request."""
         dev, B = self.device, len(reqs)
         lens = [len(r.prompt_ids) for r in reqs]
         # Tokens each row has cached (at least one prompt token is fed: its logits are needed).
@@ -525,17 +562,7 @@ class TorchEngine:
             **inputs, attention_mask=attn, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
-        # Room for the longest budget (up to 256 tokens; beyond, the cache doubles when full).
-        reserve = min(max(r.params.max_new_tokens for r in reqs), 256)
-        return Rows(
-            seqs=list(seqs), cache=KVCache.from_dynamic(cache, attn, reserve), next_pos=next_pos, logits=logits,
-            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
-            top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.long, device=dev),
-            top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
-            seeds=torch.tensor([r.params.seed for r in reqs], dtype=torch.long, device=dev),
-            steps=torch.zeros(B, dtype=torch.long, device=dev),
-            versions=torch.full((B,), self._version, dtype=torch.long, device=dev),
-        )
+        return cache, attn, next_pos, logits
 
     def _embed(self, input_ids: torch.Tensor, reqs: list[GenerationRequest], past: list[int], S: int) -> torch.Tensor:
         """Input embeddings [B, S, hidden] of a prefill: the fed tokens' embeddings, each fed image
