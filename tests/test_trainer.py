@@ -239,23 +239,27 @@ def test_critic_starts_at_zero_and_fits_returns(tiny_model_dir, tmp_path):
     assert tr2.values(b) == tr.values(b)
 
 
-def test_mixed_precision_computes_in_bfloat16_over_float32_weights(tiny_model_dir):
+@pytest.mark.parametrize("attention", ["auto", "sdpa"])
+def test_mixed_precision_computes_in_bfloat16_over_float32_weights(tiny_model_dir, attention):
     """train.mixed_precision: the forward runs in bfloat16 (autocast), parameters, gradients and
     the optimizer's state stay float32, and the gradient is the float32 one up to bfloat16's
-    rounding."""
+    rounding, with the attention CPU mixed precision picks (eager) and with torch's fused one."""
     def run(mixed):
         torch.manual_seed(0)
-        tr = Trainer(str(tiny_model_dir), TrainConfig(mixed_precision=mixed, warmup_steps=0), AlgorithmConfig(),
-                     pad_token_id=0)
+        tr = Trainer(str(tiny_model_dir), TrainConfig(mixed_precision=mixed, warmup_steps=0,
+                                                      attention=attention if mixed else "auto"),
+                     AlgorithmConfig(), pad_token_id=0)
         logits, _ = tr._forward(tr.model, _batch().tokens[:2])
         metrics = tr.forward_backward(_batch())
         grads = {n: p.grad.clone() for n, p in tr.model.named_parameters()}
         tr.optim_step()
         return tr, logits.dtype, grads, metrics
 
-    _, full_dtype, want, m32 = run(False)
+    full, full_dtype, want, m32 = run(False)
     mixed, mixed_dtype, got, m16 = run(True)
     assert (full_dtype, mixed_dtype) == (torch.float32, torch.bfloat16)
+    expected = "eager" if attention == "auto" else attention  # auto: eager under CPU mixed precision
+    assert (full.model.config._attn_implementation, mixed.model.config._attn_implementation) == ("sdpa", expected)
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
     assert all(v.dtype == torch.float32 for st in mixed.optimizer.state.values() for v in st.values()
                if torch.is_tensor(v) and v.is_floating_point())

@@ -111,9 +111,10 @@ def load_tokenizer(path: str | Path):
     return tok
 
 
-def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
+def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", attention: str | None = None):
     """A causal LM, or a vision-language model (Qwen2-VL family: tidal/models/vision.py) with its
-    language-model head, from a local directory."""
+    language-model head, from a local directory. `attention`: transformers' attn_implementation
+    (None: its default)."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
@@ -124,7 +125,8 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu"):
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     cls = AutoModelForImageTextToText if is_vision_config(read_config(p)) else AutoModelForCausalLM
-    model = cls.from_pretrained(str(p), dtype=DTYPES[dtype])
+    kwargs = {"attn_implementation": attention} if attention else {}
+    model = cls.from_pretrained(str(p), dtype=DTYPES[dtype], **kwargs)
     return model.to(device)
 
 

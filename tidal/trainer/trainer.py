@@ -107,7 +107,11 @@ class Trainer:
             raise ValueError(f"algorithm.advantage=gae trains a critic (a token-classification value model), which "
                              f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
                              "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
-        self.model = load_model(model_path, dtype=dtype, device=device)
+        # Eager attention under CPU mixed precision: torch's fused CPU attention backward is slow in
+        # bfloat16 (train.attention).
+        self.attention = train.attention if train.attention != "auto" else (
+            "eager" if train.mixed_precision and self.device.type == "cpu" else "sdpa")
+        self.model = load_model(model_path, dtype=dtype, device=device, attention=self.attention)
         self.model.config.use_cache = False
         self.lora = train.lora.rank > 0
         if self.lora:  # adapters only; the base weights stay frozen (and serve as the reference)
@@ -129,7 +133,8 @@ class Trainer:
         self.ref_model = None
         self.has_ref = algo.kl_coef > 0
         if self.has_ref and not self.lora:  # no reference model is loaded when it cannot matter
-            self.ref_model = load_model(model_path, dtype=dtype, device=device).eval().requires_grad_(False)
+            self.ref_model = load_model(model_path, dtype=dtype, device=device,
+                                        attention=self.attention).eval().requires_grad_(False)
             if self.world_size > 1:
                 dp.shard_model(self.ref_model, mixed_precision=mixed, reshard_root=True)
         self.critic = None
