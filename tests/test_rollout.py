@@ -415,6 +415,41 @@ def test_batching_client_sends_concurrent_requests_together(tiny_model_dir, toke
     assert batches == [20] and all(e.status in (Status.TRUNCATED, Status.OK) for e in eps)
 
 
+def test_a_groups_shared_prompt_is_rendered_once_per_run(tiny_model_dir, tokenizer, qwen25_tok):
+    """The samples of a group open with the same messages: the run renders and tokenizes them
+    once, and each episode still gets the template's tokens for its own prompt (its own list:
+    its turns append to it), tools included. Another run renders them again."""
+    engine = TorchEngine(load_model(tiny_model_dir), qwen25_tok.pad_token_id)
+
+    class WithTools(Conversation):
+        tools: ClassVar[list] = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate.",
+                                                   "parameters": {"type": "object", "properties": {}}}}]
+
+    rendered = []
+    original = qwen25_tok.apply_chat_template
+
+    def counting(messages, *a, **kw):
+        rendered.append(messages[0]["content"])
+        return original(messages, *a, **kw)
+
+    rows = [{"prompt": "What is 2 + 2?"}, {"prompt": "What is 3 + 5?"}]
+    rollout = Rollout(qwen25_tok, SamplingParams(max_new_tokens=3), max_turns=1)
+    qwen25_tok.apply_chat_template = counting
+    try:
+        eps = run(rollout, group_specs(rows, lambda r, s: WithTools(r, s), samples=4, seed=0, step=1), engine)
+        assert sorted(rendered) == sorted(r["prompt"] for r in rows)  # one render per distinct prompt
+        run(rollout, group_specs(rows[:1], lambda r, s: WithTools(r, s), samples=2, seed=0, step=2), engine)
+        assert len(rendered) == 3  # a new run renders again
+    finally:
+        del qwen25_tok.apply_chat_template  # the class's method again
+    for ep, row in zip(eps, [r for r in rows for _ in range(4)]):
+        want = original([{"role": "user", "content": row["prompt"]}], tools=WithTools.tools,
+                        add_generation_prompt=True, tokenize=False)
+        assert ep.tokens[: ep.prompt_len] == qwen25_tok(want, add_special_tokens=False)["input_ids"]
+        assert '"name": "calculator"' in qwen25_tok.decode(ep.tokens[: ep.prompt_len])
+    assert len({id(ep.tokens) for ep in eps}) == len(eps)
+
+
 def test_slow_episode_ends_timeout_and_others_finish(tokenizer):
     engine = ScriptedTurns(tokenizer, ["a"])
     rollout = Rollout(tokenizer, SamplingParams(max_new_tokens=2), timeout_s=1.0)

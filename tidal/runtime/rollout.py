@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -57,6 +58,9 @@ class BatchingClient:
         self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
         self._flush_task: asyncio.Task | None = None
         self.batches: list[int] = []  # sizes of the batches sent, for metrics
+        # The opening prompts rendered and tokenized in this run, by their messages and tools: a
+        # group's samples start from the same messages, and render them once (Rollout._opening).
+        self.prompts: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         fut = asyncio.get_running_loop().create_future()
@@ -195,6 +199,25 @@ class Rollout:
             return ids
         return self.vision.expand(ids, blobs, where)
 
+    def _opening(self, history: list[Message], tools: list | None, images: list, where: str,
+                 seen: dict[str, tuple[str, tuple[int, ...]]]) -> tuple[str, list[int]]:
+        """An episode's opening prompt: its text and tokens. Text-only messages the run has
+        rendered already (the group's other samples) are taken from `seen`, keyed by their JSON."""
+        key = None
+        if not images:
+            try:
+                key = json.dumps([history, tools], sort_keys=True)
+            except (TypeError, ValueError):  # not plain JSON (e.g. an object in a message): rendered each time
+                key = None
+            if key is not None and key in seen:
+                text, tokens = seen[key]
+                return text, list(tokens)
+        text = self._render(history, tools, generation_prompt=True)
+        tokens = self._tokenize_with_images(text, images, where)
+        if key is not None:
+            seen[key] = (text, tuple(tokens))
+        return text, tokens
+
     def _turn_params(self, spec: EpisodeSpec, turn: int, override: SamplingOverride | None, context: int) -> SamplingParams:
         params = replace(self.params, seed=request_seed(spec.seed, turn))
         if spec.greedy:
@@ -233,8 +256,7 @@ class Rollout:
             history, images = self._images(history, f"env `{name}` reset", spec.row)
             tools = getattr(env, "tools", None) or None
             override = getattr(env, "sampling", None)
-            context_text = self._render(history, tools, generation_prompt=True)
-            ep.tokens = self._tokenize_with_images(context_text, images, f"env `{name}` reset")
+            context_text, ep.tokens = self._opening(history, tools, images, f"env `{name}` reset", client.prompts)
         except Exception as e:  # noqa: BLE001 - a bad image or a message the template cannot render
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset: its messages cannot be rendered: "
                               f"{type(e).__name__}({e})")
