@@ -112,9 +112,34 @@ def _decode_both(model, steps: int, reserve: int):
 def test_lean_step_matches_the_model_for_each_architecture(kind, extra):
     model = _tiny(kind, **extra)
     assert LeanDecoder.unsupported(model) is None
-    assert LeanDecoder.build(model) is not None  # the probe agrees
+    built = LeanDecoder.build(model)
+    assert built is not None and built.prefills  # the probe agrees, on the decode step and the prefill
     worst = _decode_both(model, steps=9, reserve=2)  # the cache moves to a larger buffer twice
     assert worst < TOL, f"{kind} {extra}: lean logits differ by {worst:.3g}"
+    worst = _prefill_both(model)
+    assert worst < TOL, f"{kind} {extra}: the lean prefill differs by {worst:.3g}"
+
+
+def _prefill_both(model):
+    """The lean prefill of left-padded prompts (one row all real, one nearly all padding) against
+    the model's forward: max |Δ| over the next-token logits and the real positions' keys and
+    values of every layer (padding's are never read)."""
+    g = torch.Generator().manual_seed(2)
+    B, S, V = 5, 9, model.config.vocab_size
+    ids = torch.randint(0, V, (B, S), generator=g)
+    attn = torch.ones(B, S, dtype=torch.long)
+    for i in range(B):
+        attn[i, :2 * i] = 0
+    with torch.inference_mode():
+        dc = DynamicCache()
+        ref = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), cache=dc,
+                    use_cache=True).logits[:, -1]
+        layers, logits = LeanDecoder(model).prefill(ids, attn)
+    real = attn.bool()[:, None, :, None]
+    worst = float((logits - ref).abs().max())
+    for (k, v), la in zip(layers, dc.layers, strict=True):
+        worst = max(worst, float(((k - la.keys).abs() * real).max()), float(((v - la.values).abs() * real).max()))
+    return worst
 
 
 def test_a_model_the_lean_step_does_not_compute_falls_back_to_its_own_forward(tok):

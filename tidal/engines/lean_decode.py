@@ -24,6 +24,12 @@ engine's, which for a prompt with images is not its token count). It reads the p
 device moves are seen; a step while forward hooks are registered on the model (a debugging
 or timing hook) runs the model's forward, so the hooks see every step.
 
+`LeanDecoder.prefill` is the same formulas for a join's prompts at once (causal, left-padded, no
+cached prefix, text only): the engine uses it when the probe also finds it equal to the model's
+forward on the probe's prompts (`prefills`), and otherwise prefills through the model. It saves
+transformers' mask building and cache bookkeeping: 4.4 ms against 5.0 ms for 10 prompts of 18
+tokens on the default model, where most of a prefill is its matmuls.
+
 Legend: L layers, B rows, H query heads, K key/value heads, G = H / K, C capacity, D head dim.
 """
 
@@ -237,6 +243,7 @@ class LeanDecoder:
         self.scale = self.head_dim ** -0.5
         self.qk_norm = cfg.model_type == "qwen3"
         self._modules = list(model.modules())
+        self.prefills = False  # whether the engine may prefill with `prefill` (set by the probe)
 
     def hooked(self) -> bool:
         """Whether forward hooks are registered on the model or any of its modules (or
@@ -310,6 +317,18 @@ class LeanDecoder:
                       cache=dc, use_cache=True, logits_to_keep=1)
                 caches.append(KVCache.from_dynamic(dc, attn, reserve=2))  # 3 steps: one growth too
             pos = attn.sum(-1)
+            # The lean prefill against the model's on the same rows: a disagreement turns off the
+            # lean prefill only (the engine then prefills through the model's forward).
+            theirs = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                           use_cache=False).logits[:, -1]
+            mine_cache, mine = DynamicCache(), self.prefill(ids, attn)
+            for layer, (k, v) in enumerate(mine[0]):
+                mine_cache.update(k, v, layer)
+            ok, ref = KVCache.from_dynamic(mine_cache, attn, reserve=1), caches[1]
+            real = attn.bool()[None, :, None, :, None]  # padding's keys and values are never read
+            gap = lambda a, b: float(((a[:, :, :, :5] - b[:, :, :, :5]).float().abs() * real).max())
+            prefill_worst = max(float((mine[1].float() - theirs.float()).abs().max()), gap(ok.k, ref.k), gap(ok.v, ref.v))
+            prefill_scale = max(float(theirs.float().abs().max()), 1.0)
             worst, scale = 0.0, 0.0
             for step in range(3):
                 tok = torch.randint(0, vocab, (2,), generator=g).to(p.device)
@@ -319,7 +338,56 @@ class LeanDecoder:
         tol = _PROBE_TOL.get(p.dtype, _PROBE_TOL_LOW_PRECISION) * max(scale, 1.0)
         if not worst <= tol:  # also catches NaN
             return f"its logits differ from the model's own forward by {worst:.3g} on a probe (tolerance {tol:.3g})"
+        tol = _PROBE_TOL.get(p.dtype, _PROBE_TOL_LOW_PRECISION) * prefill_scale
+        self.prefills = prefill_worst <= tol
+        if not self.prefills:
+            log.info("torch engine: prefilling through the model's own forward (the lean prefill differs by %.3g "
+                     "on a probe, tolerance %.3g)", prefill_worst, tol)
         return None
+
+    def prefill(self, input_ids: torch.Tensor, attn: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                                            torch.Tensor]:
+        """Prompts with nothing cached, left-padded (input_ids, attn [B, S]): the keys and values of
+        every layer ([B, K, S, D] each) and the next-token logits [B, V]. The same formulas as the
+        decode step, for S tokens at once under a causal mask; a padding position attends to itself
+        alone (nothing real attends to it), so its keys and values stay finite."""
+        inner, (B, S) = self.inner, input_ids.shape
+        H, K, D = self.heads, self.kv_heads, self.head_dim
+        G = H // K
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        x = F.embedding(input_ids, inner.embed_tokens.weight)  # [B, S, hidden]
+        cos, sin = inner.rotary_emb(x, pos)  # [B, S, D]
+        cos, sin = cos[:, None], sin[:, None]
+        eye = torch.eye(S, dtype=torch.bool, device=x.device)
+        allowed = (eye.cumsum(0).bool()[None] & attn.bool()[:, None, :]) | eye  # [B, S query, S key]: causal, real keys
+        masked = ~allowed[:, None, None]  # [B, 1, 1, S, S]
+        layers = []
+        for layer in inner.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            ln = layer.input_layernorm
+            h = _rms_norm(x, ln.weight, ln.variance_epsilon)
+            q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(B, S, H, D)
+            k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(B, S, K, D)
+            v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(B, S, K, D).transpose(1, 2)
+            if self.qk_norm:
+                q = _rms_norm(q, att.q_norm.weight, att.q_norm.variance_epsilon)
+                k = _rms_norm(k, att.k_norm.weight, att.k_norm.variance_epsilon)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D], [B, K, S, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            layers.append((k, v))
+            scores = torch.matmul(q.reshape(B, K, G, S, D), k[:, :, None].transpose(-1, -2)) * self.scale
+            probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs, v[:, :, None])  # [B, K, G, S, D]
+            out = out.permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
+            x = x + F.linear(out, att.o_proj.weight, att.o_proj.bias)
+            ln = layer.post_attention_layernorm
+            h = _rms_norm(x, ln.weight, ln.variance_epsilon)
+            gated = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
+                h, mlp.up_proj.weight, mlp.up_proj.bias)
+            x = x + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+        x = _rms_norm(x[:, -1], inner.norm.weight, inner.norm.variance_epsilon)
+        return layers, F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
 
     def __call__(self, tok_B: torch.Tensor, pos_B: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """Next-token logits [B, V] after feeding tok_B at positions pos_B; the new keys and

@@ -436,11 +436,15 @@ class TorchEngine:
             return None
         if len(keep) < len(rows):  # finished rows leave the batch and the cache
             tok = tok[rows.select(keep)]
+        rows.decode(self._decoder(), tok, self._version)
+        return rows
+
+    def _decoder(self):
+        """The decode step: the lean one where the model supports it (built, and probed, once)."""
         if self._decode_step is None:
             lean = LeanDecoder.build(self.model) if self._lean_wanted else None
             self._decode_step = lean or self._model_decode
-        rows.decode(self._decode_step, tok, self._version)
-        return rows
+        return self._decode_step
 
     @property
     def lean(self) -> bool | None:
@@ -547,6 +551,14 @@ class TorchEngine:
             inputs = {"inputs_embeds": self._embed(input_ids, reqs, past, S)}
             next_pos = torch.tensor([next_position(pos) for pos in rope], dtype=torch.long, device=dev)
         cache = DynamicCache()
+        self.prefill_tokens += sum(fed)
+        step = self._decoder() if self.vision is None and P == 0 else None
+        if isinstance(step, LeanDecoder) and step.prefills and not step.hooked():
+            # Text prompts with nothing cached: the lean step's formulas for every prompt token.
+            layers, logits = step.prefill(input_ids, attn)
+            for layer, (k, v) in enumerate(layers):
+                cache.update(k, v, layer)
+            return cache, attn, next_pos, logits
         if P > 0:
             ref = next(h for h, p in zip(hits, past) if p > 0)
             for layer in range(len(ref.keys)):
@@ -557,7 +569,6 @@ class TorchEngine:
                         k[i, :, P - p:] = h.keys[layer][0, :, :p]
                         v[i, :, P - p:] = h.values[layer][0, :, :p]
                 cache.update(k, v, layer)
-        self.prefill_tokens += sum(fed)
         logits = self.model(
             **inputs, attention_mask=attn, position_ids=position_ids,
             cache=cache, use_cache=True, logits_to_keep=1,
