@@ -225,6 +225,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+def _mlp_residual(layer, x: torch.Tensor) -> torch.Tensor:
+    """x plus the layer's gated MLP of its post-attention RMSNorm (transformers' order and dtypes)."""
+    ln, mlp = layer.post_attention_layernorm, layer.mlp
+    h = _rms_norm(x, ln.weight, ln.variance_epsilon)
+    gated = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
+        h, mlp.up_proj.weight, mlp.up_proj.bias)
+    return x + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -363,7 +372,7 @@ class LeanDecoder:
         masked = ~allowed[:, None, None]  # [B, 1, 1, S, S]
         layers = []
         for layer in inner.layers:
-            att, mlp = layer.self_attn, layer.mlp
+            att = layer.self_attn
             ln = layer.input_layernorm
             h = _rms_norm(x, ln.weight, ln.variance_epsilon)
             q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(B, S, H, D)
@@ -381,11 +390,7 @@ class LeanDecoder:
             out = torch.matmul(probs, v[:, :, None])  # [B, K, G, S, D]
             out = out.permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
             x = x + F.linear(out, att.o_proj.weight, att.o_proj.bias)
-            ln = layer.post_attention_layernorm
-            h = _rms_norm(x, ln.weight, ln.variance_epsilon)
-            gated = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
-                h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+            x = _mlp_residual(layer, x)
         x = _rms_norm(x[:, -1], inner.norm.weight, inner.norm.variance_epsilon)
         return layers, F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
 
@@ -402,7 +407,7 @@ class LeanDecoder:
         cos, sin = inner.rotary_emb(x, pos_B[:, None])  # [B, 1, D]
         cos, sin = cos[:, None], sin[:, None]
         for i, layer in enumerate(inner.layers):
-            att, mlp = layer.self_attn, layer.mlp
+            att = layer.self_attn
             ln = layer.input_layernorm
             h = _rms_norm(x, ln.weight, ln.variance_epsilon)
             q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(B, 1, H, D)
@@ -422,11 +427,7 @@ class LeanDecoder:
             probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
             out = torch.matmul(probs, values).reshape(B, 1, H * D)
             x = x + F.linear(out, att.o_proj.weight, att.o_proj.bias)
-            ln = layer.post_attention_layernorm
-            h = _rms_norm(x, ln.weight, ln.variance_epsilon)
-            gated = mlp.act_fn(F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)) * F.linear(
-                h, mlp.up_proj.weight, mlp.up_proj.bias)
-            x = x + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
+            x = _mlp_residual(layer, x)
         x = _rms_norm(x[:, -1], inner.norm.weight, inner.norm.variance_epsilon)
         kv.hi = col + 1
         return F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
