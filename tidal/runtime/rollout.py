@@ -7,7 +7,7 @@ once: the engine sees large batches while each episode reads as a plain sequenti
 an episode waiting on a slow tool holds nobody else up.
 
 Token in, token out across turns. The prompt is rendered by the chat template and tokenized
-once; generated tokens are kept exactly as the engine returned them; after each turn only the
+once (once per run for the samples of a group, which open with the same messages); generated tokens are kept exactly as the engine returned them; after each turn only the
 text the template adds after the context so far is tokenized (the turn's end, the
 environment's messages, the next generation prompt). The check is textual: the template's
 rendering of the whole conversation, with the policy's turns as it generated them (never
