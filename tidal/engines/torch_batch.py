@@ -119,3 +119,23 @@ class Rows:
             setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
         self.seqs = self.seqs + new.seqs
         return self
+
+
+def image_ids(request: GenerationRequest) -> tuple[str, ...]:
+    """The ids of a request's pictures, in order."""
+    return tuple(b.id for b in request.images)
+
+
+def shared_prompts(requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], list[int]]:
+    """The requests with distinct prompts (tokens and pictures; the first of each), and for every
+    request the position of its prompt among them."""
+    first: dict[tuple, int] = {}
+    distinct: list[GenerationRequest] = []
+    position = []
+    for r in requests:
+        key = (tuple(r.prompt_ids), image_ids(r))
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append(r)
+        position.append(first[key])
+    return distinct, position

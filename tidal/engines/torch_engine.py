@@ -79,7 +79,7 @@ from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import FeatureCache, Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
-from tidal.engines.torch_batch import Call, Rows, Seq, calls_of, fail_calls
+from tidal.engines.torch_batch import Call, Rows, Seq, calls_of, fail_calls, image_ids, shared_prompts
 from tidal.engines.weights_lock import WeightsLock
 from tidal.images import ImageBlob
 from tidal.models.vision import Vision, mask_banned, next_position
@@ -269,30 +269,7 @@ class TorchEngine:
                              "text-only (TorchEngine was built without `vision`): use a vision-language model "
                              "(Qwen2-VL family; build_engine passes Vision.load(model_dir)) or send no images")
         if self.vision is not None:
-            self._validate_images(r)
-
-    def _validate_images(self, r: GenerationRequest) -> None:
-        """The prompt's image runs pair up with `r.images`: one picture per run, in order, each run
-        as long as its picture's token count (the placeholders expanded once, for these pictures)."""
-        spec = self.vision.spec
-        bad = [b for b in r.images if not isinstance(b, ImageBlob)]
-        if bad:
-            raise ValueError(f"request {r.request_id}: images must be tidal.images.ImageBlob (as_image(value)), "
-                             f"got {type(bad[0]).__name__}")
-        if spec.video_token_id in r.prompt_ids:
-            raise ValueError(f"request {r.request_id}: its prompt holds video pads (token {spec.video_token_id}); "
-                             "the torch engine takes images only")
-        runs = self.vision.runs(r.prompt_ids)
-        if len(runs) != len(r.images):
-            raise ValueError(f"request {r.request_id}: its prompt has {len(runs)} run(s) of image pads (token "
-                             f"{spec.image_token_id}) but the request carries {len(r.images)} image(s); it needs one "
-                             "image per run, in order")
-        for k, ((s, e), blob) in enumerate(zip(runs, r.images)):
-            need = self.vision.num_tokens(blob)
-            if e - s != need:
-                raise ValueError(f"request {r.request_id}: image {k} ({blob.width}x{blob.height}, id {blob.id[:12]}) "
-                                 f"takes {need} image tokens but its run (tokens {s}..{e}) has {e - s}; the prompt's "
-                                 "placeholders must be expanded once, for these images (Vision.expand)")
+            self.vision.check_expanded(r.prompt_ids, r.images, f"request {r.request_id}")
 
     def _run_alone(self, call: Call) -> list[GenerationResult]:
         """One call's own decode loop (cross_call_batching=False)."""
@@ -470,12 +447,12 @@ class TorchEngine:
         if n != len(tokens):  # never expected: the row's cache is its tokens after its left padding
             return
         # Every image run lies in the prompt (image pads are never sampled): all of its images.
-        self.prefixes.put(req.session_id, Prefix(tokens, *rows.cache.row(row, n), images=_image_ids(req)))
+        self.prefixes.put(req.session_id, Prefix(tokens, *rows.cache.row(row, n), images=image_ids(req)))
 
     def _prefill(self, seqs: list[Seq]) -> Rows:
         """Prefill joining requests; those that found their session's cache apart from the
         others (a cold row in their group would make them all re-feed its whole prompt)."""
-        found = [self.prefixes.take(s.request.session_id, s.request.prompt_ids, _image_ids(s.request)) for s in seqs]
+        found = [self.prefixes.take(s.request.session_id, s.request.prompt_ids, image_ids(s.request)) for s in seqs]
         cold = [s for s, h in zip(seqs, found) if h is None]
         warm = [(s, h) for s, h in zip(seqs, found) if h is not None]
         rows = self._prefill_group(cold, [None] * len(cold)) if cold else None
@@ -489,23 +466,15 @@ class TorchEngine:
         dev = self.device
         # Requests with the same prompt (a GRPO group's samples) are computed once: the
         # prompt's keys, values and next-token logits are the same for each of them.
-        same: list[int] | None = None  # each request's row among the distinct prompts
+        index, computed = None, reqs
         if all(h is None for h in hits):
-            distinct: dict[tuple, int] = {}
-            same = [distinct.setdefault((tuple(r.prompt_ids), _image_ids(r)), len(distinct)) for r in reqs]
+            distinct, same = shared_prompts(reqs)
             if len(distinct) < len(reqs):
-                leaders: dict[int, int] = {}
-                for i, u in enumerate(same):
-                    leaders.setdefault(u, i)
-                reqs, hits = [reqs[i] for i in leaders.values()], [None] * len(distinct)
-            else:
-                same = None
-        cache, attn, next_pos, logits = self._forward_prompts(reqs, hits)
-        index = None
-        if same is not None:
-            index = torch.tensor(same, dtype=torch.long, device=dev)
+                computed, hits = distinct, [None] * len(distinct)
+                index = torch.tensor(same, dtype=torch.long, device=dev)  # each request's row among them
+        cache, attn, next_pos, logits = self._forward_prompts(computed, hits)
+        if index is not None:
             attn, next_pos, logits = attn[index], next_pos[index], logits[index]
-            reqs = [s.request for s in seqs]
         # Room for the longest budget (up to 256 tokens; beyond, the cache doubles when full).
         reserve = min(max(r.params.max_new_tokens for r in reqs), 256)
         B = len(reqs)
@@ -615,7 +584,3 @@ class TorchEngine:
                 out[image_id] = f
                 self.features.put(image_id, f)
         return out
-
-
-def _image_ids(request: GenerationRequest) -> tuple[str, ...]:
-    return tuple(b.id for b in request.images)

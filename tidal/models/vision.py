@@ -152,6 +152,30 @@ class Vision:
         """(start, end) of each run of image pads in `ids`."""
         return image_runs(ids, self.spec.image_token_id)
 
+    def check_expanded(self, ids: list[int], images, where: str) -> None:
+        """An expanded prompt's image runs pair up with its pictures: ImageBlobs, one per run of image
+        pads, in order, each run as long as its picture's token count (the placeholders expanded
+        once, for these pictures); no video pads. ValueError naming `where` otherwise."""
+        spec = self.spec
+        bad = [b for b in images if not isinstance(b, ImageBlob)]
+        if bad:
+            raise ValueError(f"{where}: images must be tidal.images.ImageBlob (as_image(value)), "
+                             f"got {type(bad[0]).__name__}")
+        if spec.video_token_id in ids:
+            raise ValueError(f"{where}: its prompt holds video pads (token {spec.video_token_id}); "
+                             "only images are taken")
+        runs = self.runs(ids)
+        if len(runs) != len(images):
+            raise ValueError(f"{where}: its prompt has {len(runs)} run(s) of image pads (token "
+                             f"{spec.image_token_id}) but the request carries {len(images)} image(s); it needs one "
+                             "image per run, in order")
+        for k, ((s, e), blob) in enumerate(zip(runs, images)):
+            need = self.num_tokens(blob)
+            if e - s != need:
+                raise ValueError(f"{where}: image {k} ({blob.width}x{blob.height}, id {blob.id[:12]}) "
+                                 f"takes {need} image tokens but its run (tokens {s}..{e}) has {e - s}; the prompt's "
+                                 "placeholders must be expanded once, for these images (Vision.expand)")
+
     def expand(self, ids: list[int], blobs: list[ImageBlob], where: str = "prompt") -> list[int]:
         """`ids` (rendered by the chat template: one pad per image) with each pad grown to its
         image's run. Raises ValueError when the pads and the images do not pair up."""
