@@ -216,6 +216,13 @@ def test_banned_vision_tokens_are_masked_in_every_trainer_forward(vlm):
     assert -2e9 < lp < -1e8
 
 
+def test_share_prompts_is_refused_for_a_vlm(vlm):
+    """A picture's positions and pixels are laid out per sequence: one shared copy of a prompt
+    with pictures is not built, and the option says so before any model loads."""
+    with pytest.raises(ValueError, match="train.share_prompts is for text models"):
+        Trainer(vlm[0], TrainConfig(share_prompts=True), AlgorithmConfig(), pad_token_id=0)
+
+
 def test_packing_with_images_equals_the_padded_path(vlm):
     """`train.packing` with images: position ids [4, rows, S] (text positions first, from which
     Qwen2-VL builds the packed mask), pixels in packed order. Gradients, loss and log-probs equal the

@@ -5,6 +5,13 @@ right-padded to the longest (`pad_rows`) or, with `train.packing`, packed first-
 long as the longest (`pack_rows`, `packed_inputs`), with each sequence's positions restarting at
 0 so that attention stays within it. Only the positions that are scored reach the output head
 (`keep_rows`), and their values are laid back out in the padded layout (`at_mask`).
+
+With `train.share_prompts`, sequences that open with the same prompt (a GRPO group's samples)
+are laid out as one unit: the prompt once, then each sequence's own tokens after it
+(`shared_units`, `shared_inputs`). A 4-D mask lets each sequence's tokens see the prompt and
+their own earlier tokens, never a sibling's; their positions continue from the prompt's. Each
+sequence's targets index the shared prompt's positions, so the gather that lays them out sends
+every sibling's gradient to the one prompt: the sum of what each copy would have received.
 """
 
 from __future__ import annotations
@@ -85,6 +92,92 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu", rope
     if mrope is not None:
         pos = torch.cat([pos[None], mrope])
     return ids.to(device), pos.to(device), index.to(device)
+
+
+def shared_units(tokens: list[list[int]], prompts: list[int]) -> list[tuple[int, list[int]]]:
+    """Sequences grouped by their prompt: (shared length p, member indices) per unit, in order of
+    first appearance. `prompts[i]`: how many of sequence i's leading tokens are its prompt (the
+    tokens before its first policy token). Members share min(p_i, len_i - 1) tokens, so every
+    member keeps at least one token of its own; a lone sequence is a unit of one."""
+    units: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+    for i, (t, p) in enumerate(zip(tokens, prompts)):
+        p = max(0, min(p, len(t) - 1))
+        units.setdefault(tuple(t[:p]), (p, []))[1].append(i)
+    return list(units.values())
+
+
+def shared_micro_batches(tokens: list[list[int]], prompts: list[int], token_budget: int) -> list[list[int]]:
+    """`micro_batches` for `shared_inputs`: whole units (`shared_units`) per micro-batch, their laid-out
+    lengths (the prompt once, each member's own tokens) summing to at most `token_budget`; a unit
+    longer than the budget is split into units that fit, each holding the prompt."""
+    pieces: list[tuple[int, list[int]]] = []  # (laid-out length, members)
+    for p, members in shared_units(tokens, prompts):
+        cur: list[int] = []
+        size = p
+        for i in members:
+            if len(tokens[i]) > token_budget:
+                raise ValueError(f"a sequence of {len(tokens[i])} tokens exceeds train.micro_batch_tokens={token_budget}")
+            own = len(tokens[i]) - p
+            if cur and size + own > token_budget:
+                pieces.append((size, cur))
+                cur, size = [], p
+            cur.append(i)
+            size += own
+        pieces.append((size, cur))
+    out: list[list[int]] = []
+    load = 0
+    for size, members in sorted(pieces, key=lambda x: x[0]):
+        if out and load + size <= token_budget:
+            out[-1].extend(members)
+            load += size
+        else:
+            out.append(list(members))
+            load = size
+    return out
+
+
+def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int, device="cpu"):
+    """The sequences laid out by unit (`shared_units`), units packed first-fit into rows as long as
+    the longest unit: input ids and position ids [rows, S], the attention mask [rows, 1, S, S]
+    (bool, True where a query may attend a key), and for every sequence the flat index of each of
+    its positions but the last, padded with 0 to [len(tokens), longest - 1] (the padded layout of
+    `logits[:, :-1]`), as `packed_inputs`.
+
+    A unit is its prompt (positions 0..p-1, causal), then each member's own tokens (positions p..,
+    attending to the whole prompt and causally to themselves). A row's unused tail attends to
+    itself alone, so its rows of the softmax stay finite."""
+    units = shared_units(tokens, prompts)
+    sizes = [p + sum(len(tokens[i]) - p for i in members) for p, members in units]
+    capacity = max(sizes)
+    rows = pack_rows(sizes, capacity)
+    ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
+    pos = torch.zeros((len(rows), capacity), dtype=torch.long)
+    allowed = torch.zeros((len(rows), capacity, capacity), dtype=torch.bool)
+    index = torch.zeros((len(tokens), max(len(t) for t in tokens) - 1), dtype=torch.long)
+    causal = torch.ones((capacity, capacity), dtype=torch.bool).tril()
+    for r, placed in enumerate(rows):
+        offset = 0
+        for u in placed:
+            p, members = units[u]
+            prompt = slice(offset, offset + p)
+            ids[r, prompt] = torch.tensor(tokens[members[0]][:p], dtype=torch.long)
+            pos[r, prompt] = torch.arange(p)
+            allowed[r, prompt, prompt] = causal[:p, :p]
+            at = offset + p
+            for i in members:
+                n = len(tokens[i]) - p
+                own = slice(at, at + n)
+                ids[r, own] = torch.tensor(tokens[i][p:], dtype=torch.long)
+                pos[r, own] = torch.arange(p, p + n)
+                allowed[r, own, prompt] = True
+                allowed[r, own, own] = causal[:n, :n]
+                flat = torch.cat([torch.arange(offset, offset + p), torch.arange(at, at + n)])
+                index[i, :p + n - 1] = r * capacity + flat[:-1]
+                at += n
+            offset = at
+        tail = torch.arange(offset, capacity)
+        allowed[r, tail, tail] = True
+    return ids.to(device), pos.to(device), allowed[:, None].to(device), index.to(device)
 
 
 def at_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

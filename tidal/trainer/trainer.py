@@ -49,6 +49,8 @@ from tidal.trainer.layout import (
     packed_inputs,
     packed_order,
     pad_rows,
+    shared_inputs,
+    shared_micro_batches,
 )
 from tidal.trainer.lora import add_lora, load_adapter, merged_weights
 
@@ -111,6 +113,10 @@ class Trainer:
         # bfloat16 (train.attention).
         self.attention = train.attention if train.attention != "auto" else (
             "eager" if train.mixed_precision and self.device.type == "cpu" else "sdpa")
+        if train.share_prompts and self.vision is not None:
+            raise ValueError(f"train.share_prompts is for text models; `{model_path}` is a vision-language model, whose "
+                             "positions and pictures are laid out per sequence: turn it off (or use train.packing)")
+        self.share_prompts = train.share_prompts
         self.model = load_model(model_path, dtype=dtype, device=device, attention=self.attention)
         self.model.config.use_cache = False
         self.lora = train.lora.rank > 0
@@ -154,7 +160,7 @@ class Trainer:
         return ids, attn
 
     def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None,
-                 images: list[list] | None = None):
+                 images: list[list] | None = None, prompts: list[int] | None = None):
         """Logits [B, longest - 1, V] for every sequence's targets, and the targets (right-padded
         with pad_token_id). `train.packing`: the model runs on the packed rows (`packed_inputs`),
         attention kept within each sequence by transformers' packed-sequence mask, which it
@@ -167,6 +173,9 @@ class Trainer:
         entropy are the per-position work that grows with the vocabulary; the prompt and the
         padding never need them in a policy update.
 
+        `prompts` (`train.share_prompts`: each sequence's prompt length, `_prompts`): sequences
+        that open with the same prompt run it once (`shared_inputs`), under a 4-D attention mask.
+
         A vision-language model (`images`: per sequence, one per image run of its tokens) also
         gets each sequence's mRoPE positions and the micro-batch's pixels in the order its image
         pads appear, and its vision special tokens' logits are masked (`mask_banned`): the
@@ -175,7 +184,15 @@ class Trainer:
         B, T = targets.shape
         seqs, vis = self._with_images(tokens, images)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            if self.train_cfg.packing and len(seqs) > 1:
+            if prompts is not None and len(seqs) > 1:
+                packed, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device)
+                index = index[:B, :T]
+                rows = None if keep is None else index[keep]
+                with keep_rows(model, rows):
+                    logits = model(input_ids=packed, position_ids=pos, attention_mask=self._mask_4d(allowed),
+                                   use_cache=False).logits
+                logits = logits.flatten(0, 1)[index] if keep is None else logits
+            elif self.train_cfg.packing and len(seqs) > 1:
                 rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
                 packed, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
                 index = index[:B, :T]  # a dummy image's sequence (data parallel) is not scored
@@ -204,6 +221,25 @@ class Trainer:
             logits = mask_banned(logits, self._banned)
         # bfloat16 logits under mixed precision: token_logprobs works in float32
         return logits, targets if keep is None else targets[keep]
+
+    def _mask_4d(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A 4-D attention mask as the attention takes it: sdpa a boolean one (True: attend), eager
+        an additive one (0, or float32's minimum where masked; transformers adds it to the scores)."""
+        if self.attention == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(torch.float32).min)
+
+    def _prompts(self, batch: TrainBatch, idx: list[int] | None = None) -> list[int] | None:
+        """`train.share_prompts`: each sequence's prompt length (its tokens before the first policy
+        token; all of them but the last when it has none), for `idx` (default: all); else None."""
+        if not self.share_prompts:
+            return None
+        out = []
+        for i in range(len(batch)) if idx is None else idx:
+            m = batch.loss_mask[i]
+            out.append(next((j for j, on in enumerate(m) if on), len(m) - 1))
+        return out
 
     def _with_images(self, tokens: list[list[int]], images: list[list] | None):
         """The sequences to run and, for a vision-language model, each one's images (else None).
@@ -260,12 +296,15 @@ class Trainer:
         largest count over ranks, since every rank must run as many FSDP forwards and
         backwards; a sequence over the budget on any rank raises on every rank."""
         lengths = [len(t) for t in batch.tokens]
+        budget, prompts = self.train_cfg.micro_batch_tokens, self._prompts(batch)
+        split = (lambda: micro_batches(lengths, budget)) if prompts is None else (
+            lambda: shared_micro_batches(batch.tokens, prompts, budget))
         if self.world_size == 1:
-            return micro_batches(lengths, self.train_cfg.micro_batch_tokens)
+            return split()
         parts: list[list[int]] = []
         error = None
         try:
-            parts = micro_batches(lengths, self.train_cfg.micro_batch_tokens)
+            parts = split()
         except ValueError as e:
             error = e
         count, failed = dp.all_reduce([len(parts), float(error is not None)], "max", self.device)
@@ -284,9 +323,10 @@ class Trainer:
         out: list[list[float]] = [[] for _ in range(len(batch))]
         for idx in self._micro_batches(batch):
             if idx is None:  # data parallel: another rank still has micro-batches; join its all-gathers
-                fn(self._dummy_tokens(), None)
+                fn(self._dummy_tokens(), None, None)
                 continue
-            values = fn([batch.tokens[i] for i in idx], None if batch.images is None else [batch.images[i] for i in idx])
+            values = fn([batch.tokens[i] for i in idx], None if batch.images is None else [batch.images[i] for i in idx],
+                        self._prompts(batch, idx))
             for row, i in enumerate(idx):
                 out[i] = values[row, : len(batch.tokens[i]) - 1].tolist()
         dp.reshard(model)
@@ -296,30 +336,31 @@ class Trainer:
         """Current-policy log-probs of every token after the first (position 0 scores token 1).
         Data parallel: a collective; each rank scores its own batch."""
         return self._per_position(batch, self.model,
-                                  lambda toks, ims: token_logprobs(*self._forward(self.model, toks, images=ims),
-                                                                   self.temperature))
+                                  lambda toks, ims, prompts: token_logprobs(
+                                      *self._forward(self.model, toks, images=ims, prompts=prompts), self.temperature))
 
-    def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None, images: list[list] | None = None):
+    def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None, images: list[list] | None = None,
+                     prompts: list[int] | None = None):
         """`_forward` of the frozen reference: its own model, or under LoRA the policy with its
         adapters off (the base weights, which never train)."""
         if not self.lora:
-            return self._forward(self.ref_model, tokens, keep, images)
+            return self._forward(self.ref_model, tokens, keep, images, prompts)
         with self.model.disable_adapter():
-            return self._forward(self.model, tokens, keep, images)
+            return self._forward(self.model, tokens, keep, images, prompts)
 
     def ref_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """The frozen reference's log-probs, aligned as `logprobs`."""
         if not self.has_ref:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
         return self._per_position(batch, self.model if self.lora else self.ref_model,
-                                  lambda toks, ims: token_logprobs(*self._ref_forward(toks, images=ims),
-                                                                   self.temperature))
+                                  lambda toks, ims, prompts: token_logprobs(
+                                      *self._ref_forward(toks, images=ims, prompts=prompts), self.temperature))
 
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
         if self.critic is None:
             raise RuntimeError("no critic: algorithm.advantage is not gae")
-        return self._per_position(batch, self.critic.model, lambda toks, _: self.critic.forward(*self._inputs(toks)))
+        return self._per_position(batch, self.critic.model, lambda toks, _i, _p: self.critic.forward(*self._inputs(toks)))
 
     def _dummy_backward(self, kl_in_loss: bool, with_critic: bool) -> None:
         """A pass that adds exactly zero to every gradient but runs the same FSDP collectives
@@ -364,12 +405,13 @@ class Trainer:
             pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
             # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
             mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
-            logits, targets = self._forward(self.model, toks, keep=mask, images=ims)
+            prompts = self._prompts(batch, idx)
+            logits, targets = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts)
             logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
             ref_logp = None
             if kl_in_loss:
                 with torch.no_grad():
-                    ref_logits = self._ref_forward(toks, keep=mask, images=ims)[0]
+                    ref_logits = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts)[0]
                     ref_logp = at_mask(mask, token_logprobs(ref_logits, targets, self.temperature))
             behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
             x = LossInputs(
