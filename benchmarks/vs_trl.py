@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VENV = ROOT / ".venv-trl"
 TARGET = 0.9
-BEST = ["train.mixed_precision=true", "train.packing=true", "train.micro_batch_tokens=16384"]
+BEST = ["train.mixed_precision=true", "train.packing=true", "train.micro_batch_tokens=16384", "train.share_prompts=true"]
 
 
 def setup() -> None:

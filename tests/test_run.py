@@ -179,3 +179,41 @@ def test_failure_budget_stops_the_run_with_exit_3_and_the_checkpoint_intact(tiny
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5] and steps[-1]["stopped/failure_budget"] == 1.0
     log = (run / "train.log").read_text()  # the run's log keeps the function, the episode and the traceback
     assert "test_run:broken_reward" in log and "Traceback" in log and "KeyError: 'solution'" in log
+
+
+def test_each_update_runs_on_a_thread_that_ends_with_it(tiny_model_dir, tmp_path):
+    """libgomp keeps an OpenMP team per thread that ran a parallel op, for the thread's life; the
+    learner's must not outlive its update (`_on_own_thread` in tidal/runtime/controller.py): the engine's decode steps
+    would then run throttled beside it. Each update's thread is a new one, and gone by the next."""
+    import threading
+
+    ctl = Controller(_cfg(tiny_model_dir, tmp_path / "run", "train.steps=3", "run.eval_every=0"))
+    seen = []
+    step = ctl.trainer.optim_step
+
+    def recording_step():
+        seen.append(threading.current_thread())
+        return step()
+
+    ctl.trainer.optim_step = recording_step
+    try:
+        ctl.train()
+    finally:
+        ctl.close()
+    assert len(seen) == 3 and len({id(t) for t in seen}) == 3
+    assert threading.main_thread() not in seen and not any(t.is_alive() for t in seen)
+
+
+def test_an_update_that_raises_stops_the_run_with_its_error(tiny_model_dir, tmp_path):
+    ctl = Controller(_cfg(tiny_model_dir, tmp_path / "run", "train.steps=3", "run.eval_every=0"))
+
+    def failing_step():
+        raise RuntimeError("the optimizer broke")
+
+    ctl.trainer.optim_step = failing_step
+    try:
+        with pytest.raises(RuntimeError, match="the optimizer broke"):
+            ctl.train()
+    finally:
+        ctl.close()
+    assert ctl.step == 0
