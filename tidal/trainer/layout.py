@@ -16,6 +16,7 @@ every sibling's gradient to the one prompt: the sum of what each copy would have
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -72,23 +73,26 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu", rope
     mask from them), then the sequences' own three components (a row's tail: its text positions)."""
     capacity = max(len(t) for t in tokens)
     rows = pack_rows([len(t) for t in tokens], capacity)
-    ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), capacity), dtype=torch.long)
-    mrope = None if rope is None else torch.zeros((3, len(rows), capacity), dtype=torch.long)
-    index = torch.zeros((len(tokens), capacity - 1), dtype=torch.long)
+    ids = np.full((len(rows), capacity), pad_token_id, dtype=np.int64)  # numpy: see shared_inputs
+    pos = np.zeros((len(rows), capacity), dtype=np.int64)
+    mrope = None if rope is None else np.zeros((3, len(rows), capacity), dtype=np.int64)
+    index = np.zeros((len(tokens), capacity - 1), dtype=np.int64)
     for r, members in enumerate(rows):
         offset = 0
         for i in members:
             n = len(tokens[i])
-            ids[r, offset:offset + n] = torch.tensor(tokens[i], dtype=torch.long)
-            pos[r, offset:offset + n] = torch.arange(n)
+            ids[r, offset:offset + n] = tokens[i]
+            pos[r, offset:offset + n] = np.arange(n)
             if mrope is not None:
-                mrope[:, r, offset:offset + n] = rope[i]
-            index[i, :n - 1] = r * capacity + offset + torch.arange(n - 1)
+                mrope[:, r, offset:offset + n] = rope[i].cpu().numpy()
+            index[i, :n - 1] = r * capacity + offset + np.arange(n - 1)
             offset += n
-        pos[r, offset:] = torch.arange(capacity - offset)
+        pos[r, offset:] = np.arange(capacity - offset)
         if mrope is not None:
             mrope[:, r, offset:] = pos[r, offset:]
+    ids, pos, index = torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(index)
+    if mrope is not None:
+        mrope = torch.from_numpy(mrope)
     if mrope is not None:
         pos = torch.cat([pos[None], mrope])
     return ids.to(device), pos.to(device), index.to(device)
@@ -150,33 +154,37 @@ def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int
     sizes = [p + sum(len(tokens[i]) - p for i in members) for p, members in units]
     capacity = max(sizes)
     rows = pack_rows(sizes, capacity)
-    ids = torch.full((len(rows), capacity), pad_token_id, dtype=torch.long)
-    pos = torch.zeros((len(rows), capacity), dtype=torch.long)
-    allowed = torch.zeros((len(rows), capacity, capacity), dtype=torch.bool)
-    index = torch.zeros((len(tokens), max(len(t) for t in tokens) - 1), dtype=torch.long)
-    causal = torch.ones((capacity, capacity), dtype=torch.bool).tril()
+    # Built in numpy, a row slice per sequence: a batch's hundreds of small writes cost
+    # microseconds each here, where each would be a torch op of its own.
+    ids = np.full((len(rows), capacity), pad_token_id, dtype=np.int64)
+    pos = np.zeros((len(rows), capacity), dtype=np.int64)
+    allowed = np.zeros((len(rows), capacity, capacity), dtype=np.bool_)
+    index = np.zeros((len(tokens), max(len(t) for t in tokens) - 1), dtype=np.int64)
+    causal = np.tri(capacity, dtype=np.bool_)
     for r, placed in enumerate(rows):
         offset = 0
         for u in placed:
             p, members = units[u]
             prompt = slice(offset, offset + p)
-            ids[r, prompt] = torch.tensor(tokens[members[0]][:p], dtype=torch.long)
-            pos[r, prompt] = torch.arange(p)
+            ids[r, prompt] = tokens[members[0]][:p]
+            pos[r, prompt] = np.arange(p)
             allowed[r, prompt, prompt] = causal[:p, :p]
             at = offset + p
             for i in members:
                 n = len(tokens[i]) - p
                 own = slice(at, at + n)
-                ids[r, own] = torch.tensor(tokens[i][p:], dtype=torch.long)
-                pos[r, own] = torch.arange(p, p + n)
+                ids[r, own] = tokens[i][p:]
+                pos[r, own] = np.arange(p, p + n)
                 allowed[r, own, prompt] = True
                 allowed[r, own, own] = causal[:n, :n]
-                flat = torch.cat([torch.arange(offset, offset + p), torch.arange(at, at + n)])
-                index[i, :p + n - 1] = r * capacity + flat[:-1]
+                base = r * capacity
+                index[i, :p] = base + np.arange(offset, offset + p)
+                index[i, p:p + n - 1] = base + np.arange(at, at + n - 1)
                 at += n
             offset = at
-        tail = torch.arange(offset, capacity)
+        tail = np.arange(offset, capacity)
         allowed[r, tail, tail] = True
+    ids, pos, allowed, index = (torch.from_numpy(a) for a in (ids, pos, allowed, index))
     return ids.to(device), pos.to(device), allowed[:, None].to(device), index.to(device)
 
 
@@ -189,10 +197,19 @@ def at_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
     """Right-pad ragged rows into one [len(rows), longest] tensor."""
     L = max(len(r) for r in rows)
-    out = torch.full((len(rows), L), value, dtype=dtype)
+    np_dtype = _NUMPY.get(dtype)
+    if np_dtype is None:
+        out = torch.full((len(rows), L), value, dtype=dtype)
+        for i, r in enumerate(rows):
+            out[i, : len(r)] = torch.tensor(r, dtype=dtype)
+        return out.to(device)
+    arr = np.full((len(rows), L), value, dtype=np_dtype)  # one numpy write per row: no torch op each
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype)
-    return out.to(device)
+        arr[i, : len(r)] = r
+    return torch.from_numpy(arr).to(device)
+
+
+_NUMPY = {torch.long: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 class keep_rows:
