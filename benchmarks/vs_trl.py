@@ -18,8 +18,9 @@ Modes (tidal's side; TRL runs its one configuration in both):
 - `identical`: tidal's default job as it stands;
 - `best`: with tidal's best *system* settings for this machine (`--best`, overrides that
   change how fast a step runs, not the algorithm, the updates per batch or the data; the
-  default, bfloat16 mixed precision with packing and one micro-batch per update
-  (`train.micro_batch_tokens=16384`; the loss is the same whatever the split), is the best
+  default, bfloat16 mixed precision with packing, one micro-batch per update
+  (`train.micro_batch_tokens=16384`; the loss is the same whatever the split) and each group's
+  prompt computed once in the update (`train.share_prompts`; the same gradient), is the best
   tried: BENCHMARKS.md).
 
 Both children run in the same environment, including the OpenMP defaults that importing tidal
