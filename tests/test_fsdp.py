@@ -1,7 +1,8 @@
 """Data-parallel Trainer: 2 gloo ranks with FSDP2, each on its balanced shard of a global
 batch under the global denominators, give the single-process gradients, metrics and
 updated weights of the whole batch (policy and critic), with uneven micro-batch counts
-across ranks and a rank with an empty shard; checkpoints move between 1 and 2 ranks.
+across ranks and a rank with an empty shard; checkpoints move between 1 and 2 ranks; shared
+prompts (`train.share_prompts`) sharded.
 
 One spawn of 2 processes does all the distributed work (spawn cannot return values:
 rank 0 saves what it gathered to a file); the single-process references are computed
@@ -49,6 +50,26 @@ def _batch(lengths=LENGTHS, seed=0) -> TrainBatch:
     returns = [[rng.uniform(-1, 1) if m else 0.0 for m in mk[1:]] for mk in masks]
     old_values = [[rng.uniform(-0.3, 0.3) for _ in mk[1:]] for mk in masks]
     return TrainBatch(tokens, masks, adv, behav, old, returns, old_values)
+
+
+def _grouped_batch(seed=1) -> TrainBatch:
+    """GRPO-shaped, for train.share_prompts: 3 prompts × 3 samples (siblings land on both ranks)."""
+    rng = random.Random(seed)
+    tokens, masks, behav = [], [], []
+    for _ in range(3):
+        prompt = [rng.randrange(10, 200) for _ in range(rng.randint(3, 6))]
+        for _ in range(3):
+            r = rng.randint(2, 9)
+            tokens.append(prompt + [rng.randrange(10, 200) for _ in range(r)])
+            masks.append([False] * len(prompt) + [True] * r)
+            behav.append([0.0] * len(prompt) + [rng.uniform(-6, -4) for _ in range(r)])
+    adv = [[rng.uniform(-1.5, 1.5) if m else 0.0 for m in mk[1:]] for mk in masks]
+    return TrainBatch(tokens, masks, adv, behav)
+
+
+def _shared_trainer(share: bool) -> Trainer:
+    return Trainer(str(resolve_model_dir("default")), TrainConfig(micro_batch_tokens=BUDGET, share_prompts=share),
+                   AlgorithmConfig(**CASES["B"]), pad_token_id=0)
 
 
 def _trainer(case: str) -> Trainer:
@@ -106,6 +127,12 @@ def _worker(rank, port, tmp):
         out["M", "grads"] = _grads(mixed.model)
         out["M", "dtypes"] = {p.dtype for p in mixed.model.parameters()} | {p.grad.dtype for p in
                                                                              mixed.model.parameters()}
+        # train.share_prompts, sharded: each rank lays out the groups of its own shard
+        grouped = _grouped_batch()
+        shared = _shared_trainer(True)
+        shared.forward_backward(grouped.select(balanced_shards([len(t) for t in grouped.tokens], WORLD)[rank]),
+                                totals=grouped.totals())
+        out["S", "grads"] = _grads(shared.model)
         resumed = _trainer("A")
         resumed.load(tmp / "ck1")  # saved by one process
         out["from1", "weights"] = resumed.named_weights()
@@ -219,6 +246,20 @@ def test_two_fsdp_ranks_match_one_process(tmp_path):
     mixed, full = flat(got["M", "grads"]), flat(ref["B", "grads"])
     assert torch.nn.functional.cosine_similarity(mixed, full, dim=0) > 0.999
     assert abs(mixed.norm() / full.norm() - 1) < 0.01 and not torch.equal(mixed, full)
+
+    # train.share_prompts on 2 ranks: the one-process padded gradient of the whole grouped batch
+    torch.manual_seed(0)
+    padded = _shared_trainer(False)
+    padded.forward_backward(_grouped_batch())
+    # Each tensor within 1e-4 of its largest entry: this batch's summed (seq-mean-token-sum) gradients
+    # reach |g| ~ 4, and the shared and padded layouts sum in different orders; measured in one
+    # process ≤ 6e-6 of the largest entry (16x margin), where a dropped token or a wrong mask moves
+    # gradients by whole percents.
+    want = _grads(padded.model)
+    for n, w in want.items():
+        diff = float((got["S", "grads"][n] - w).abs().max())
+        assert diff <= 1e-4 * float(w.abs().max()), (n, diff)
+    assert sum(float(w.abs().sum()) for w in want.values()) > 0
 
     # a rank with nothing to train on still joins every collective; totals default to global ones
     _close(got["B", "one_grads"], ref["B", "one_grads"], "one-sequence grad")
