@@ -1,6 +1,7 @@
 """Trainer throughput, side by side in one process: tidal's Trainer against a bare PyTorch loop
 (the same model, batch, micro-batches and optimizer, written plainly), packed against padded
-on a long-tailed batch, float32 against bfloat16 mixed precision.
+on a long-tailed batch, each group's prompt once against packing alone, float32 against
+bfloat16 mixed precision.
 
     python benchmarks/trainer.py [--rounds 4] [--steps 4,1] [--models default,mid]
                                  [--out benchmarks/results/trainer.json]
@@ -19,9 +20,10 @@ Contenders, each a fresh copy of the same weights:
   clip loss under the batch's token-mean, backward; then clip_grad_norm_ and AdamW.
 - `tidal`: `Trainer.forward_backward` + `optim_step`, float32, padded (the default).
 - `tidal-packed`: `train.packing=true`.
+- `tidal-shared`: `train.packing=true train.share_prompts=true` (each group's prompt computed once).
 - `tidal-bf16`: `train.mixed_precision=true` (autocast bfloat16 over float32 weights).
 
-All four are built once per model and warmed up with one untimed step each; then each runs
+All five are built once per model and warmed up with one untimed step each; then each runs
 its model's `--steps` timed steps per round, the contenders alternating within a round in an order that
 rotates from round to round, because this machine is shared and noisy: compare within a
 round, as ratios to `bare`; the summary is the median ratio over rounds.
@@ -56,7 +58,7 @@ from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
 from tidal.trainer.trainer import TrainBatch, Trainer, micro_batches, pad_rows
 
 PROMPTS, SAMPLES = 32, 8
-CONTENDERS = ("bare", "tidal", "tidal-packed", "tidal-bf16")
+CONTENDERS = ("bare", "tidal", "tidal-packed", "tidal-shared", "tidal-bf16")
 
 
 def make_batch(model_dir: Path, seed: int = 0) -> TrainBatch:
@@ -109,7 +111,8 @@ class Bare:
 
 def contender(name: str, model_dir: Path, micro_batch_tokens: int):
     train = TrainConfig(micro_batch_tokens=micro_batch_tokens, warmup_steps=0,
-                        packing=name == "tidal-packed", mixed_precision=name == "tidal-bf16")
+                        packing=name in ("tidal-packed", "tidal-shared"), share_prompts=name == "tidal-shared",
+                        mixed_precision=name == "tidal-bf16")
     algo = AlgorithmConfig()
     if name == "bare":
         return Bare(model_dir, train, algo).step
@@ -159,6 +162,7 @@ def main() -> None:
                 row = {"round": r + 1, "order": list(order), "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
                        "vs_bare": {k: round(v / tps["bare"], 3) for k, v in tps.items() if k != "bare"},
                        "packed_vs_padded": round(tps["tidal-packed"] / tps["tidal"], 3),
+                       "shared_vs_packed": round(tps["tidal-shared"] / tps["tidal-packed"], 3),
                        "bf16_vs_fp32": round(tps["tidal-bf16"] / tps["tidal"], 3)}
                 rounds.append(row)
                 print(model, json.dumps(row), flush=True)
@@ -169,6 +173,7 @@ def main() -> None:
                 "median": {"tidal_vs_bare": median(lambda x: x["vs_bare"]["tidal"]),
                            "packed_vs_bare": median(lambda x: x["vs_bare"]["tidal-packed"]),
                            "packed_vs_padded": median(lambda x: x["packed_vs_padded"]),
+                           "shared_vs_packed": median(lambda x: x["shared_vs_packed"]),
                            "bf16_vs_fp32": median(lambda x: x["bf16_vs_fp32"])}}
     out = {"models": results, "micro_batch_tokens": a.micro_batch_tokens,
            "command": "python benchmarks/trainer.py " + " ".join(sys.argv[1:]),
@@ -176,14 +181,14 @@ def main() -> None:
                        "torch": torch.__version__}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
-    print("| model | round | bare tok/s | tidal | packed | bf16 | tidal / bare | packed / padded | bf16 / fp32 |\n"
-          + "| --- " * 9 + "|")
+    print("| model | round | bare tok/s | tidal | packed | shared | bf16 | tidal / bare | packed / padded "
+          "| shared / packed | bf16 / fp32 |\n" + "| --- " * 11 + "|")
     for model, res in results.items():
         for x in res["rounds"]:
             t = x["tokens_per_s"]
             print(f"| {model} | {x['round']} | {t['bare']:.0f} | {t['tidal']:.0f} | {t['tidal-packed']:.0f} | "
-                  f"{t['tidal-bf16']:.0f} | {x['vs_bare']['tidal']:.2f} | {x['packed_vs_padded']:.2f} | "
-                  f"{x['bf16_vs_fp32']:.2f} |")
+                  f"{t['tidal-shared']:.0f} | {t['tidal-bf16']:.0f} | {x['vs_bare']['tidal']:.2f} | "
+                  f"{x['packed_vs_padded']:.2f} | {x['shared_vs_packed']:.2f} | {x['bf16_vs_fp32']:.2f} |")
 
 
 if __name__ == "__main__":

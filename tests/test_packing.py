@@ -32,7 +32,7 @@ def _long_tailed_batch(n=12, seed=0) -> TrainBatch:
     return TrainBatch(tokens, masks, adv, behav, old)
 
 
-def _grouped_batch(groups=5, samples=4, seed=0) -> TrainBatch:
+def _grouped_batch(groups=5, samples=4, seed=0, answers=None) -> TrainBatch:
     """GRPO-shaped: each prompt sampled several times, answers of long-tailed lengths; one group's
     prompt is another's first tokens (a shared prefix that is not a whole prompt stays unshared)."""
     rng = random.Random(seed)
@@ -41,7 +41,7 @@ def _grouped_batch(groups=5, samples=4, seed=0) -> TrainBatch:
     prompts[1] = prompts[0] + prompts[1][:2]
     for g, prompt in enumerate(prompts):
         for j in range(samples):
-            r = rng.randint(20, 30) if j == 0 and g % 2 == 0 else rng.randint(1, 6)
+            r = rng.randint(*answers) if answers else rng.randint(20, 30) if j == 0 and g % 2 == 0 else rng.randint(1, 6)
             tokens.append(prompt + [rng.randrange(10, 200) for _ in range(r)])
             masks.append([False] * len(prompt) + [True] * r)
             behav.append([0.0] * len(prompt) + [rng.uniform(-6, -4) for _ in range(r)])
@@ -168,11 +168,17 @@ def test_shared_micro_batches_keep_groups_whole_within_the_budget():
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("budget", [10_000, 40])
-def test_shared_prompt_gradients_equal_the_padded_ones(tiny_model_dir, attention, budget):
-    """One micro-batch, and a budget of 40 tokens that splits groups across micro-batches; with a
-    KL reference, whose forward shares the prompts too. Tolerances as in the packing tests above."""
-    batch = _grouped_batch()
+@pytest.mark.parametrize(("budget", "long_groups"), [(10_000, False), (40, False), (10_000, True)])
+def test_shared_prompt_gradients_equal_the_padded_ones(tiny_model_dir, attention, budget, long_groups):
+    """One micro-batch; a budget of 40 tokens that splits groups across micro-batches; groups longer
+    than the unit length (the test model's hidden size, 64), split into units within one
+    micro-batch. With a KL reference, whose forward shares the prompts too. Tolerances as in the
+    packing tests above."""
+    batch = _grouped_batch(groups=3, samples=6, answers=(10, 20)) if long_groups else _grouped_batch()
+    if long_groups:  # each group is laid out as more than one unit
+        prompts = [m.index(True) for m in batch.loss_mask]
+        longest = max(len(t) for t in batch.tokens)
+        assert len(shared_units(batch.tokens, prompts, max(64, longest))) > len(shared_units(batch.tokens, prompts))
     padded, m_pad, lp_pad = _run(tiny_model_dir, packing=False, budget=10_000, kl=0.1, batch=batch)
     shared, m_sh, lp_sh = _run(tiny_model_dir, packing=False, budget=budget, kl=0.1, share=True,
                                attention=attention, batch=batch)
@@ -225,3 +231,14 @@ def test_share_prompts_computes_each_prompt_once(tiny_model_dir):
     assert copies > 0
     assert fed[False] == total
     assert fed[True] == total - copies
+
+
+def test_shared_units_split_a_group_to_the_length_given():
+    toks = [[1, 2, 3] + [9] * n for n in (5, 6, 2, 7)] + [[4, 5] + [8] * 3]
+    prompts = [3, 3, 3, 3, 2]
+    assert shared_units(toks, prompts) == [(3, [0, 1, 2, 3]), (2, [4])]
+    # the prompt once, then the members' own tokens, each unit within 14 (a unit's first member may pass it)
+    assert shared_units(toks, prompts, 14) == [(3, [0, 1]), (3, [2, 3]), (2, [4])]
+    assert shared_units(toks, prompts, 5) == [(3, [0]), (3, [1]), (3, [2]), (3, [3]), (2, [4])]
+    ids = shared_inputs(toks, prompts, 0, max_len=14)[0]
+    assert ids.shape[1] == 3 + 5 + 6  # rows as long as the longest unit: [1 2 3] then 5 and 6 own tokens

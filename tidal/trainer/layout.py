@@ -8,7 +8,8 @@ long as the longest (`pack_rows`, `packed_inputs`), with each sequence's positio
 
 With `train.share_prompts`, sequences that open with the same prompt (a GRPO group's samples)
 are laid out as one unit: the prompt once, then each sequence's own tokens after it
-(`shared_units`, `shared_inputs`). A 4-D mask lets each sequence's tokens see the prompt and
+(`shared_units`, `shared_inputs`); a group longer than a row should be is split into units
+that each hold the prompt. A 4-D mask lets each sequence's tokens see the prompt and
 their own earlier tokens, never a sibling's; their positions continue from the prompt's. Each
 sequence's targets index the shared prompt's positions, so the gather that lays them out sends
 every sibling's gradient to the one prompt: the sum of what each copy would have received.
@@ -98,36 +99,44 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu", rope
     return ids.to(device), pos.to(device), index.to(device)
 
 
-def shared_units(tokens: list[list[int]], prompts: list[int]) -> list[tuple[int, list[int]]]:
+def shared_units(tokens: list[list[int]], prompts: list[int], max_len: int | None = None) -> list[tuple[int, list[int]]]:
     """Sequences grouped by their prompt: (shared length p, member indices) per unit, in order of
     first appearance. `prompts[i]`: how many of sequence i's leading tokens are its prompt (the
     tokens before its first policy token). Members share min(p_i, len_i - 1) tokens, so every
-    member keeps at least one token of its own; a lone sequence is a unit of one."""
-    units: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+    member keeps at least one token of its own; a lone sequence is a unit of one. `max_len`: a
+    group whose laid-out length (the prompt once, then each member's own tokens) would pass it is
+    split into units that stay within it, each with its prompt (a member alone may pass it)."""
+    groups: dict[tuple[int, ...], tuple[int, list[int]]] = {}
     for i, (t, p) in enumerate(zip(tokens, prompts)):
         p = max(0, min(p, len(t) - 1))
-        units.setdefault(tuple(t[:p]), (p, []))[1].append(i)
-    return list(units.values())
-
-
-def shared_micro_batches(tokens: list[list[int]], prompts: list[int], token_budget: int) -> list[list[int]]:
-    """`micro_batches` for `shared_inputs`: whole units (`shared_units`) per micro-batch, their laid-out
-    lengths (the prompt once, each member's own tokens) summing to at most `token_budget`; a unit
-    longer than the budget is split into units that fit, each holding the prompt."""
-    pieces: list[tuple[int, list[int]]] = []  # (laid-out length, members)
-    for p, members in shared_units(tokens, prompts):
-        cur: list[int] = []
-        size = p
+        groups.setdefault(tuple(t[:p]), (p, []))[1].append(i)
+    if max_len is None:
+        return list(groups.values())
+    units = []
+    for p, members in groups.values():
+        cur, size = [], p
         for i in members:
-            if len(tokens[i]) > token_budget:
-                raise ValueError(f"a sequence of {len(tokens[i])} tokens exceeds train.micro_batch_tokens={token_budget}")
             own = len(tokens[i]) - p
-            if cur and size + own > token_budget:
-                pieces.append((size, cur))
+            if cur and size + own > max_len:
+                units.append((p, cur))
                 cur, size = [], p
             cur.append(i)
             size += own
-        pieces.append((size, cur))
+        units.append((p, cur))
+    return units
+
+
+def shared_micro_batches(tokens: list[list[int]], prompts: list[int], token_budget: int,
+                         max_len: int | None = None) -> list[list[int]]:
+    """`micro_batches` for `shared_inputs`: whole units (`shared_units`, groups split to
+    min(`max_len`, `token_budget`)) per micro-batch, their laid-out lengths (the prompt once, each
+    member's own tokens) summing to at most `token_budget`."""
+    for t in tokens:
+        if len(t) > token_budget:
+            raise ValueError(f"a sequence of {len(t)} tokens exceeds train.micro_batch_tokens={token_budget}")
+    cap = token_budget if max_len is None else min(max_len, token_budget)
+    pieces = [(p + sum(len(tokens[i]) - p for i in members), members)
+              for p, members in shared_units(tokens, prompts, cap)]
     out: list[list[int]] = []
     load = 0
     for size, members in sorted(pieces, key=lambda x: x[0]):
@@ -140,9 +149,10 @@ def shared_micro_batches(tokens: list[list[int]], prompts: list[int], token_budg
     return out
 
 
-def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int, device="cpu"):
-    """The sequences laid out by unit (`shared_units`), units packed first-fit into rows as long as
-    the longest unit: input ids and position ids [rows, S], the attention mask [rows, 1, S, S]
+def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int, device="cpu",
+                  max_len: int | None = None):
+    """The sequences laid out by unit (`shared_units`, groups split to `max_len`), units packed
+    first-fit into rows as long as the longest unit: input ids and position ids [rows, S], the attention mask [rows, 1, S, S]
     (bool, True where a query may attend a key), and for every sequence the flat index of each of
     its positions but the last, padded with 0 to [len(tokens), longest - 1] (the padded layout of
     `logits[:, :-1]`), as `packed_inputs`.
@@ -150,7 +160,7 @@ def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int
     A unit is its prompt (positions 0..p-1, causal), then each member's own tokens (positions p..,
     attending to the whole prompt and causally to themselves). A row's unused tail attends to
     itself alone, so its rows of the softmax stay finite."""
-    units = shared_units(tokens, prompts)
+    units = shared_units(tokens, prompts, max_len)
     sizes = [p + sum(len(tokens[i]) - p for i in members) for p, members in units]
     capacity = max(sizes)
     rows = pack_rows(sizes, capacity)
