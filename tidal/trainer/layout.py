@@ -93,9 +93,7 @@ def packed_inputs(tokens: list[list[int]], pad_token_id: int, device="cpu", rope
             mrope[:, r, offset:] = pos[r, offset:]
     ids, pos, index = torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(index)
     if mrope is not None:
-        mrope = torch.from_numpy(mrope)
-    if mrope is not None:
-        pos = torch.cat([pos[None], mrope])
+        pos = torch.cat([pos[None], torch.from_numpy(mrope)])
     return ids.to(device), pos.to(device), index.to(device)
 
 
@@ -152,10 +150,10 @@ def shared_micro_batches(tokens: list[list[int]], prompts: list[int], token_budg
 def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int, device="cpu",
                   max_len: int | None = None):
     """The sequences laid out by unit (`shared_units`, groups split to `max_len`), units packed
-    first-fit into rows as long as the longest unit: input ids and position ids [rows, S], the attention mask [rows, 1, S, S]
-    (bool, True where a query may attend a key), and for every sequence the flat index of each of
-    its positions but the last, padded with 0 to [len(tokens), longest - 1] (the padded layout of
-    `logits[:, :-1]`), as `packed_inputs`.
+    first-fit into rows as long as the longest unit: input ids and position ids [rows, S], the
+    attention mask [rows, 1, S, S] (bool, True where a query may attend a key), and for every
+    sequence the flat index of each of its positions but the last, padded with 0 to
+    [len(tokens), longest - 1] (the padded layout of `logits[:, :-1]`), as `packed_inputs`.
 
     A unit is its prompt (positions 0..p-1, causal), then each member's own tokens (positions p..,
     attending to the whole prompt and causally to themselves). A row's unused tail attends to
