@@ -217,3 +217,31 @@ def test_an_update_that_raises_stops_the_run_with_its_error(tiny_model_dir, tmp_
     finally:
         ctl.close()
     assert ctl.step == 0
+
+
+def test_an_interrupt_while_an_update_runs_stops_the_update_too():
+    """Ctrl-C (or SIGTERM) reaches the main thread while it waits for the update's thread: the update
+    must stop there too, not run on (and write a checkpoint) after the run has reported its last
+    complete one."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tidal.runtime.controller import _on_own_thread
+
+    progress = []
+
+    def update():
+        for i in range(200):  # ~2 s unless stopped
+            progress.append(i)
+            time.sleep(0.01)
+        return "finished"
+
+    # A real SIGINT to the process, sent from another thread: the kernel may hand it to any thread.
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        _on_own_thread(update)
+    seen = len(progress)
+    time.sleep(0.1)
+    assert 5 <= seen < 100 and len(progress) == seen  # stopped early, and nothing ran on after
