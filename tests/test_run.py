@@ -239,9 +239,15 @@ def test_an_interrupt_while_an_update_runs_stops_the_update_too():
         return "finished"
 
     # A real SIGINT to the process, sent from another thread: the kernel may hand it to any thread.
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        _on_own_thread(update)
+    # Python's own SIGINT handler, as `tidal train` installs it (an earlier test may have left
+    # another one in place).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            _on_own_thread(update)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     seen = len(progress)
     time.sleep(0.1)
     assert 5 <= seen < 100 and len(progress) == seen  # stopped early, and nothing ran on after
