@@ -10,7 +10,6 @@ The controller owns no tensors beyond what it passes between roles.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import json
 import logging
@@ -48,6 +47,7 @@ from tidal.runtime.recovery import role_restarts
 from tidal.runtime.rollout import Rollout, group_specs
 from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime.tasks import Task, build_task
+from tidal.runtime.threads import on_own_thread
 from tidal.types import Episode, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -515,7 +515,7 @@ class Controller:
                     item = handoff.get()
                     if isinstance(item, BaseException):
                         raise item
-                    last = _on_own_thread(self._learn, item, trainer_wait=time.perf_counter() - t0)
+                    last = on_own_thread(self._learn, item, trainer_wait=time.perf_counter() - t0)
                     with published:
                         self._published = self.step
                         published.notify_all()
@@ -594,39 +594,3 @@ class Controller:
             self.kl_ctl.load_state_dict(state["kl"])
         self.pusher.push(self.step)
 
-
-def _on_own_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread that ends with it; its result, or its exception raised here.
-
-    Why: with libgomp, every thread that runs a parallel torch op keeps an OpenMP team for as long
-    as it lives, and once the teams hold more threads than the machine has cores, libgomp stops
-    letting idle workers spin, so every small op waits for a wake-up. The learning thread's team
-    would outlive the update and throttle the engine's decode steps on the scheduler thread, which
-    likewise ends when idle (docs/engines.md, "Shared prompts, the heap and OpenMP"). Measured on
-    the default job, best settings: the engine's decode time per step 15-20% lower.
-
-    Ctrl-C and SIGTERM raise on the calling (main) thread while it waits: the same exception is
-    then raised inside fn's thread (CPython's PyThreadState_SetAsyncExc, at its next bytecode, as a
-    signal handler would on the main thread), that thread is waited for, and the exception goes
-    on. So an update is stopped where it is, as when it ran on the main thread, and nothing of it
-    runs on after the run has reported its last complete checkpoint."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["out"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-            box["err"] = e
-
-    thread = threading.Thread(target=run, name="tidal-learn", daemon=True)
-    thread.start()
-    try:
-        while thread.is_alive():  # wakes to run signal handlers: a signal may land on another thread
-            thread.join(0.1)
-    except BaseException as e:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(type(e)))
-        thread.join()
-        raise
-    if "err" in box:
-        raise box["err"]
-    return box["out"]

@@ -116,7 +116,6 @@ class Trainer:
         if train.share_prompts and self.vision is not None:
             raise ValueError(f"train.share_prompts is for text models; `{model_path}` is a vision-language model, whose "
                              "positions and pictures are laid out per sequence: turn it off (or use train.packing)")
-        self.share_prompts = train.share_prompts
         self.model = load_model(model_path, dtype=dtype, device=device, attention=self.attention)
         self._hidden = int(getattr(self.model.config, "hidden_size", 0) or 0)  # train.share_prompts' unit length
         self.model.config.use_cache = False
@@ -235,7 +234,7 @@ class Trainer:
     def _prompts(self, batch: TrainBatch, idx: list[int] | None = None) -> list[int] | None:
         """`train.share_prompts`: each sequence's prompt length (its tokens before the first policy
         token; all of them but the last when it has none), for `idx` (default: all); else None."""
-        if not self.share_prompts:
+        if not self.train_cfg.share_prompts:
             return None
         out = []
         for i in range(len(batch)) if idx is None else idx:
@@ -247,11 +246,11 @@ class Trainer:
         """`train.share_prompts`: the longest a unit (a prompt and its samples' own tokens) may be,
         the model's hidden size or the batch's longest sequence if longer; else None. Eager or
         masked attention costs each row its length squared, the linear layers each token its hidden
-        size squared: on rows up to the hidden size attention stays a small share. Measured on the
-        default model (hidden 128), one update of a GRPO batch: 0.28 s against 0.33 s with whole
+        size squared: on rows up to the hidden size attention stays a small share. Measured once on
+        the default model (hidden 128; a one-off timing, docs/algorithms.md), one update of a GRPO batch: 0.28 s against 0.33 s with whole
         groups as units (18-token prompts, answers of 6-32 tokens), 0.58 s against 1.5 s
         (long-tailed answers up to 192 tokens), in bfloat16."""
-        if not self.share_prompts or not len(batch):
+        if not self.train_cfg.share_prompts or not len(batch):
             return None
         return max(self._hidden, max(len(t) for t in batch.tokens))
 
@@ -335,12 +334,13 @@ class Trainer:
     @torch.no_grad()
     def _per_position(self, batch: TrainBatch, model, fn) -> list[list[float]]:
         out: list[list[float]] = [[] for _ in range(len(batch))]
+        unit_len = self._unit_len(batch)
         for idx in self._micro_batches(batch):
             if idx is None:  # data parallel: another rank still has micro-batches; join its all-gathers
                 fn(self._dummy_tokens(), None, None, None)
                 continue
             values = fn([batch.tokens[i] for i in idx], None if batch.images is None else [batch.images[i] for i in idx],
-                        self._prompts(batch, idx), self._unit_len(batch))
+                        self._prompts(batch, idx), unit_len)
             for row, i in enumerate(idx):
                 out[i] = values[row, : len(batch.tokens[i]) - 1].tolist()
         dp.reshard(model)
@@ -412,6 +412,7 @@ class Trainer:
         own = ("loss", "entropy", "logprob_abs_diff", "mismatch_kl", "value_loss", "value_clip_frac")
         sums = dict.fromkeys((*own, *self.objective.metric_keys), 0.0)
         max_diff = 0.0
+        unit_len = self._unit_len(batch)
         for idx in self._micro_batches(batch):
             if idx is None:
                 self._dummy_backward(kl_in_loss, with_critic)
@@ -421,7 +422,7 @@ class Trainer:
             pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
             # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
             mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
-            prompts, unit_len = self._prompts(batch, idx), self._unit_len(batch)
+            prompts = self._prompts(batch, idx)
             logits, targets = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
             logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
             ref_logp = None
