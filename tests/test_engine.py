@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tidal.config import AlgorithmConfig, TrainConfig
+from tidal.engines.torch_batch import Call, Rows, Waiting, calls_of
 from tidal.engines.torch_engine import EngineClosed, TorchEngine
 from tidal.models import load_model, stop_token_ids
 from tidal.trainer.trainer import TrainBatch, Trainer
@@ -135,20 +136,24 @@ def test_stop_token_ids_of_chat_tokenizer(tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in stop_token_ids(tokenizer)
 
 
-def test_continuous_batching_new_requests_join_and_match_alone(tiny_model_dir, tokenizer):
+def test_continuous_batching_new_requests_join_and_match_alone(tiny_model_dir, tokenizer, monkeypatch):
     """More requests than max_batch_size, with different lengths: rows that finish leave,
-    waiting requests join the running batch (prefill + cache merge), and every request's
-    tokens and log-probs equal those it gets alone."""
+    waiting requests join the running batch (prefilled up to a batch at a time, then merged in
+    as rows leave), and every request's tokens and log-probs equal those it gets alone."""
     prompts = [f"What is {a} + {b}?" + " please" * (a % 3) for a, b in zip(range(10, 40, 3), range(50, 20, -3))]
     reqs = [GenerationRequest(str(i), tokenizer(_ids(tokenizer, p), add_special_tokens=False)["input_ids"],
                               SamplingParams(max_new_tokens=2 + (i * 5) % 11, temperature=1.0, seed=7 + i))
             for i, p in enumerate(prompts)]
     eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, max_batch_size=4)
-    prefills = []
+    prefills, joins, batch = [], [], []
     prefill = eng._prefill
     eng._prefill = lambda seqs: prefills.append(len(seqs)) or prefill(seqs)
+    merge, decode = Rows.merge, Rows.decode
+    monkeypatch.setattr(Rows, "merge", lambda self, new: joins.append(len(new)) or merge(self, new))
+    monkeypatch.setattr(Rows, "decode", lambda self, *a: batch.append(len(self)) or decode(self, *a))
     together = eng.generate_sync(reqs)
-    assert len(prefills) > 3 and max(prefills) <= 4  # rows joined in several waves, never past the limit
+    assert max(prefills) <= 4 and sum(prefills) == len(reqs)  # each request prefilled once, a batch at most
+    assert len(joins) > 3 and max(batch) <= 4  # joined in several waves, never past the limit
     alone = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
     for r, got in zip(reqs, together):
         ref = alone.generate_sync([r])[0]
@@ -156,6 +161,61 @@ def test_continuous_batching_new_requests_join_and_match_alone(tiny_model_dir, t
         assert len(got.token_ids) == r.params.max_new_tokens or got.finish_reason == "stop"
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs),
                                    atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def _staged(tiny_model_dir, tokenizer):
+    """An engine of 4 rows after two scheduler steps: call A (4 requests, the first ends after one
+    token) decodes; call B's 4 requests arrived then, so one row was free: all 4 were prefilled,
+    one joined and 3 wait prefilled. Returns (engine, waiting, rows, A, B)."""
+    eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, max_batch_size=4)
+    a = Call([GenerationRequest(f"a{i}", r.prompt_ids, SamplingParams(max_new_tokens=1 if i == 0 else 12, seed=i))
+              for i, r in enumerate(_requests(tokenizer, SamplingParams()))])
+    b = Call([GenerationRequest(f"b{i}", r.prompt_ids, SamplingParams(max_new_tokens=12, seed=50 + i))
+              for i, r in enumerate(_requests(tokenizer, SamplingParams()))])
+    waiting = Waiting(a.seqs())
+    with torch.inference_mode():
+        rows = eng._step(waiting, None)
+        assert len(rows) == 3 and a.out[0] is not None  # a0 has finished
+        waiting.extend(b.seqs())
+        rows = eng._step(waiting, rows)
+    assert len(rows) == 4 and not waiting and len(waiting.ready) == 3
+    assert {s.call for s in waiting.ready.seqs} == {b}
+    return eng, waiting, rows, a, b
+
+
+def _drain(eng, waiting, rows):
+    with torch.inference_mode():
+        while rows is not None or not waiting.empty:
+            rows = eng._step(waiting, rows)
+
+
+def test_rows_waiting_prefilled_join_as_rows_leave_and_match_alone(tiny_model_dir, tokenizer):
+    eng, waiting, rows, a, b = _staged(tiny_model_dir, tokenizer)
+    assert b in calls_of(waiting, None)  # in flight: a failure or close() fails B too
+    before = eng.prefill_tokens
+    _drain(eng, waiting, rows)
+    assert eng.prefill_tokens == before  # B's waiting rows joined without another prefill
+    alone = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id)
+    for call in (a, b):
+        assert call.future.done()
+        for r, got in zip(call.requests, call.future.result()):
+            ref = alone.generate_sync([r])[0]
+            assert got.token_ids == ref.token_ids
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs),
+                                       atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_a_cancelled_call_s_rows_waiting_prefilled_never_decode(tiny_model_dir, tokenizer):
+    eng, waiting, rows, a, b = _staged(tiny_model_dir, tokenizer)
+    b.future.cancel()  # its caller is gone
+    waiting_b = list(waiting.ready.seqs)
+    # Rows sampled from here: A's to their ends, and B's joined row once more (then it leaves).
+    expected = sum(s.request.params.max_new_tokens - len(s.tokens) for s in rows.seqs if s.call is a) + 1
+    before = eng.sampled_tokens
+    _drain(eng, waiting, rows)
+    assert eng.sampled_tokens - before == expected  # B's waiting rows never joined
+    assert all(s.tokens == [] for s in waiting_b)
+    assert [len(r.token_ids) for r in a.future.result()] == [1, 12, 12, 12]
 
 
 # -- one scheduler per engine: requests of concurrent calls share the running batch ---------------

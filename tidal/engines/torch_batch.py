@@ -10,6 +10,7 @@ that a decode step runs on all rows at once. Rows leave and join between decode 
 from __future__ import annotations
 
 import concurrent.futures
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -58,8 +59,8 @@ class Seq:
                 pass
 
 
-def calls_of(waiting, rows) -> set[Call]:
-    return {s.call for s in waiting} | ({s.call for s in rows.seqs} if rows is not None else set())
+def calls_of(waiting: Waiting, rows: Rows | None) -> set[Call]:
+    return ({s.call for s in waiting} | {s.call for r in (waiting.ready, rows) if r is not None for s in r.seqs})
 
 
 def fail_calls(calls, error: BaseException) -> None:
@@ -112,6 +113,19 @@ class Rows:
         self.steps = self.steps + 1
         self.versions = torch.full_like(self.versions, version)
 
+    def split(self, n: int) -> Rows:
+        """Take the first `n` rows out (returned as their own Rows); these keep the rest. Both
+        caches are views of the same buffers, on rows apart, so neither copies or sees the
+        other's writes."""
+        kv = self.cache
+        head = Rows(self.seqs[:n], KVCache(kv.k[:, :n], kv.v[:, :n], kv.mask[:n], n, kv.lo, kv.hi),
+                    **{name: getattr(self, name)[:n] for name in self._PER_ROW})
+        self.cache = KVCache(kv.k[:, n:], kv.v[:, n:], kv.mask[n:], kv.n - n, kv.lo, kv.hi)
+        for name in self._PER_ROW:
+            setattr(self, name, getattr(self, name)[n:])
+        self.seqs = self.seqs[n:]
+        return head
+
     def merge(self, new: Rows) -> Rows:
         """Append `new` rows: both caches are left-padded to the longer one (masked out)."""
         self.cache = self.cache.merge(new.cache)
@@ -119,6 +133,24 @@ class Rows:
             setattr(self, name, torch.cat([getattr(self, name), getattr(new, name)]))
         self.seqs = self.seqs + new.seqs
         return self
+
+
+class Waiting(deque):
+    """The requests not decoding yet: the queue of Seqs (oldest first), and `ready`, rows
+    already prefilled that join the batch as soon as it has room (torch_engine.py's
+    `TorchEngine._step`). They count as in flight."""
+
+    def __init__(self, seqs=()):
+        super().__init__(seqs)
+        self.ready: Rows | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not self and self.ready is None
+
+    def clear(self) -> None:
+        super().clear()
+        self.ready = None
 
 
 def image_ids(request: GenerationRequest) -> tuple[str, ...]:

@@ -79,7 +79,7 @@ from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import FeatureCache, Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
-from tidal.engines.torch_batch import Call, Rows, Seq, calls_of, fail_calls, image_ids, shared_prompts
+from tidal.engines.torch_batch import Call, Rows, Seq, Waiting, calls_of, fail_calls, image_ids, shared_prompts
 from tidal.engines.weights_lock import WeightsLock
 from tidal.images import ImageBlob
 from tidal.models.vision import Vision, mask_banned, next_position
@@ -273,14 +273,14 @@ class TorchEngine:
 
     def _run_alone(self, call: Call) -> list[GenerationResult]:
         """One call's own decode loop (cross_call_batching=False)."""
-        waiting = deque(call.seqs())
+        waiting = Waiting(call.seqs())
         rows: Rows | None = None
         step_lock = self._weights.shared if self.partial_rollout else contextlib.nullcontext
         with contextlib.ExitStack() as whole:
             if not self.partial_rollout:
                 whole.enter_context(self._weights.shared())  # the whole call on one version
             with torch.inference_mode():
-                while waiting or rows is not None:
+                while not waiting.empty or rows is not None:
                     with step_lock():  # weight updates land between iterations, never inside one
                         rows = self._step(waiting, rows)
         return call.future.result(timeout=0)
@@ -288,7 +288,7 @@ class TorchEngine:
     def _schedule(self) -> None:
         """The scheduler thread: admit queued calls between decode steps, decode, resolve
         each call as its last request finishes; exit once nothing is queued or in flight."""
-        waiting: deque[Seq] = deque()
+        waiting = Waiting()
         rows: Rows | None = None
         holding = False  # partial_rollout=False: the lock is held while requests are in flight
         try:
@@ -296,7 +296,7 @@ class TorchEngine:
                 while True:
                     if self._closed:
                         raise EngineClosed("torch engine: closed with the call in flight")
-                    idle = rows is None and not waiting
+                    idle = rows is None and waiting.empty
                     if idle and holding:  # nothing in flight: a waiting update may go now
                         self._weights.release_shared()
                         holding = False
@@ -310,11 +310,11 @@ class TorchEngine:
                     with self._cv:
                         # Without partial rollouts an update that waits holds new requests back.
                         if self.partial_rollout or not self._weights.updates_waiting:
-                            if rows is None and not waiting and self._queue:
+                            if rows is None and waiting.empty and self._queue:
                                 self._settle()
                             while self._queue:
                                 waiting.extend(self._queue.popleft().seqs())
-                    if rows is None and not waiting:
+                    if rows is None and waiting.empty:
                         continue
                     with self._weights.shared() if self.partial_rollout else contextlib.nullcontext():
                         asleep = not self._awake.is_set()  # sleep() moved the weights: no decoding
@@ -364,24 +364,37 @@ class TorchEngine:
             if not call.future.done():
                 call.future.set_exception(error)
 
-    def _step(self, waiting: deque[Seq], rows: Rows | None) -> Rows | None:
+    def _step(self, waiting: Waiting, rows: Rows | None) -> Rows | None:
         """One iteration: waiting requests join, every row samples a token, finished rows
         leave, the others are decoded. Returns the running batch (None when empty)."""
         while waiting and waiting[0].call.future.cancelled():
             waiting.popleft()
         free = self.max_batch_size - (len(rows) if rows is not None else 0)
-        # New requests join when a worthwhile number of slots is free (one prefill
-        # per join), or when every waiting request fits.
-        if waiting and free > 0 and (rows is None or free >= min(len(waiting), self._join_at)):
+        # A prefill takes up to a batch of waiting requests, shortest prompts first (rows that
+        # join together pad little): one prefill of many prompts costs far less per prompt
+        # than several small ones. Those beyond the free rows wait prefilled (`waiting.ready`)
+        # and join as rows leave, without a prefill each time. A new prefill runs when a
+        # worthwhile number of rows is free, or when every waiting request fits.
+        if (waiting and waiting.ready is None and free > 0
+                and (rows is None or free >= min(len(waiting), self._join_at))):
             take: list[Seq] = []
-            while waiting and len(take) < free:
+            while waiting and len(take) < self.max_batch_size:
                 s = waiting.popleft()
                 if not s.call.future.cancelled():
                     take.append(s)
-            # Shortest prompts first: rows that join together pad little.
             take.sort(key=lambda s: len(s.request.prompt_ids))
             if take:
-                new = self._prefill(take)
+                waiting.ready = self._prefill(take)
+        ready = waiting.ready
+        if ready is not None and free > 0:
+            live = [i for i, s in enumerate(ready.seqs) if not s.call.future.cancelled()]
+            if not live:  # their callers are gone
+                waiting.ready = None
+            else:
+                if len(live) < len(ready):
+                    ready.select(live)
+                new = ready if len(ready) <= free else ready.split(free)
+                waiting.ready = None if new is ready else ready
                 rows = new if rows is None else rows.merge(new)
         if rows is None:
             return None
