@@ -118,28 +118,56 @@ def test_lean_step_matches_the_model_for_each_architecture(kind, extra):
     assert worst < TOL, f"{kind} {extra}: lean logits differ by {worst:.3g}"
     worst = _prefill_both(model)
     assert worst < TOL, f"{kind} {extra}: the lean prefill differs by {worst:.3g}"
+    worst = _prefill_both(model, shared=3)
+    assert worst < TOL, f"{kind} {extra}: the lean prefill of a shared prefix differs by {worst:.3g}"
 
 
-def _prefill_both(model):
+def _prefill_both(model, shared: int = 0):
     """The lean prefill of left-padded prompts (one row all real, one nearly all padding) against
     the model's forward: max |Δ| over the next-token logits and the real positions' keys and
-    values of every layer (padding's are never read)."""
+    values of every layer (padding's are never read). `shared`: the rows' first `shared` real
+    tokens are made the same, and `prefill_shared` computes them once."""
     g = torch.Generator().manual_seed(2)
     B, S, V = 5, 9, model.config.vocab_size
     ids = torch.randint(0, V, (B, S), generator=g)
     attn = torch.ones(B, S, dtype=torch.long)
     for i in range(B):
-        attn[i, :2 * i] = 0
+        pad = i if shared else 2 * i  # shared: every row has real tokens past the shared ones
+        attn[i, :pad] = 0
+        ids[i, pad:pad + shared] = ids[0, :shared]
     with torch.inference_mode():
         dc = DynamicCache()
         ref = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), cache=dc,
                     use_cache=True).logits[:, -1]
-        layers, logits = LeanDecoder(model).prefill(ids, attn)
+        lean = LeanDecoder(model)
+        layers, logits = lean.prefill_shared(ids, attn, shared) if shared else lean.prefill(ids, attn)
     real = attn.bool()[:, None, :, None]
     worst = float((logits - ref).abs().max())
     for (k, v), la in zip(layers, dc.layers, strict=True):
         worst = max(worst, float(((k - la.keys).abs() * real).max()), float(((v - la.values).abs() * real).max()))
     return worst
+
+
+def test_a_prefill_computes_the_prompts_common_first_tokens_once(tok, monkeypatch):
+    """Chat prompts of different lengths share their opening (the role header): the engine
+    feeds it once per prefill, and every request samples what it samples when each prompt is
+    fed whole (tokens equal, log-probs to float rounding)."""
+    import tidal.engines.torch_engine as te
+
+    prompts = held_out_prompt_ids(tok, 12)
+    prompts = [p + p[-4:] * (i % 3) for i, p in enumerate(prompts)]  # lengths differ: left padding
+    c = next(i for i in range(len(prompts[0])) if len({p[i] for p in prompts}) > 1)  # the common opening
+    assert c >= 2 and len({len(p) for p in prompts}) == 3
+    out, fed = {}, {}
+    for name, least in (("shared", 1), ("whole", 10 ** 9)):
+        monkeypatch.setattr(te, "_MIN_SHARED_PREFIX_TOKENS", least)
+        engine = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, max_batch_size=16)
+        out[name] = run(engine.generate(requests(prompts, tok, max_new_tokens=12, temperature=1.0)))
+        fed[name] = engine.prefill_tokens
+    assert fed["whole"] == sum(map(len, prompts)) and fed["shared"] == fed["whole"] - (len(prompts) - 1) * c
+    for a, b in zip(out["shared"], out["whole"], strict=True):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=TOL, rtol=0)
 
 
 def test_a_model_the_lean_step_does_not_compute_falls_back_to_its_own_forward(tok):

@@ -335,6 +335,16 @@ class LeanDecoder:
             for i, (k, v) in enumerate(layers):
                 for got, want in ((k, ref.k[i, :, :, :5]), (v, ref.v[i, :, :, :5])):
                     prefill_worst = max(prefill_worst, float(((got - want).float().abs() * real).max()))
+            # The same prompts with their first 2 tokens made common, computed once (`prefill_shared`),
+            # against the lean prefill of the whole prompts (just checked against the model's).
+            shared = ids.clone()
+            shared[0, 2:4] = ids[1, :2]
+            whole, whole_logits = self.prefill(shared, attn)
+            layers, mine = self.prefill_shared(shared, attn, 2)
+            prefill_worst = max(prefill_worst, float((mine.float() - whole_logits.float()).abs().max()))
+            for (k, v), (wk, wv) in zip(layers, whole):
+                prefill_worst = max(prefill_worst, float(((k - wk).float().abs() * real).max()),
+                                    float(((v - wv).float().abs() * real).max()))
             prefill_scale = max(float(theirs.float().abs().max()), 1.0)
             worst, scale = 0.0, 0.0
             for step in range(3):
@@ -352,22 +362,31 @@ class LeanDecoder:
                      "on a probe, tolerance %.3g)", prefill_worst, tol)
         return None
 
-    def prefill(self, input_ids: torch.Tensor, attn: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
-                                                                            torch.Tensor]:
+    def prefill(self, input_ids: torch.Tensor, attn: torch.Tensor,
+                past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
         """Prompts with nothing cached, left-padded (input_ids, attn [B, S]): the keys and values of
         every layer ([B, K, S, D] each) and the next-token logits [B, V]. The same formulas as the
         decode step, for S tokens at once under a causal mask; a padding position attends to itself
-        alone (nothing real attends to it), so its keys and values stay finite."""
+        alone (nothing real attends to it), so its keys and values stay finite.
+
+        `past`: the keys and values ([1, K, c, D] per layer) of c tokens that every row's tokens
+        follow (a prefix all the prompts share, computed once): the rows' positions start at c
+        and each of their real tokens attends to all c. Only the rows' own keys and values are
+        returned."""
         inner, (B, S) = self.inner, input_ids.shape
         H, K, D = self.heads, self.kv_heads, self.head_dim
         G = H // K
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        c = 0 if past is None else past[0][0].shape[2]
+        pos = (attn.cumsum(-1) - 1).clamp(min=0) + c
         x = F.embedding(input_ids, inner.embed_tokens.weight)  # [B, S, hidden]
         cos, sin = inner.rotary_emb(x, pos)  # [B, S, D]
         cos, sin = cos[:, None], sin[:, None]
         eye = torch.eye(S, dtype=torch.bool, device=x.device)
         allowed = (eye.cumsum(0).bool()[None] & attn.bool()[:, None, :]) | eye  # [B, S query, S key]: causal, real keys
-        masked = ~allowed[:, None, None]  # [B, 1, 1, S, S]
+        if c:  # real tokens see the whole prefix; padding still only itself
+            allowed = torch.cat([attn.bool()[:, :, None].expand(B, S, c), allowed], dim=-1)
+        masked = ~allowed[:, None, None]  # [B, 1, 1, S, c + S]
         layers = []
         for layer in inner.layers:
             att = layer.self_attn
@@ -383,6 +402,9 @@ class LeanDecoder:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             layers.append((k, v))
+            if c:
+                pk, pv = past[len(layers) - 1]
+                k, v = torch.cat([pk.expand(B, -1, -1, -1), k], dim=2), torch.cat([pv.expand(B, -1, -1, -1), v], dim=2)
             scores = torch.matmul(q.reshape(B, K, G, S, D), k[:, :, None].transpose(-1, -2)) * self.scale
             probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
             out = torch.matmul(probs, v[:, :, None])  # [B, K, G, S, D]
@@ -391,6 +413,30 @@ class LeanDecoder:
             x = _mlp_residual(layer, x)
         x = _rms_norm(x[:, -1], inner.norm.weight, inner.norm.variance_epsilon)
         return layers, F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
+
+    def prefill_shared(self, input_ids: torch.Tensor, attn: torch.Tensor, c: int,
+                       ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """`prefill` of prompts whose first c real tokens are the same in every row: those are
+        computed once (one row) and each row's rest on top of them (`past`); the keys and values
+        come back laid out as `prefill` gives them (left padding, the prefix, the rest)."""
+        (B, S), dev = input_ids.shape, input_ids.device
+        first = S - int(attn[0].sum())  # row 0's first real column
+        prefix = self.prefill(input_ids[:1, first:first + c], torch.ones_like(attn[:1, :c]))[0]
+        # Each row's rest, left-padded to S - c: its real columns are those of the whole prompt's
+        # mask shifted by c; the tokens under its padding are never attended to.
+        rest_attn = attn[:, :S - c]
+        rest, logits = self.prefill(input_ids[:, c:], rest_attn, past=prefix)
+        # Column j of row i (pad: S - the row's length): a padding column of its rest for j < pad
+        # (finite, masked), prefix column j - pad, then its rest (column j of [prefix, rest]).
+        j = torch.arange(S, device=dev)[None, :]
+        pad = (S - c - rest_attn.sum(-1))[:, None]
+        index = torch.where(j < pad, c + j, torch.where(j < pad + c, j - pad, j))  # [B, S]
+        layers = []
+        for (pk, pv), (k, v) in zip(prefix, rest):
+            at = index[:, None, :, None].expand(B, k.shape[1], S, k.shape[3])
+            layers.append((torch.cat([pk.expand(B, -1, -1, -1), k], dim=2).gather(2, at),
+                           torch.cat([pv.expand(B, -1, -1, -1), v], dim=2).gather(2, at)))
+        return layers, logits
 
     def __call__(self, tok_B: torch.Tensor, pos_B: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """Next-token logits [B, V] after feeding tok_B at positions pos_B; the new keys and
