@@ -1,7 +1,7 @@
 """Generation throughput of tidal's engines against plain HF `generate`, side by side.
 
     python benchmarks/engines.py [--prompts 256] [--batch 64] [--engines torch,hf,vllm,vllm-server]
-                                 [--out benchmarks/results/engines.json]
+                                 [--system-tokens 0] [--out benchmarks/results/engines.json]
 
 Same prompts, same concurrency (`--batch` sequences decode at once in every engine: HF
 gets the prompts in chunks of that size, the others a batch-size limit), same sampling
@@ -13,6 +13,8 @@ gets the prompts in chunks of that size, the others a batch-size limit), same sa
   drawn from a long-tailed (log-normal, median 24, max 128) distribution, enforced per
   row in every engine (HF: a per-row stopping criterion, which is how HF treats a row
   that produced EOS: it keeps computing it, padded, until the whole batch is done).
+`--system-tokens N` puts one system turn of N tokens before every prompt (an agent's
+instructions and tool descriptions are such a turn): the same for every engine.
 Engines: `torch` is tidal's torch engine (on these Qwen2 models its lean decode step,
 lean_decode.py); `torch-model` the same engine decoding through the model's own forward
 (`lean_decode=False`), to show what the lean step is worth; `hf` plain `generate`.
@@ -60,14 +62,22 @@ def build_mid_model(out: Path) -> Path:
     return out
 
 
-def workload(model_dir: Path, n: int, natural_stop: bool, seed: int = 0) -> list[GenerationRequest]:
+SYSTEM = "You are a careful calculator. Read the question, then give only the number. "
+
+
+def workload(model_dir: Path, n: int, natural_stop: bool, seed: int = 0, system_tokens: int = 0) -> list[GenerationRequest]:
     tokenizer = load_tokenizer(model_dir)
     rows = make_problems(ArithmeticConfig(), "test", n, seed=seed)
     rng = random.Random(seed)
     stops = stop_token_ids(tokenizer) if natural_stop else ()
+    system = []
+    if system_tokens:  # one system turn shared by every prompt, as an agent's instructions and tools are
+        text = SYSTEM * (system_tokens // len(tokenizer(SYSTEM)["input_ids"]) + 1)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:system_tokens]
+        system = [{"role": "system", "content": tokenizer.decode(ids)}]
     reqs = []
     for i, row in enumerate(rows):
-        text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(system + row["prompt"], add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         budget = 64 if natural_stop else min(128, max(4, int(math.exp(rng.gauss(math.log(24), 0.8)))))
         reqs.append(GenerationRequest(str(i), ids, SamplingParams(max_new_tokens=budget, temperature=1.0,
@@ -141,18 +151,20 @@ RUNNERS = {"torch": run_torch, "torch-model": lambda m, r, b: run_torch(m, r, b,
            "vllm-server": lambda m, r, b: run_vllm(m, r, b, "server")}
 
 
-def run_one(engine: str, model_dir: Path, natural_stop: bool, prompts: int, batch: int) -> tuple[int, float, float]:
+def run_one(engine: str, model_dir: Path, natural_stop: bool, prompts: int, batch: int,
+            system_tokens: int = 0) -> tuple[int, float, float]:
     """One timed run in a fresh process (see the module docstring)."""
     out = subprocess.run([sys.executable, __file__, "--child", engine, str(model_dir), str(int(natural_stop)),
-                          str(prompts), str(batch)], check=True, capture_output=True, text=True).stdout
+                          str(prompts), str(batch), str(system_tokens)], check=True, capture_output=True,
+                         text=True).stdout
     tokens, seconds, cpu_seconds = json.loads(out.strip().splitlines()[-1])
     return tokens, seconds, cpu_seconds
 
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        engine, model_dir, natural_stop, prompts, batch = sys.argv[2:7]
-        reqs = workload(Path(model_dir), int(prompts), natural_stop=natural_stop == "1")
+        engine, model_dir, natural_stop, prompts, batch, system_tokens = sys.argv[2:8]
+        reqs = workload(Path(model_dir), int(prompts), natural_stop=natural_stop == "1", system_tokens=int(system_tokens))
         # The first pass warms up (allocations, oneDNN kernels per shape: the first 64-row
         # prefill took 140 ms instead of ~30): the second is what an RL loop that generates
         # every step sees. Every engine gets the same warm-up.
@@ -167,11 +179,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--engines", default="torch,torch-model,hf")
     p.add_argument("--models", default="default,mid")
+    p.add_argument("--system-tokens", type=int, default=0, help="a shared system turn of this many tokens")
     p.add_argument("--out", default="benchmarks/results/engines.json")
     ns = p.parse_args()
     engines = ns.engines.split(",")
     results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                     "torch_threads": torch.get_num_threads(), "prompts": ns.prompts, "batch": ns.batch, "models": {}}
+                     "torch_threads": torch.get_num_threads(), "prompts": ns.prompts, "batch": ns.batch,
+                     "system_tokens": ns.system_tokens, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"default": DEFAULT_MODEL_DIR, "mid": build_mid_model(Path(tmp) / "mid")}
         for name in ns.models.split(","):
@@ -180,7 +194,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {e: [] for e in engines}
             for rnd in range(ns.rounds):
                 for eng in engines[rnd % len(engines):] + engines[:rnd % len(engines)]:  # order rotates
-                    tokens, dt, cpu = run_one(eng, model_dir, name == "default", ns.prompts, ns.batch)
+                    tokens, dt, cpu = run_one(eng, model_dir, name == "default", ns.prompts, ns.batch, ns.system_tokens)
                     runs[eng].append({"tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),
                                       "cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": round(tokens / cpu, 1)})
                     print(f"{name} round {rnd + 1} {eng}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s "

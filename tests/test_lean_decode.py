@@ -152,7 +152,7 @@ def test_a_prefill_computes_the_prompts_common_first_tokens_once(tok, monkeypatc
     """Chat prompts of different lengths share their opening (the role header): the engine
     feeds it once per prefill, and every request samples what it samples when each prompt is
     fed whole (tokens equal, log-probs to float rounding)."""
-    import tidal.engines.torch_engine as te
+    import tidal.engines.lean_decode as ld
 
     prompts = held_out_prompt_ids(tok, 12)
     prompts = [p + p[-4:] * (i % 3) for i, p in enumerate(prompts)]  # lengths differ: left padding
@@ -160,7 +160,7 @@ def test_a_prefill_computes_the_prompts_common_first_tokens_once(tok, monkeypatc
     assert c >= 2 and len({len(p) for p in prompts}) == 3
     out, fed = {}, {}
     for name, least in (("shared", 1), ("whole", 10 ** 9)):
-        monkeypatch.setattr(te, "_MIN_SHARED_PREFIX_TOKENS", least)
+        monkeypatch.setattr(ld, "MIN_SHARED_PREFIX_TOKENS", least)
         engine = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, max_batch_size=16)
         out[name] = run(engine.generate(requests(prompts, tok, max_new_tokens=12, temperature=1.0)))
         fed[name] = engine.prefill_tokens

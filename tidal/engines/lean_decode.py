@@ -36,6 +36,7 @@ Legend: L layers, B rows, H query heads, K key/value heads, G = H / K, C capacit
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,9 @@ VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl")
 # half) is off by O(1).
 _PROBE_TOL = {torch.float32: 1e-4, torch.float64: 1e-4}
 _PROBE_TOL_LOW_PRECISION = 5e-2
+# A prefill computes its prompts' common first tokens once when that saves at least this many
+# token positions (the shared part costs a pass of its own: a few dozen small ops per layer).
+MIN_SHARED_PREFIX_TOKENS = 16
 
 
 class KVCache:
@@ -201,6 +205,13 @@ def model_decode(model, tok_B: torch.Tensor, pos_B: torch.Tensor, kv: KVCache) -
         kv.v[layer, :kv.n, :, col] = la.values[:, :, -1]
     kv.hi = col + 1
     return logits
+
+
+def common_prefix(prompts: list[list[int]], limit: int) -> int:
+    """How many first tokens all `prompts` share, at most `limit`. (`os.path.commonprefix` compares
+    the lexicographically smallest and largest sequences, whose common prefix is everyone's; it
+    works on any sequences, here lists of token ids.)"""
+    return min(len(os.path.commonprefix(prompts)), limit)
 
 
 def _text_config(model):
@@ -413,6 +424,17 @@ class LeanDecoder:
             x = _mlp_residual(layer, x)
         x = _rms_norm(x[:, -1], inner.norm.weight, inner.norm.variance_epsilon)
         return layers, F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
+
+    def prefill_prompts(self, input_ids: torch.Tensor, attn: torch.Tensor, prompts: list[list[int]],
+                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, int]:
+        """`prefill` of the left-padded `prompts` (input_ids, attn), their common first tokens (a
+        chat template's opening: system turn, role header) computed once when that saves enough
+        (`prefill_shared`). Also returns how many token positions it computed."""
+        lens = [len(p) for p in prompts]
+        c = common_prefix(prompts, min(lens) - 1)  # every row feeds >= 1 token: its logits are needed
+        if len(prompts) < 2 or (len(prompts) - 1) * c < MIN_SHARED_PREFIX_TOKENS:
+            return *self.prefill(input_ids, attn), sum(lens)
+        return *self.prefill_shared(input_ids, attn, c), sum(lens) - (len(prompts) - 1) * c
 
     def prefill_shared(self, input_ids: torch.Tensor, attn: torch.Tensor, c: int,
                        ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:

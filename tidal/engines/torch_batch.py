@@ -10,7 +10,6 @@ that a decode step runs on all rows at once. Rows leave and join between decode 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -152,13 +151,6 @@ class Waiting(deque):
     def clear(self) -> None:
         super().clear()
         self.ready = None
-
-
-def common_prefix(prompts: list[list[int]], limit: int) -> int:
-    """How many first tokens all `prompts` share, at most `limit`. (`os.path.commonprefix` compares
-    the lexicographically smallest and largest sequences, whose common prefix is everyone's; it
-    works on any sequences, here lists of token ids.)"""
-    return min(len(os.path.commonprefix(prompts)), limit)
 
 
 def image_ids(request: GenerationRequest) -> tuple[str, ...]:

@@ -85,8 +85,7 @@ from tidal.engines.torch_batch import (
     Seq,
     Waiting,
     calls_of,
-    common_prefix,
-    fail_calls,
+        fail_calls,
     image_ids,
     shared_prompts,
 )
@@ -104,9 +103,6 @@ DEFAULT_IMAGE_CACHE_BYTES = 1 << 28
 # executor has min(32, cores + 4) threads: too few for an agent's concurrent turns).
 _MAX_WAITING_CALLS = 1024
 _SETTLE_QUIET_S = 0.001  # see TorchEngine._settle
-# A prefill computes the prompts' common first tokens once when that saves at least this many
-# token positions (the shared part costs a pass of its own: a few dozen small ops per layer).
-_MIN_SHARED_PREFIX_TOKENS = 16
 _SETTLE_MAX_S = 0.02
 
 
@@ -549,7 +545,8 @@ class TorchEngine:
         step = self._decoder() if self.vision is None and P == 0 else None
         if isinstance(step, LeanDecoder) and step.prefills and not step.hooked():
             # Text prompts with nothing cached: the lean step's formulas for every prompt token.
-            layers, logits = self._lean_prefill(step, reqs, input_ids, attn)
+            layers, logits, fed_positions = step.prefill_prompts(input_ids, attn, [r.prompt_ids for r in reqs])
+            self.prefill_tokens += fed_positions
             for layer, (k, v) in enumerate(layers):
                 cache.update(k, v, layer)
             return cache, attn, next_pos, logits
@@ -569,19 +566,6 @@ class TorchEngine:
             cache=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1]
         return cache, attn, next_pos, logits
-
-    def _lean_prefill(self, step: LeanDecoder, reqs: list[GenerationRequest], input_ids: torch.Tensor,
-                      attn: torch.Tensor) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """`step.prefill` of left-padded prompts (nothing cached), with the prompts' common first
-        tokens (a chat template's opening: system turn, role header) computed once when that
-        saves enough (`LeanDecoder.prefill_shared`)."""
-        lens = [len(r.prompt_ids) for r in reqs]
-        c = common_prefix([r.prompt_ids for r in reqs], min(lens) - 1)  # every row feeds >= 1 token
-        if len(reqs) < 2 or (len(reqs) - 1) * c < _MIN_SHARED_PREFIX_TOKENS:
-            self.prefill_tokens += sum(lens)
-            return step.prefill(input_ids, attn)
-        self.prefill_tokens += sum(lens) - (len(reqs) - 1) * c
-        return step.prefill_shared(input_ids, attn, c)
 
     def _embed(self, input_ids: torch.Tensor, reqs: list[GenerationRequest], past: list[int], S: int) -> torch.Tensor:
         """Input embeddings [B, S, hidden] of a prefill: the fed tokens' embeddings, each fed image
