@@ -79,16 +79,7 @@ from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import FeatureCache, Prefix, PrefixCache
 from tidal.engines.sampling import sample
 from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
-from tidal.engines.torch_batch import (
-    Call,
-    Rows,
-    Seq,
-    Waiting,
-    calls_of,
-        fail_calls,
-    image_ids,
-    shared_prompts,
-)
+from tidal.engines.torch_batch import Call, Rows, Seq, Waiting, calls_of, fail_calls, image_ids, shared_prompts
 from tidal.engines.weights_lock import WeightsLock
 from tidal.images import ImageBlob
 from tidal.models.vision import Vision, mask_banned, next_position
