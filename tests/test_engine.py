@@ -324,6 +324,29 @@ def test_from_idle_a_burst_of_calls_is_gathered_into_one_prefill(tiny_model_dir,
     assert all(len(box["out"][0].token_ids) > 0 for _, box in threads)
 
 
+@pytest.mark.parametrize("cross_call", [True, False])
+def test_a_prefill_that_raises_fails_its_calls_instead_of_leaving_them_waiting(tiny_model_dir, tokenizer, cross_call):
+    """A prefill can fail (out of memory on a GPU, a broken model): the requests it took were in
+    neither the queue nor the batch, and their callers waited forever. Now the call fails with
+    the prefill's error, and the engine serves the next call."""
+    eng = TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id, cross_call_batching=cross_call)
+    real, calls = eng._prefill, []
+
+    def failing_once(seqs):
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            raise RuntimeError("simulated: out of memory in the prefill")
+        return real(seqs)
+
+    eng._prefill = failing_once
+    reqs = _requests(tokenizer, SamplingParams(max_new_tokens=4))
+    t, box = _in_thread(eng.generate_sync, reqs)
+    t.join(30)
+    assert not t.is_alive(), "the call waits forever"
+    assert "out of memory in the prefill" in str(box.get("error"))
+    assert [len(r.token_ids) for r in eng.generate_sync(reqs)] == [4] * len(reqs)
+
+
 def test_a_bad_call_fails_alone_and_close_fails_calls_in_flight(tiny_model_dir, tokenizer):
     eng = _slow(TorchEngine(load_model(tiny_model_dir), tokenizer.pad_token_id))
     params = SamplingParams(max_new_tokens=25, temperature=1.0)

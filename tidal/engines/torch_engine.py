@@ -384,7 +384,11 @@ class TorchEngine:
                     take.append(s)
             take.sort(key=lambda s: len(s.request.prompt_ids))
             if take:
-                waiting.ready = self._prefill(take)
+                try:
+                    waiting.ready = self._prefill(take)
+                except BaseException:  # back in the queue, so the caller fails their calls too
+                    waiting.extendleft(reversed(take))
+                    raise
         ready = waiting.ready
         if ready is not None and free > 0:
             live = [i for i, s in enumerate(ready.seqs) if not s.call.future.cancelled()]
@@ -395,7 +399,11 @@ class TorchEngine:
                     ready.select(live)
                 new = ready if len(ready) <= free else ready.split(free)
                 waiting.ready = None if new is ready else ready
-                rows = new if rows is None else rows.merge(new)
+                try:
+                    rows = new if rows is None else rows.merge(new)
+                except BaseException:  # as for a failed prefill
+                    waiting.extendleft(reversed(new.seqs))
+                    raise
         if rows is None:
             return None
         logits = rows.logits
