@@ -60,7 +60,7 @@ class Seq:
 
 
 def calls_of(waiting: Waiting, rows: Rows | None) -> set[Call]:
-    return ({s.call for s in waiting} | {s.call for r in (waiting.ready, rows) if r is not None for s in r.seqs})
+    return {s.call for s in waiting} | {s.call for r in (waiting.ready, rows) if r is not None for s in r.seqs}
 
 
 def fail_calls(calls, error: BaseException) -> None:

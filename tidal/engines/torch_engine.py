@@ -6,7 +6,8 @@ of lean_decode.py (other models: their own forward over the same cache). Continu
 batching: a row that finishes (stop token, stop string or its own max_new_tokens) leaves
 the batch at once, so the others stop paying for it, and waiting requests join the
 running batch (prefilled, then their cache is merged in) as soon as enough rows have
-left, so the batch stays full. Sampling noise is a
+left, so the batch stays full. A prefill takes up to a batch of waiting requests; those
+that do not fit yet wait prefilled and join as rows leave. Sampling noise is a
 function of (request seed, position, token), so a request's tokens do not depend on which
 requests it shares a batch with (up to float rounding of padded attention).
 
