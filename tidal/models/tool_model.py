@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from tidal.engines.lean_decode import common_prefix
 from tidal.envs.base import Action
 from tidal.envs.tool_arith import ToolArithEnv, make_rows
 from tidal.models.tiny import SPECIAL_TOKENS, build_model, save_model, train_chatml_tokenizer
@@ -231,12 +232,8 @@ def held_out_success(model, tokenizer, rows, k: int = 4, max_turns: int = 4, max
 
 def _shared_prefix(examples) -> int:
     """Length of the token prefix every example shares (the system turn with the tools)."""
-    first = examples[0][0]
-    n = min(len(t) for t, _ in examples)
-    p = 0
-    while p < n and all(t[p] == first[p] for t, _ in examples):
-        p += 1
-    return p
+    tokens = [t for t, _ in examples]
+    return common_prefix(tokens, min(map(len, tokens)))
 
 
 def _batch(examples, pad_id: int):
