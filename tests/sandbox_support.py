@@ -7,7 +7,10 @@ TIDAL_REQUIRE_BWRAP=1, its absence is a failure, so CI never passes by skipping 
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+import platform
 import re
 import shutil
 import time
@@ -114,3 +117,14 @@ def own_sandbox_processes() -> list[str]:
             seen.add(ppid)
             ppid = parents.get(ppid, (0,))[0]
     return found
+
+
+def settled_rss_bytes() -> int:
+    """This process's resident memory once freed memory has gone back to the system. Without
+    the trim, glibc keeps freed heap pages resident, and how many depends on what ran before in
+    the same process: in the full suite, 65 MiB of a flood's freed output buffers stayed."""
+    gc.collect()
+    if platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL(None).malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

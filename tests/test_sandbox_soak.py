@@ -8,12 +8,11 @@ warm-up, and every honest run printed exactly its answer.
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import time
 
 import pytest
-from sandbox_support import own_pool_cgroups, own_sandbox_processes, require_bwrap
+from sandbox_support import own_pool_cgroups, own_sandbox_processes, require_bwrap, settled_rss_bytes
 
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxStatus
 
@@ -44,11 +43,6 @@ RARE_ATTACKS = {
     "fork bomb": ("import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", {"wall_s": 1.0}, {TIMEOUT}),
     "spin": ("while True: pass", {"cpu_s": 1, "wall_s": 5}, {TIMEOUT}),
 }
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 @pytest.mark.slow
@@ -94,16 +88,14 @@ def test_soak_attacks_and_honest_runs():
                 return out
 
             warmup = await in_batches(64)
-            gc.collect()
-            baseline = _rss()
+            baseline = settled_rss_bytes()
             t0 = time.monotonic()
             results = await in_batches(RUNS)
             elapsed = time.monotonic() - t0
         finally:
             await pool.close()
         left = own_sandbox_processes()  # at once: close() returns only when no sandbox process is left
-        gc.collect()
-        return warmup, results, elapsed, baseline, _rss(), left
+        return warmup, results, elapsed, baseline, settled_rss_bytes(), left
 
     warmup, results, elapsed, baseline, rss_after, left = asyncio.run(go())
     statuses = {name: spec[2] for name, spec in {**ATTACKS, **RARE_ATTACKS}.items()}
