@@ -1,5 +1,6 @@
 """The tiny-browser builder's data, without a browser: relabelled demonstrations keep the page
-and change only its labels, and the copy curriculum teaches the tiny model to copy."""
+and change only its labels, and the lookup curriculum and the quote turn are written in the
+snapshot's own tokens."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import random
 import pytest
 
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
-from tidal.models.browser_model import demonstrations, induction_pretrain, relabel_episode, teacher_turns
+from tidal.models.browser_model import (
+    BROWSER_MODEL_DIR,
+    _SnapshotPieces,
+    demonstrations,
+    relabel_episode,
+    teacher_turns,
+)
 
 PAGE = """Page: Raven admin (/)
 - generic [active] [ref=e1]:
@@ -89,33 +96,22 @@ def test_demonstrations_keep_the_recorded_habits_and_refuse_a_malformed_relabel(
         relabel_episode(eps[2], random.Random(0))
 
 
-class _Vocab:
-    """What the builder reads of a tokenizer: 128 ids, id 0 special (pad and eos)."""
-    all_special_ids = (0,)
-    eos_token_id = pad_token_id = 0
+def test_the_lookup_curriculum_and_the_quote_turn_use_the_snapshot_lines_own_tokens():
+    """The lookup curriculum builds lines and queries from pieces of the tokenizer's own split of
+    a snapshot line; the quote turn writes the label after `the "`, then the line's fill, so the
+    tokens before the ref in the turn occur in the page once: right before that button's ref."""
+    from transformers import AutoTokenizer
 
-    def __len__(self):
-        return 128
-
-
-def test_the_copy_curriculum_teaches_the_tiny_model_a_positional_copy():
-    """A freshly initialised tiny model (the builder's shape) copies a repeated random run at
-    chance (1 in 127); after 150 steps of the curriculum it copies most of it. The builder's
-    model copied every token at step 100 (measured), so 0.5 leaves room for another CPU's float
-    rounding and a smaller vocabulary's different start.
-
-    What it copies is the token a fixed distance back, not the token after a match: with 10
-    random tokens between run and repeat, the same model copies at chance (measured 0.0 on the
-    builder's vocabulary, 0.005 on this one; chance is 1/127). A copy by content would score
-    about what the unshifted copy does, so 0.1 (12x chance) separates the two with room for
-    another CPU's rounding. docs/browser.md explains the tiny model's failure to point with
-    this; if a change to the curriculum makes it copy by content, that explanation and this
-    bound must change together."""
-    from tidal.models.tiny import build_model
-
-    model = build_model(_Vocab(), seed=0)
-    before = induction_pretrain(model, _Vocab(), 0, random.Random(0), length=20)
-    after = induction_pretrain(model, _Vocab(), 150, random.Random(0), length=20)
-    assert before["copy_accuracy"] < 0.1
-    assert after["copy_accuracy"] > 0.5
-    assert after["shifted_copy_accuracy"] < 0.1, after
+    tok = AutoTokenizer.from_pretrained(BROWSER_MODEL_DIR)
+    pieces = _SnapshotPieces(tok)
+    assert tok.convert_ids_to_tokens(pieces.fill) == ['"', "Ġ[", "ref", "=e"]  # 4 levels of fill
+    for label, ref in (("Renew invoice", 5), ("Pause", 12), ("Archive subscription", 39)):
+        line = pieces.lead + pieces.label_ids[label] + pieces.fill + pieces.ref(ref) + pieces.end
+        assert line == pieces.encode(f'- button "{label}" [ref=e{ref}]\n'), label
+    page = pieces.encode(recorded("right", "Renew invoice")["messages"][-1]["content"])
+    solution = json.dumps([{"action": "click", "role": "button", "name": "Renew invoice"}])
+    turn = pieces.encode(teacher_turns(PAGE, {"solution": solution}, "right", form="quote")[0])
+    key = pieces.label_ids["Renew invoice"] + pieces.fill
+    assert turn[:len(pieces.query) + len(key)] == pieces.query + key
+    after = [page[i + len(key):i + len(key) + 1] for i in range(len(page)) if page[i:i + len(key)] == key]
+    assert after == [pieces.ref(5)]  # once, the look-alike "Renew account" not matched

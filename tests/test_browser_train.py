@@ -102,17 +102,18 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
 
 
 @pytest.mark.slow  # records episodes in Chromium: ~20 s
-def test_builder_opt_ins_relabel_and_run_the_copy_curriculum(tmp_path):
-    """`per_episode`, `induction_steps` and `form="line"` on a small budget: every recorded
-    episode has its relabelled copies, the curriculum ran, and the right habit's recorded turn
-    copies the button's snapshot line."""
+def test_builder_opt_ins_relabel_and_run_the_curricula(tmp_path):
+    """`per_episode`, `copy_steps`, `lookup_steps` and `form="quote"` on a small budget: every
+    recorded episode has its relabelled copies, both curricula ran on the builder's own
+    tokenizer, and the right habit's recorded turn, which names the line, clicks the button."""
     from tidal.models.browser_model import build_browser_model, held_out_success
 
     def quick(model, tok, rows):
         return held_out_success(model, tok, rows[:2], k=1)
 
     s = build_browser_model(tmp_path / "m", steps=2, batch_size=4, train_size=16, eval_n=4, concurrency=4,
-                            evaluate=quick, per_episode=3, induction_steps=2, form="line",
+                            evaluate=quick, per_episode=3, copy_steps=2, lookup_steps=2, form="quote",
                             habits={"right": 1.0})
-    assert s["demonstrations"] == 3 * 12 and s["form"] == "line" and s["induction"]["steps"] == 2
-    assert s["teacher_success"] == {"right": 1.0}  # the line form clicks the instructed button
+    assert s["demonstrations"] == 3 * 12 and s["form"] == "quote"
+    assert s["curricula"]["copy"]["steps"] == 2 and s["curricula"]["lookup"]["levels"] == 4
+    assert s["teacher_success"] == {"right": 1.0}  # the quote form clicks the instructed button

@@ -41,6 +41,7 @@ BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
 ENV_ARGS: dict[str, Any] = {"actions": ["click", "done"], "max_turns": 3, "action_timeout_s": 5.0}  # as examples/browser.yaml
 HABITS = ("right", "first", "malformed")
+FORMS = ("named", "line", "quote")  # the right habit's turn (`teacher_turns`)
 DONE = call_text("done", {})
 
 
@@ -71,8 +72,9 @@ def teacher_turns(observation: str, row: dict[str, Any], habit: str, slip: int =
 
     `right` names the instructed button and its ref (`form` "named": `"X" is e7.`; "line": the
     label, then the button's line of the snapshot, `Target: "X", button "X" [ref=e7]`, in the
-    snapshot's own tokens, so the ref is a copy of what follows the label there), then clicks
-    it; `first` clicks the first button of the page without reading further (right only when
+    snapshot's own tokens, so the ref is a copy of what follows the label there; "quote":
+    `the "X" [ref=e7]`, the label after the instruction's own `the "` and then, token for token,
+    the rest of its snapshot line, the lookup `lookup_pretrain` teaches), then clicks it; `first` clicks the first button of the page without reading further (right only when
     the target comes first); `malformed` slips (`malformed_call`), reads the env's error, then
     does as `first`. All end with `done`."""
     first = next(ref for role, _, ref in snapshot_elements(observation) if role == "button")
@@ -81,6 +83,8 @@ def teacher_turns(observation: str, row: dict[str, Any], habit: str, slip: int =
         ref = resolve_ref(observation, "button", label)
         if form == "line":
             return [f'Target: "{label}", button "{label}" [ref={ref}]\n' + call_text("click", {"ref": ref}), DONE]
+        if form == "quote":
+            return [f'the "{label}" [ref={ref}]\n' + call_text("click", {"ref": ref}), DONE]
         return [f'"{label}" is {ref}.\n' + call_text("click", {"ref": ref}), DONE]
     if habit == "first":
         return [call_text("click", {"ref": first}), DONE]
@@ -183,55 +187,162 @@ def demonstrations(episodes: list[dict[str, Any]], per_episode: int, rng: random
     return out
 
 
-def induction_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: int = 32, length: int = 40,
-                       lr: float = 3e-3) -> dict:
-    """A copy curriculum before any demonstration: runs of `length` random tokens of the
-    vocabulary, each written twice, the loss on the repeat. Clicking the instructed button is
-    two copies (the label from the instruction, the ref after that label in the snapshot); from
-    demonstrations alone the tiny model never learned to copy (800 SFT steps: the label it had
-    written 5 tokens earlier copied 5-11% of the time), while on this curriculum it copies a
-    run exactly within 100 steps.
-
-    What it learns is a positional copy, not a copy by content: the repeat is always `length`
-    tokens after the run, and the tiny model learns "the token `length - 1` back". Moved by 10
-    tokens (a run of 30, or 10 random tokens between run and repeat), its copy accuracy was 0.0
-    (measured after 150 steps, docs/browser.md, "Why the tiny model does not point"). Returns the
-    final loss, the copy accuracy on fresh runs and `shifted_copy_accuracy`, the same with 10
-    random tokens between run and repeat."""
-    special = set(tokenizer.all_special_ids)
-    pool = [i for i in range(len(tokenizer)) if i not in special]
-
-    def batch(n: int, gap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        runs = torch.tensor([rng.sample(pool, length) for _ in range(n)])
-        between = torch.tensor([rng.choices(pool, k=gap) for _ in range(n)], dtype=runs.dtype).view(n, gap)
-        seq = torch.cat([runs, between, runs], 1)
-        labels = seq.clone()
-        labels[:, : length + gap + 1] = -100  # the first run, the gap, the repeat's first token cannot be known
-        return seq, labels
-
-    def accuracy(gap: int) -> float:
-        seq, labels = batch(64, gap)
-        pred = model(seq).logits[:, :-1].argmax(-1)
-        known = labels[:, 1:] != -100
-        return round((pred[known] == labels[:, 1:][known]).float().mean().item(), 4)
-
+def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, batch_size: int, lr: float,
+                      level=lambda step: 0) -> float:
+    """AdamW on sequences from `make(rng, level)` -> (ids, labels) (-100: no loss), padded right;
+    linear warm-up over 50 steps, then `lr`. Returns the last batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     loss = torch.tensor(float("nan"))
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
-        seq, labels = batch(batch_size)
-        logits = model(seq).logits
+        ids, labels = _pad([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
+        logits = model(ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  labels[:, 1:].reshape(-1), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-    with torch.no_grad():
-        copy, shifted = accuracy(0), accuracy(10)
-    return {"steps": steps, "loss": round(loss.item(), 4), "copy_accuracy": copy, "shifted_copy_accuracy": shifted}
+    return round(loss.item(), 4)
+
+
+def _pad(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids, _ in pairs)
+    ids = torch.full((len(pairs), width), pad_id)
+    labels = torch.full((len(pairs), width), -100)
+    for row, (i, lab) in enumerate(pairs):
+        ids[row, :len(i)] = torch.tensor(i)
+        labels[row, :len(lab)] = torch.tensor(lab)
+    return ids, labels
+
+
+@torch.no_grad()
+def _accuracy(model, tokenizer, pairs: list[tuple[list[int], list[int]]]) -> float:
+    """Greedy next-token accuracy on the labelled positions (teacher-forced)."""
+    ids, labels = _pad(pairs, tokenizer.pad_token_id)
+    model.eval()
+    pred = model(ids).logits[:, :-1].argmax(-1)
+    model.train()
+    known = labels[:, 1:] != -100
+    return round((pred[known] == labels[:, 1:][known]).float().mean().item(), 4)
+
+
+def copy_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: int = 32, lr: float = 1e-3,
+                  span: int = 20) -> dict:
+    """A copy by content (an induction head) before anything else: 0-`span` random tokens, a run
+    of 6 to 2/3 `span` distinct tokens, 0-`span` random tokens, the run again; the loss on the
+    repeat after its first token. The distance between run and repeat varies, so only a copy
+    keyed on the token just read scores: "find where this token was, write what came next".
+
+    It forms late and at once (docs/browser.md, "Why the tiny model does not point"): at the
+    builder's size, near chance until ~1700 steps, then 0.98 by ~1950. A fixed distance (the
+    runs written back to back) is learned in 100 steps as a positional copy that does not
+    carry over; longer spans (0-60) or lr 3e-3 kept it at chance for 1500 steps. Returns the
+    final loss and the copy accuracy on fresh sequences."""
+    special = set(tokenizer.all_special_ids)
+    pool = [i for i in range(len(tokenizer)) if i not in special]
+
+    def make(r: random.Random, _level: int) -> tuple[list[int], list[int]]:
+        before, length, between = r.randint(0, span), r.randint(6, max(6, span * 2 // 3)), r.randint(0, span)
+        run = r.sample(pool, length)
+        ids = r.choices(pool, k=before) + run + r.choices(pool, k=between) + run
+        return ids, [-100] * (before + length + between + 1) + run[1:]
+
+    loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr)
+    check = random.Random(rng.random())
+    return {"steps": steps, "loss": loss, "copy_accuracy": _accuracy(model, tokenizer, [make(check, 0) for _ in range(64)])}
+
+
+class _SnapshotPieces:
+    """Token ids of the pieces of a snapshot's button line, `- button "Renew invoice" [ref=e12]`,
+    as the tokenizer splits the whole line: the lead (`- button "`), each label, the fill
+    between label and ref (`" [ref=e`), each ref's digits, the end (`]` and the newline). The
+    lookup curriculum builds lines and queries from them, so what it teaches is keyed on the
+    tokens the policy will read."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.lead, self.label_ids, self.fill, self.end = None, {}, None, None
+        for verb in VERBS:
+            self.split(verb, 12)
+            for obj in OBJECTS:
+                self.split(f"{verb} {obj}", 12)
+        self.query = self.encode('the "')
+        if self.encode('the "Renew invoice') != self.query + self.label_ids["Renew invoice"]:
+            raise ValueError("the tokenizer does not split a quoted label after `the \"` as in a snapshot line; "
+                             "the lookup curriculum needs the label's tokens to be the same in both")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def split(self, label: str, ref: int) -> None:
+        lead, fill = '- button "', '" [ref=e'
+        line = f"{lead}{label}{fill}{ref}]\n"
+        enc = self.tokenizer(line, add_special_tokens=False, return_offsets_mapping=True)
+        cuts = [len(lead), len(lead) + len(label), len(lead) + len(label) + len(fill), len(line) - 2]
+        starts = [start for start, _ in enc["offset_mapping"]]
+        if any(c not in starts for c in cuts):
+            raise ValueError(f"the tokenizer merges across the parts of the snapshot line {line!r}; "
+                             "the lookup curriculum needs label, fill and ref as separate tokens")
+        ids, at = enc["input_ids"], [starts.index(c) for c in cuts]
+        parts = [ids[:at[0]], ids[at[0]:at[1]], ids[at[1]:at[2]], ids[at[2]:at[3]], ids[at[3]:]]
+        if self.lead is None:
+            self.lead, self.fill, self.end = parts[0], parts[2], parts[4]
+        elif (parts[0], parts[2], parts[4]) != (self.lead, self.fill, self.end):
+            raise ValueError(f"the tokenizer splits the snapshot line {line!r} differently from the others")
+        self.label_ids[label] = parts[1]
+
+    def ref(self, number: int) -> list[int]:
+        return self.encode(str(number))
+
+
+def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: int = 32, lr: float = 1e-3,
+                    grow: int = 150, queries: int = 12) -> dict:
+    """The lookup a click on the instructed button needs, taught on its own: a page of 3-8
+    button lines with refs e2-e39, two-word labels with look-alikes as `click_button` draws
+    them (or one verb each, half the pages), then `queries` lines `the "Renew invoice" [ref=e`
+    whose loss is on the ref's digits.
+
+    The fill between label and ref grows. At level 0 the ref follows the label at once (a copy
+    by content, `copy_pretrain`, solves it at step 1); each `grow` steps one more of the fill's
+    tokens (`" [ref=e`) stands between them, up to the snapshot's own line. Trained on the whole
+    line from the start, the tiny model stayed at the page's ref prior (0.5 for 400 steps after
+    the copy; 0.4-0.5 for 2500 from scratch); grown, every level was right 0.99 within 100
+    steps of reaching it (docs/browser.md). Run `copy_pretrain` first. Returns the final loss
+    and, at the full line, the ref accuracy with one-word and two-word labels."""
+    pieces = _SnapshotPieces(tokenizer)
+    levels = len(pieces.fill)
+
+    def make(r: random.Random, level: int, two: bool | None = None, exact: bool = False) -> tuple[list[int], list[int]]:
+        count = r.randint(3, 8)
+        if two if two is not None else r.random() < 0.5:
+            labels = button_labels(r, r.choice(VERBS), r.choice(OBJECTS), count)
+        else:  # one word each: the plainest key
+            labels = r.sample(VERBS, count)
+        refs = r.sample(range(2, 40), len(labels))
+        level = level if exact else r.randint(0, level)  # the levels below stay in the mix
+        fill = pieces.fill[len(pieces.fill) - level:] if level else []
+        ids, out = [], []
+        for label, ref in zip(labels, refs):
+            line = pieces.lead + pieces.label_ids[label] + fill + pieces.ref(ref) + pieces.end
+            ids += line
+            out += [-100] * len(line)
+        for _ in range(queries):
+            k = r.randrange(len(labels))
+            ask, digits = pieces.query + pieces.label_ids[labels[k]] + fill, pieces.ref(refs[k])
+            ids += ask + digits + pieces.end
+            out += [-100] * len(ask) + digits + [-100] * len(pieces.end)
+        return ids, out
+
+    loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr,
+                             level=lambda step: min(levels, step // grow))
+    check = random.Random(rng.random())
+    full = {two: _accuracy(model, tokenizer, [make(check, levels, two, exact=True) for _ in range(64)])
+            for two in (False, True)}
+    return {"steps": steps, "loss": loss, "levels": levels, "grow": grow,
+            "ref_accuracy": full[False], "ref_accuracy_look_alikes": full[True]}
 
 
 def episode_tokens(tokenizer, episode: dict[str, Any]) -> tuple[list[int], list[bool]]:
@@ -331,7 +442,8 @@ def build_browser_model(
     concurrency: int = 16,
     evaluate=None,
     per_episode: int = 1,
-    induction_steps: int = 0,
+    copy_steps: int = 0,
+    lookup_steps: int = 0,
     form: str = "named",
 ) -> dict:
     """Build tokenizer and model, warm-start them on `click_button`, save an HF directory;
@@ -348,15 +460,16 @@ def build_browser_model(
 
     Opt-in, for the copy (docs/browser.md, "The tiny-browser model"; the defaults leave the
     shipped recipe as it was): `per_episode` > 1 adds `per_episode - 1` relabelled copies of
-    every recorded episode (`demonstrations`); `induction_steps` runs the copy curriculum
-    (`induction_pretrain`) before the SFT; `form="line"` makes the right habit copy the button's
-    snapshot line (`teacher_turns`).
+    every recorded episode (`demonstrations`); `copy_steps` then `lookup_steps` run the two
+    curricula (`copy_pretrain`, `lookup_pretrain`) before the SFT; `form` picks the right
+    habit's turn (`teacher_turns`). The recipe measured to point at the instructed button is
+    `per_episode=40, copy_steps=2200, lookup_steps=750, form="quote"`.
     """
     habits = habits or {"right": 0.55, "first": 0.35, "malformed": 0.1}
     if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - set(HABITS):
         raise ValueError(f"habits must be fractions of {', '.join(HABITS)} summing to 1, got {habits}")
-    if form not in ("named", "line"):
-        raise ValueError(f"form must be 'named' or 'line', got {form!r}")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     random.seed(seed)
     torch.manual_seed(seed)
     rows = make_tasks("train", train_size, seed=30_000 + seed, families=FAMILIES)
@@ -371,11 +484,12 @@ def build_browser_model(
     model = build_model(tokenizer, seed=seed)
     # episodes with the tools' system turn, a page of buttons and three turns run to ~400 tokens
     model.config.max_position_embeddings = 1024
-    induction = {}
-    if induction_steps:
-        t0 = time.time()
-        induction = {**induction_pretrain(model, tokenizer, induction_steps, rng), "train_s": round(time.time() - t0, 1)}
-        print(f"browser copy curriculum: {json.dumps(induction)}", flush=True)
+    curricula = {}
+    for name, run, steps_of in (("copy", copy_pretrain, copy_steps), ("lookup", lookup_pretrain, lookup_steps)):
+        if steps_of:
+            t0 = time.time()
+            curricula[name] = {**run(model, tokenizer, steps_of, rng), "train_s": round(time.time() - t0, 1)}
+            print(f"browser {name} curriculum: {json.dumps(curricula[name])}", flush=True)
     examples = [episode_tokens(tokenizer, e) for e in demos]
     prefix_len = _shared_prefix(examples)
     history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate or held_out_success, rng,
@@ -389,7 +503,7 @@ def build_browser_model(
                "tokens_per_episode": round(sum(len(t) for t, _ in examples) / len(examples), 1),
                "val": history[-1] if history else {}, "params": sum(p.numel() for p in model.parameters()),
                "history": history}
-    if per_episode > 1 or induction_steps or form != "named":
-        summary.update(per_episode=per_episode, demonstrations=len(demos), induction=induction, form=form)
+    if per_episode > 1 or curricula or form != "named":
+        summary.update(per_episode=per_episode, demonstrations=len(demos), curricula=curricula, form=form)
     (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     return summary
