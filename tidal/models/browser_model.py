@@ -74,8 +74,9 @@ def teacher_turns(observation: str, row: dict[str, Any], habit: str, slip: int =
     label, then the button's line of the snapshot, `Target: "X", button "X" [ref=e7]`, in the
     snapshot's own tokens, so the ref is a copy of what follows the label there; "quote":
     `the "X" [ref=e7]`, the label after the instruction's own `the "` and then, token for token,
-    the rest of its snapshot line, the lookup `lookup_pretrain` teaches), then clicks it; `first` clicks the first button of the page without reading further (right only when
-    the target comes first); `malformed` slips (`malformed_call`), reads the env's error, then
+    the rest of its snapshot line, the lookup `lookup_pretrain` teaches), then clicks it;
+    `first` clicks the first button of the page without reading further (right only when the
+    target comes first); `malformed` slips (`malformed_call`), reads the env's error, then
     does as `first`. All end with `done`."""
     first = next(ref for role, _, ref in snapshot_elements(observation) if role == "button")
     if habit == "right":
