@@ -310,7 +310,7 @@ def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size
     by content, `copy_pretrain`, solves it at step 1); each `grow` steps one more of the fill's
     tokens (`" [ref=e`) stands between them, up to the snapshot's own line. Trained on the whole
     line from the start, the tiny model stayed at the page's ref prior (0.5 for 400 steps after
-    the copy; 0.4-0.5 for 2500 from scratch); grown, every level was right 0.99 within 100
+    the copy; 0.4-0.45 for 900 from scratch); grown, every level was right 0.99 within 100
     steps of reaching it (docs/browser.md). Run `copy_pretrain` first. Returns the final loss
     and, at the full line, the ref accuracy with one-word and two-word labels."""
     pieces = _SnapshotPieces(tokenizer)
@@ -463,8 +463,11 @@ def build_browser_model(
     shipped recipe as it was): `per_episode` > 1 adds `per_episode - 1` relabelled copies of
     every recorded episode (`demonstrations`); `copy_steps` then `lookup_steps` run the two
     curricula (`copy_pretrain`, `lookup_pretrain`) before the SFT; `form` picks the right
-    habit's turn (`teacher_turns`). The recipe measured to point at the instructed button is
-    `per_episode=40, copy_steps=2200, lookup_steps=750, form="quote"`.
+    habit's turn (`teacher_turns`). What was measured to point at the instructed button, and to
+    improve under GRPO (docs/browser.md, "Curricula that make it point"), is what
+    `per_episode=40, copy_steps=2200, lookup_steps=750, form="quote", habits={"right": 0.5,
+    "first": 0.5}, steps=400, lr=1e-3` do, run by a script on the shipped model's tokenizer; the
+    builder has not yet been run end to end with them.
     """
     habits = habits or {"right": 0.55, "first": 0.35, "malformed": 0.1}
     if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - set(HABITS):
