@@ -318,7 +318,7 @@ def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size
 
     def make(r: random.Random, level: int, two: bool | None = None, exact: bool = False) -> tuple[list[int], list[int]]:
         count = r.randint(3, 8)
-        if two if two is not None else r.random() < 0.5:
+        if (r.random() < 0.5) if two is None else two:
             labels = button_labels(r, r.choice(VERBS), r.choice(OBJECTS), count)
         else:  # one word each: the plainest key
             labels = r.sample(VERBS, count)
