@@ -115,3 +115,22 @@ def test_the_lookup_curriculum_and_the_quote_turn_use_the_snapshot_lines_own_tok
     assert turn[:len(pieces.query) + len(key)] == pieces.query + key
     after = [page[i + len(key):i + len(key) + 1] for i in range(len(page)) if page[i:i + len(key)] == key]
     assert after == [pieces.ref(5)]  # once, the look-alike "Renew account" not matched
+
+
+def test_a_tokenizer_that_merges_across_the_snapshot_lines_parts_is_refused_by_name():
+    """A tokenizer without Qwen's pre-split learns merges across the quote that ends a label; the
+    lookup curriculum would then train on tokens the policy never reads, so it refuses with the
+    line it could not split."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    lines = [f'- button "{label}" [ref=e{n}]\n' for n, label in enumerate(["Renew", "Pause", "Renew invoice"] * 50)]
+    bpe.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    merged = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    assert len(merged.tokenize('Renew" [ref=e')) < len('Renew" [ref=e')  # it did learn merges
+    with pytest.raises(ValueError, match=r"merges across the parts of the snapshot line '- button \"Cancel\" \[ref=e12\]"):
+        _SnapshotPieces(merged)
