@@ -115,6 +115,9 @@ def test_the_lookup_curriculum_and_the_quote_turn_use_the_snapshot_lines_own_tok
     assert turn[:len(pieces.query) + len(key)] == pieces.query + key
     after = [page[i + len(key):i + len(key) + 1] for i in range(len(page)) if page[i:i + len(key)] == key]
     assert after == [pieces.ref(5)]  # once, the look-alike "Renew account" not matched
+    # the curriculum's right turn is the teacher's, token for token: the ref looked up, then clicked
+    assert pieces.quote_turn("Renew invoice", 5) == turn
+    assert turn[-len(pieces.click_tail) - len(pieces.ref(5)):-len(pieces.click_tail)] == pieces.ref(5)
 
 
 def test_a_tokenizer_that_merges_across_the_snapshot_lines_parts_is_refused_by_name():

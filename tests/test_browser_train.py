@@ -80,12 +80,13 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
 
     from safetensors.torch import load_file
 
-    from tidal.models.browser_model import build_browser_model, held_out_success
+    from tidal.models.browser_model import DEFAULT_HABITS, build_browser_model, held_out_success
 
     def quick(model, tok, rows):
         return held_out_success(model, tok, rows[:2], k=1)
 
-    kw = {"steps": 2, "batch_size": 4, "train_size": 24, "eval_n": 4, "concurrency": 4, "evaluate": quick}
+    kw = {"steps": 2, "batch_size": 4, "train_size": 24, "eval_n": 4, "concurrency": 4, "evaluate": quick,
+          "per_episode": 2, "copy_steps": 2, "lookup_steps": 2}
     a, b = build_browser_model(tmp_path / "a", **kw), build_browser_model(tmp_path / "b", **kw)
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
@@ -94,15 +95,17 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
     assert a["teacher_success"] == b["teacher_success"]
     shipped = json.loads((BROWSER_MODEL_DIR / "tidal_build.json").read_text())
     defaults = {k: p.default for k, p in inspect.signature(build_browser_model).parameters.items()}
-    for key in ("seed", "steps", "batch_size", "lr", "train_size"):
+    for key in ("seed", "steps", "batch_size", "lr", "train_size", "per_episode", "form"):
         assert shipped[key] == defaults[key], key
-    assert shipped["habits"] == {"right": 0.55, "first": 0.35, "malformed": 0.1}  # build_browser_model's default
+    assert {name: c["steps"] for name, c in shipped["curricula"].items()} == {
+        "copy": defaults["copy_steps"], "lookup": defaults["lookup_steps"]}
+    assert shipped["habits"] == DEFAULT_HABITS and shipped["threads"] == 2  # `tidal build-browser-model`'s default
     # the right habit always succeeds; clicking the first button does by chance (3-8 buttons)
     assert shipped["teacher_success"]["right"] == 1.0 and shipped["teacher_success"]["first"] < 0.35
 
 
 @pytest.mark.slow  # records episodes in Chromium: ~20 s
-def test_builder_opt_ins_relabel_and_run_the_curricula(tmp_path):
+def test_builder_on_a_small_budget_relabels_and_runs_both_curricula(tmp_path):
     """`per_episode`, `copy_steps`, `lookup_steps` and `form="quote"` on a small budget: every
     recorded episode has its relabelled copies, both curricula ran on the builder's own
     tokenizer, and the right habit's recorded turn, which names the line, clicks the button."""
@@ -117,3 +120,24 @@ def test_builder_opt_ins_relabel_and_run_the_curricula(tmp_path):
     assert s["demonstrations"] == 3 * 12 and s["form"] == "quote"
     assert s["curricula"]["copy"]["steps"] == 2 and s["curricula"]["lookup"]["levels"] == 4
     assert s["teacher_success"] == {"right": 1.0}  # the quote form clicks the instructed button
+
+
+@pytest.mark.slow  # 64 greedy episodes in Chromium: ~30 s
+def test_the_shipped_model_clicks_the_instructed_button_on_held_out_pages():
+    """The warm start points: on the held-out tasks `examples/browser.yaml` evaluates on, greedy
+    decoding clicks the instructed button far more often than the page's first button is the
+    target (the first models' ceiling); RL then has a habit to sharpen (docs/browser.md)."""
+    import re
+
+    from tidal.envs.browser.tasks import make_tasks
+    from tidal.models import load_model, load_tokenizer
+    from tidal.models.browser_model import FAMILIES, held_out_success, instructed_label
+
+    rows = make_tasks("test", 64, seed=0, families=FAMILIES)
+    first = sum(re.search(r"<button[^>]*>([^<]+)</button>", json.loads(r["pages"])["/"]).group(1) == instructed_label(r)
+                for r in rows) / len(rows)
+    res = held_out_success(load_model(BROWSER_MODEL_DIR), load_tokenizer(BROWSER_MODEL_DIR), rows, k=1)
+    assert res["n"] == 64 and res["failed"] == 0
+    # measured 0.609 (docs/browser.md); the bound leaves 10 of the 64 tasks to argmax ties that
+    # another CPU's kernels may break otherwise, and is still 3× the first-button share (0.156)
+    assert first < 0.2 and res["accuracy"] >= 0.45, (first, res)

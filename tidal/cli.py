@@ -439,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")
     bb.add_argument("--out", default=str(DEFAULT_MODEL_DIR.parent / "tiny-browser"))  # browser_model.BROWSER_MODEL_DIR
     bb.add_argument("--seed", type=int, default=0)
-    bb.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
+    bb.add_argument("--threads", type=int, default=2,
+                    help="torch threads (the result is deterministic per count; the shipped model: 2)")
     bb.set_defaults(fn=cmd_build_browser, args=[])
     bv = sub.add_parser("build-default-vlm",
                         help="rebuild the embedded tiny vision-language model (image tasks) deterministically")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from tidal.envs.base import Action
 from tidal.envs.browser.env import BrowserEnv
@@ -41,6 +42,7 @@ BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
 ENV_ARGS: dict[str, Any] = {"actions": ["click", "done"], "max_turns": 3, "action_timeout_s": 5.0}  # as examples/browser.yaml
 HABITS = ("right", "first", "malformed")
+DEFAULT_HABITS = {"right": 0.5, "first": 0.5}  # `build_browser_model`'s, and the shipped model's
 FORMS = ("named", "line", "quote")  # the right habit's turn (`teacher_turns`)
 DONE = call_text("done", {})
 
@@ -189,13 +191,14 @@ def demonstrations(episodes: list[dict[str, Any]], per_episode: int, rng: random
 
 
 def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, batch_size: int, lr: float,
-                      level=lambda step: 0) -> float:
+                      level=lambda step: 0, desc: str = "curriculum") -> float:
     """AdamW on sequences from `make(rng, level)` -> (ids, labels) (-100: no loss), padded right;
-    linear warm-up over 50 steps, then `lr`. Returns the last batch's loss."""
+    linear warm-up over 50 steps, then `lr`; a progress bar named `desc`. Returns the last
+    batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     model.train()
     loss = torch.tensor(float("nan"))
-    for step in range(steps):
+    for step in tqdm(range(steps), desc=desc, unit="step", mininterval=5.0):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
         ids, labels = _pad([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
@@ -237,7 +240,7 @@ def copy_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: 
     repeat after its first token. The distance between run and repeat varies, so only a copy
     keyed on the token just read scores: "find where this token was, write what came next".
 
-    It forms late and at once (docs/browser.md, "Why the tiny model does not point"): at the
+    It forms late and at once (docs/browser.md, "Why the first tiny models did not point"): at the
     builder's size, near chance until ~1700 steps, then 0.98 by ~1950. A fixed distance (the
     runs written back to back) is learned in 100 steps as a positional copy that does not
     carry over; longer spans (0-60) or lr 3e-3 kept it at chance for 1500 steps. Returns the
@@ -251,7 +254,7 @@ def copy_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: 
         ids = r.choices(pool, k=before) + run + r.choices(pool, k=between) + run
         return ids, [-100] * (before + length + between + 1) + run[1:]
 
-    loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr)
+    loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr, desc="browser copy")
     check = random.Random(rng.random())
     return {"steps": steps, "loss": loss, "copy_accuracy": _accuracy(model, tokenizer, [make(check, 0) for _ in range(64)])}
 
@@ -259,9 +262,10 @@ def copy_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: 
 class _SnapshotPieces:
     """Token ids of the pieces of a snapshot's button line, `- button "Renew invoice" [ref=e12]`,
     as the tokenizer splits the whole line: the lead (`- button "`), each label, the fill
-    between label and ref (`" [ref=e`), each ref's digits, the end (`]` and the newline). The
+    between label and ref (`" [ref=e`), each ref's digits, the end (`]` and the newline); and of
+    the right turn's click on it, split around the ref's digits (`click_head`, `click_tail`). The
     lookup curriculum builds lines and queries from them, so what it teaches is keyed on the
-    tokens the policy will read."""
+    tokens the policy will read and write."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -274,6 +278,13 @@ class _SnapshotPieces:
         if self.encode('the "Renew invoice') != self.query + self.label_ids["Renew invoice"]:
             raise ValueError("the tokenizer does not split a quoted label after `the \"` as in a snapshot line; "
                              "the lookup curriculum needs the label's tokens to be the same in both")
+        head, tail = call_text("click", {"ref": "e12"}).split("12")
+        self.click_head, self.click_tail = self.encode(head), self.encode(tail)
+        turn = teacher_turns('- button "Renew invoice" [ref=e12]', {"solution": json.dumps(
+            [{"action": "click", "role": "button", "name": "Renew invoice"}])}, "right", form="quote")[0]
+        if self.encode(turn) != self.quote_turn("Renew invoice", 12):
+            raise ValueError(f"the tokenizer splits the right turn {turn!r} otherwise than its snapshot line and "
+                             "call; the lookup curriculum needs the ref's digits as separate tokens in both")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -298,13 +309,23 @@ class _SnapshotPieces:
     def ref(self, number: int) -> list[int]:
         return self.encode(str(number))
 
+    def quote_turn(self, label: str, number: int, fill: list[int] | None = None) -> list[int]:
+        """`the "Renew invoice" [ref=e12]` and the click on e12 (`teacher_turns`' quote form), with
+        `fill` between label and ref (the line's own when None)."""
+        digits = self.ref(number)
+        return (self.query + self.label_ids[label] + (self.fill if fill is None else fill) + digits + self.end
+                + self.click_head + digits + self.click_tail)
+
 
 def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: int = 32, lr: float = 1e-3,
                     grow: int = 150, queries: int = 12) -> dict:
     """The lookup a click on the instructed button needs, taught on its own: a page of 3-8
     button lines with refs e2-e39, two-word labels with look-alikes as `click_button` draws
-    them (or one verb each, half the pages), then `queries` lines `the "Renew invoice" [ref=e`
-    whose loss is on the ref's digits.
+    them (or one verb each, half the pages), then `queries` right turns (`teacher_turns`' quote
+    form): `the "Renew invoice" [ref=e12]` and the click on e12, whose loss is on the ref's
+    digits, where looked up and where copied into the call. (With the lookup alone, a warm start
+    named the instructed button's line right 184 times in 186 sampled turns, then clicked that
+    ref in 38: the click was the turn's weak half.)
 
     The fill between label and ref grows. At level 0 the ref follows the label at once (a copy
     by content, `copy_pretrain`, solves it at step 1); each `grow` steps one more of the fill's
@@ -312,7 +333,7 @@ def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size
     line from the start, the tiny model stayed at the page's ref prior (0.5 for 400 steps after
     the copy; 0.4-0.45 for 900 from scratch); grown, every level was right 0.99 within 100
     steps of reaching it (docs/browser.md). Run `copy_pretrain` first. Returns the final loss
-    and, at the full line, the ref accuracy with one-word and two-word labels."""
+    and, at the full line, the accuracy on the turns' digits with one-word and two-word labels."""
     pieces = _SnapshotPieces(tokenizer)
     levels = len(pieces.fill)
 
@@ -330,15 +351,17 @@ def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size
             line = pieces.lead + pieces.label_ids[label] + fill + pieces.ref(ref) + pieces.end
             ids += line
             out += [-100] * len(line)
-        for _ in range(queries):
+        for _ in range(queries):  # the right turn: the ref looked up, then copied into the click
             k = r.randrange(len(labels))
-            ask, digits = pieces.query + pieces.label_ids[labels[k]] + fill, pieces.ref(refs[k])
-            ids += ask + digits + pieces.end
-            out += [-100] * len(ask) + digits + [-100] * len(pieces.end)
+            turn, digits = pieces.quote_turn(labels[k], refs[k], fill), pieces.ref(refs[k])
+            ids += turn
+            ask = len(pieces.query) + len(pieces.label_ids[labels[k]]) + len(fill)
+            between = len(pieces.end) + len(pieces.click_head)
+            out += [-100] * ask + digits + [-100] * between + digits + [-100] * len(pieces.click_tail)
         return ids, out
 
     loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr,
-                             level=lambda step: min(levels, step // grow))
+                             level=lambda step: min(levels, step // grow), desc="browser lookup")
     check = random.Random(rng.random())
     full = {two: _accuracy(model, tokenizer, [make(check, levels, two, exact=True) for _ in range(64)])
             for two in (False, True)}
@@ -431,45 +454,45 @@ def draw_habits(n: int, habits: dict[str, float], rng: random.Random) -> tuple[l
 def build_browser_model(
     out_dir: str | Path,
     seed: int = 0,
-    steps: int = 600,
+    steps: int = 400,
     batch_size: int = 16,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     warmup: int = 30,
     habits: dict[str, float] | None = None,
-    eval_every: int = 0,
+    eval_every: int = 100,
     eval_n: int = 64,
-    train_size: int = 1500,
+    train_size: int = 364,
     vocab_size: int = 1024,
     concurrency: int = 16,
     evaluate=None,
-    per_episode: int = 1,
-    copy_steps: int = 0,
-    lookup_steps: int = 0,
-    form: str = "named",
+    per_episode: int = 40,
+    copy_steps: int = 2200,
+    lookup_steps: int = 750,
+    form: str = "quote",
 ) -> dict:
     """Build tokenizer and model, warm-start them on `click_button`, save an HF directory;
     return a summary (also written to `tidal_build.json`).
 
-    The teacher has three habits, drawn per demonstration (`habits`, fractions; see
-    `teacher_turns`): `right` names the instructed button and its ref and clicks it; `first`
-    clicks the page's first button at once; `malformed` slips first. The right habit is a copy
-    (the label from the instruction, then the ref that follows it in the snapshot); at the
-    defaults the tiny model learns its form but not yet the copy (measured: the shipped model's
-    `tidal_build.json` and docs/browser.md), so its success stays near the chance that the target
-    is the first button. Validation uses a slice of the *train* split (`eval_every` 0: only at
-    the end).
+    The steps, each at its defaults (docs/browser.md, "The tiny-browser model"):
+    - record `train_size - eval_n` episodes in Chromium (the rest of the train split's slice
+      validates), each by one of the teacher's habits (`habits`, fractions, `DEFAULT_HABITS`
+      when None; see `teacher_turns`): `right` names the instructed button by its snapshot line
+      (`form`) and clicks it; `first` clicks the page's first button at once; `malformed` slips
+      first;
+    - add `per_episode - 1` relabelled copies of each (`demonstrations`): 300 recorded episodes
+      give 12,000 demonstrations;
+    - train a tokenizer on them, then run the two curricula on the fresh model: a copy by content
+      (`copy_pretrain`, `copy_steps`), then the lookup of a ref by its label in a snapshot
+      (`lookup_pretrain`, `lookup_steps`); 0 skips one;
+    - SFT on the demonstrations (`steps`, `batch_size`, `lr`), validating every `eval_every`
+      steps and at the end.
 
-    Opt-in, for the copy (docs/browser.md, "The tiny-browser model"; the defaults leave the
-    shipped recipe as it was): `per_episode` > 1 adds `per_episode - 1` relabelled copies of
-    every recorded episode (`demonstrations`); `copy_steps` then `lookup_steps` run the two
-    curricula (`copy_pretrain`, `lookup_pretrain`) before the SFT; `form` picks the right
-    habit's turn (`teacher_turns`). What was measured to point at the instructed button, and to
-    improve under GRPO (docs/browser.md, "Curricula that make it point"), is what
-    `per_episode=40, copy_steps=2200, lookup_steps=750, form="quote", habits={"right": 0.5,
-    "first": 0.5}, steps=400, lr=1e-3` do, run by a script on the shipped model's tokenizer; the
-    builder has not yet been run end to end with them.
+    The right habit is a copy (the label from the instruction, then the ref that follows it in
+    the snapshot); without the curricula the tiny model learns its form but not the copy, and
+    its success stays near the chance that the target is the first button. The result is
+    deterministic for a seed and a torch thread count (recorded as `threads`).
     """
-    habits = habits or {"right": 0.55, "first": 0.35, "malformed": 0.1}
+    habits = habits or dict(DEFAULT_HABITS)
     if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - set(HABITS):
         raise ValueError(f"habits must be fractions of {', '.join(HABITS)} summing to 1, got {habits}")
     if form not in FORMS:
@@ -506,8 +529,7 @@ def build_browser_model(
                "teacher_success": {h: round(sum(r) / len(r), 3) for h, r in teacher.items() if r},
                "tokens_per_episode": round(sum(len(t) for t, _ in examples) / len(examples), 1),
                "val": history[-1] if history else {}, "params": sum(p.numel() for p in model.parameters()),
-               "history": history}
-    if per_episode > 1 or curricula or form != "named":
-        summary.update(per_episode=per_episode, demonstrations=len(demos), curricula=curricula, form=form)
+               "history": history, "threads": torch.get_num_threads(), "per_episode": per_episode,
+               "demonstrations": len(demos), "curricula": curricula, "form": form}
     (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     return summary
