@@ -137,3 +137,17 @@ def test_a_tokenizer_that_merges_across_the_snapshot_lines_parts_is_refused_by_n
     assert len(merged.tokenize('Renew" [ref=e')) < len('Renew" [ref=e')  # it did learn merges
     with pytest.raises(ValueError, match=r"merges across the parts of the snapshot line '- button \"Cancel\" \[ref=e12\]"):
         _SnapshotPieces(merged)
+
+
+def test_the_builder_refuses_settings_that_would_teach_one_turn_and_demonstrate_another(tmp_path):
+    """The lookup curriculum teaches the quote form's turn; with another form it would train a turn
+    that no demonstration shows, so the builder refuses before recording anything."""
+    from tidal.models.browser_model import build_browser_model
+
+    with pytest.raises(ValueError, match="lookup_steps needs form='quote'.*'named'"):
+        build_browser_model(tmp_path / "m", form="named")
+    with pytest.raises(ValueError, match="form must be one of named, line, quote, got 'quoted'"):
+        build_browser_model(tmp_path / "m", form="quoted")
+    with pytest.raises(ValueError, match="habits must be fractions"):
+        build_browser_model(tmp_path / "m", habits={"right": 0.5, "lucky": 0.5})
+    assert not (tmp_path / "m").exists()

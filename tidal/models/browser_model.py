@@ -497,6 +497,8 @@ def build_browser_model(
         raise ValueError(f"habits must be fractions of {', '.join(HABITS)} summing to 1, got {habits}")
     if form not in FORMS:
         raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    if lookup_steps and form != "quote":
+        raise ValueError(f"lookup_steps needs form='quote' (the lookup curriculum's turns are that form's), got {form!r}")
     random.seed(seed)
     torch.manual_seed(seed)
     rows = make_tasks("train", train_size, seed=30_000 + seed, families=FAMILIES)
