@@ -116,7 +116,8 @@ def test_the_lookup_curriculum_and_the_quote_turn_use_the_snapshot_lines_own_tok
     after = [page[i + len(key):i + len(key) + 1] for i in range(len(page)) if page[i:i + len(key)] == key]
     assert after == [pieces.ref(5)]  # once, the look-alike "Renew account" not matched
     # the curriculum's right turn is the teacher's, token for token: the ref looked up, then clicked
-    assert pieces.quote_turn("Renew invoice", 5) == turn
+    ids, mask = pieces.quote_turn("Renew invoice", 5)
+    assert ids == turn and [t for t, on in zip(ids, mask) if on] == pieces.ref(5) * 2
     assert turn[-len(pieces.click_tail) - len(pieces.ref(5)):-len(pieces.click_tail)] == pieces.ref(5)
 
 

@@ -36,7 +36,7 @@ from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
 from tidal.envs.browser.tasks import OBJECTS, VERBS, button_labels, make_tasks
 from tidal.envs.tools import assistant_message, parse_tool_calls
 from tidal.models.tiny import build_model, save_model
-from tidal.models.tool_model import CHAT_TEMPLATE, _shared_prefix, build_tokenizer, call_text, sft_train
+from tidal.models.tool_model import CHAT_TEMPLATE, _batch, _shared_prefix, build_tokenizer, call_text, sft_train
 
 BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
@@ -192,7 +192,7 @@ def demonstrations(episodes: list[dict[str, Any]], per_episode: int, rng: random
 
 def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, batch_size: int, lr: float,
                       level=lambda step: 0, desc: str = "curriculum") -> float:
-    """AdamW on sequences from `make(rng, level)` -> (ids, labels) (-100: no loss), padded right;
+    """AdamW on sequences from `make(rng, level)` -> (ids, loss mask), padded right (`_batch`);
     linear warm-up over 50 steps, then `lr`; a progress bar named `desc`. Returns the last
     batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -201,7 +201,7 @@ def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, ba
     for step in tqdm(range(steps), desc=desc, unit="step", mininterval=5.0):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
-        ids, labels = _pad([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
+        ids, _, labels = _batch([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
         logits = model(ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -212,20 +212,10 @@ def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, ba
     return round(loss.item(), 4)
 
 
-def _pad(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids, _ in pairs)
-    ids = torch.full((len(pairs), width), pad_id)
-    labels = torch.full((len(pairs), width), -100)
-    for row, (i, lab) in enumerate(pairs):
-        ids[row, :len(i)] = torch.tensor(i)
-        labels[row, :len(lab)] = torch.tensor(lab)
-    return ids, labels
-
-
 @torch.no_grad()
-def _accuracy(model, tokenizer, pairs: list[tuple[list[int], list[int]]]) -> float:
-    """Greedy next-token accuracy on the labelled positions (teacher-forced)."""
-    ids, labels = _pad(pairs, tokenizer.pad_token_id)
+def _accuracy(model, tokenizer, examples: list[tuple[list[int], list[bool]]]) -> float:
+    """Greedy next-token accuracy on the positions with loss (teacher-forced)."""
+    ids, _, labels = _batch(examples, tokenizer.pad_token_id)
     model.eval()
     pred = model(ids).logits[:, :-1].argmax(-1)
     model.train()
@@ -248,11 +238,11 @@ def copy_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: 
     special = set(tokenizer.all_special_ids)
     pool = [i for i in range(len(tokenizer)) if i not in special]
 
-    def make(r: random.Random, _level: int) -> tuple[list[int], list[int]]:
+    def make(r: random.Random, _level: int) -> tuple[list[int], list[bool]]:
         before, length, between = r.randint(0, span), r.randint(6, max(6, span * 2 // 3)), r.randint(0, span)
         run = r.sample(pool, length)
         ids = r.choices(pool, k=before) + run + r.choices(pool, k=between) + run
-        return ids, [-100] * (before + length + between + 1) + run[1:]
+        return ids, [False] * (before + length + between + 1) + [True] * (length - 1)
 
     loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr, desc="browser copy")
     check = random.Random(rng.random())
@@ -275,16 +265,14 @@ class _SnapshotPieces:
             for obj in OBJECTS:
                 self.split(f"{verb} {obj}", 12)
         self.query = self.encode('the "')
-        if self.encode('the "Renew invoice') != self.query + self.label_ids["Renew invoice"]:
-            raise ValueError("the tokenizer does not split a quoted label after `the \"` as in a snapshot line; "
-                             "the lookup curriculum needs the label's tokens to be the same in both")
         head, tail = call_text("click", {"ref": "e12"}).split("12")
         self.click_head, self.click_tail = self.encode(head), self.encode(tail)
         turn = teacher_turns('- button "Renew invoice" [ref=e12]', {"solution": json.dumps(
             [{"action": "click", "role": "button", "name": "Renew invoice"}])}, "right", form="quote")[0]
-        if self.encode(turn) != self.quote_turn("Renew invoice", 12):
+        if self.encode(turn) != self.quote_turn("Renew invoice", 12)[0]:
             raise ValueError(f"the tokenizer splits the right turn {turn!r} otherwise than its snapshot line and "
-                             "call; the lookup curriculum needs the ref's digits as separate tokens in both")
+                             "call; the lookup curriculum needs the label after `the \"`, and the ref's digits, "
+                             "as the same tokens in all three")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -309,12 +297,15 @@ class _SnapshotPieces:
     def ref(self, number: int) -> list[int]:
         return self.encode(str(number))
 
-    def quote_turn(self, label: str, number: int, fill: list[int] | None = None) -> list[int]:
+    def quote_turn(self, label: str, number: int, fill: list[int] | None = None) -> tuple[list[int], list[bool]]:
         """`the "Renew invoice" [ref=e12]` and the click on e12 (`teacher_turns`' quote form), with
-        `fill` between label and ref (the line's own when None)."""
-        digits = self.ref(number)
-        return (self.query + self.label_ids[label] + (self.fill if fill is None else fill) + digits + self.end
-                + self.click_head + digits + self.click_tail)
+        `fill` between label and ref (the line's own when None); the loss mask marks the ref's
+        digits, where looked up and where clicked."""
+        ask = self.query + self.label_ids[label] + (self.fill if fill is None else fill)
+        digits, between = self.ref(number), self.end + self.click_head
+        ids = ask + digits + between + digits + self.click_tail
+        mask = [False] * len(ask) + [True] * len(digits) + [False] * len(between) + [True] * len(digits)
+        return ids, mask + [False] * len(self.click_tail)
 
 
 def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size: int = 32, lr: float = 1e-3,
@@ -337,7 +328,7 @@ def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size
     pieces = _SnapshotPieces(tokenizer)
     levels = len(pieces.fill)
 
-    def make(r: random.Random, level: int, two: bool | None = None, exact: bool = False) -> tuple[list[int], list[int]]:
+    def make(r: random.Random, level: int, two: bool | None = None, exact: bool = False) -> tuple[list[int], list[bool]]:
         count = r.randint(3, 8)
         if (r.random() < 0.5) if two is None else two:
             labels = button_labels(r, r.choice(VERBS), r.choice(OBJECTS), count)
@@ -346,19 +337,14 @@ def lookup_pretrain(model, tokenizer, steps: int, rng: random.Random, batch_size
         refs = r.sample(range(2, 40), len(labels))
         level = level if exact else r.randint(0, level)  # the levels below stay in the mix
         fill = pieces.fill[len(pieces.fill) - level:] if level else []
-        ids, out = [], []
-        for label, ref in zip(labels, refs):
-            line = pieces.lead + pieces.label_ids[label] + fill + pieces.ref(ref) + pieces.end
-            ids += line
-            out += [-100] * len(line)
+        ids = [t for label, ref in zip(labels, refs)
+               for t in pieces.lead + pieces.label_ids[label] + fill + pieces.ref(ref) + pieces.end]
+        mask = [False] * len(ids)
         for _ in range(queries):  # the right turn: the ref looked up, then copied into the click
             k = r.randrange(len(labels))
-            turn, digits = pieces.quote_turn(labels[k], refs[k], fill), pieces.ref(refs[k])
-            ids += turn
-            ask = len(pieces.query) + len(pieces.label_ids[labels[k]]) + len(fill)
-            between = len(pieces.end) + len(pieces.click_head)
-            out += [-100] * ask + digits + [-100] * between + digits + [-100] * len(pieces.click_tail)
-        return ids, out
+            turn, on = pieces.quote_turn(labels[k], refs[k], fill)
+            ids, mask = ids + turn, mask + on
+        return ids, mask
 
     loss = _curriculum_train(model, tokenizer, steps, make, rng, batch_size, lr,
                              level=lambda step: min(levels, step // grow), desc="browser lookup")
