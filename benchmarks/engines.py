@@ -1,6 +1,6 @@
 """Generation throughput of tidal's engines against plain HF `generate`, side by side.
 
-    python benchmarks/engines.py [--prompts 256] [--batch 64] [--engines torch,hf,vllm,vllm-server]
+    python benchmarks/engines.py [--prompts 256] [--batch 64] [--engines torch,hf,vllm,vllm-server] [--passes 3]
                                  [--system-tokens 0] [--out benchmarks/results/engines.json]
 
 Same prompts, same concurrency (`--batch` sequences decode at once in every engine: HF
@@ -23,10 +23,12 @@ Each engine runs `--rounds` times, alternating, every run in a fresh process: tw
 of one process that both run torch ops make libgomp keep two thread teams on two cores,
 and then both are ~2.5x slower (docs/engines.md), so an engine that decodes on its own thread
 (tidal's does) after another ran on the main thread would pay for the other. Each round's
-tokens/s are kept; the median counts (this machine is shared). Tokens/s = generated tokens
-(up to and including the stop token) / wall time of the second of two passes over the
-workload in that process (the first warms up). Tokens per CPU second (all the process's
-threads) are kept too: on a shared machine they move less than wall time.
+tokens/s are kept; the median counts (this machine is shared). In a process the engine (or
+HF's model) is loaded once and passes over the workload `--passes` + 1 times, as an RL loop
+generates with one engine every step; the first pass warms up (and holds the torch engine's
+one-time probe of its lean step), and tokens/s = generated tokens (up to and including the
+stop token) / wall time of the median timed pass. Tokens per CPU second (all the process's
+threads, same pass) are kept too: on a shared machine they move less than wall time.
 """
 
 from __future__ import annotations
@@ -85,77 +87,89 @@ def workload(model_dir: Path, n: int, natural_stop: bool, seed: int = 0, system_
     return reqs
 
 
-# Each runner loads its engine, then times generation only: (generated tokens, seconds).
-def run_torch(model_dir: Path, reqs: list[GenerationRequest], batch: int, lean: bool = True) -> tuple[int, float]:
+# Each runner loads its engine once and returns (generate, close): generate(requests) ->
+# generated tokens. The child process times generate alone, pass after pass on the same engine,
+# as an RL loop uses one engine for every step.
+def torch_runner(model_dir: Path, batch: int, lean: bool = True):
     tokenizer = load_tokenizer(model_dir)
     engine = TorchEngine(load_model(model_dir), tokenizer.pad_token_id, max_batch_size=batch, lean_decode=lean)
-    t0 = time.perf_counter()
-    results = engine.generate_sync(reqs)
-    return sum(len(r.token_ids) for r in results), time.perf_counter() - t0
+
+    def generate(reqs: list[GenerationRequest]) -> int:
+        return sum(len(r.token_ids) for r in engine.generate_sync(reqs))
+
+    return generate, engine.close
 
 
-def run_hf(model_dir: Path, reqs: list[GenerationRequest], batch: int) -> tuple[int, float]:
+def hf_runner(model_dir: Path, batch: int):
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir).eval()
     pad = tokenizer.pad_token_id
-    total = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(reqs), batch):
-        chunk = reqs[start : start + batch]
-        L = max(len(r.prompt_ids) for r in chunk)
-        ids = torch.full((len(chunk), L), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for i, r in enumerate(chunk):
-            ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-            attn[i, L - len(r.prompt_ids) :] = 1
-        budgets = torch.tensor([r.params.max_new_tokens for r in chunk])
-        stops = list(chunk[0].params.stop_token_ids)
 
-        class PerRowLength(StoppingCriteria):  # a row past its own length is done, like EOS
-            def __call__(self, input_ids, scores, _start=L, _budgets=budgets, **kwargs):  # this chunk's, bound now
-                return (input_ids.shape[1] - _start) >= _budgets
+    def generate(reqs: list[GenerationRequest]) -> int:
+        total = 0
+        for start in range(0, len(reqs), batch):
+            chunk = reqs[start : start + batch]
+            L = max(len(r.prompt_ids) for r in chunk)
+            ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, r in enumerate(chunk):
+                ids[i, L - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+                attn[i, L - len(r.prompt_ids) :] = 1
+            budgets = torch.tensor([r.params.max_new_tokens for r in chunk])
+            stops = list(chunk[0].params.stop_token_ids)
 
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
-                                 top_p=1.0, max_new_tokens=int(budgets.max()), pad_token_id=pad,
-                                 eos_token_id=stops or None, stopping_criteria=StoppingCriteriaList([PerRowLength()]))
-        for i, r in enumerate(chunk):
-            gen = out[i, L:].tolist()
-            n = len(gen)
-            for j, t in enumerate(gen):
-                if t in stops:
-                    n = j + 1
-                    break
-            total += min(n, r.params.max_new_tokens)
-    return total, time.perf_counter() - t0
+            class PerRowLength(StoppingCriteria):  # a row past its own length is done, like EOS
+                def __call__(self, input_ids, scores, _start=L, _budgets=budgets, **kwargs):  # this chunk's, bound now
+                    return (input_ids.shape[1] - _start) >= _budgets
+
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0,
+                                     top_p=1.0, max_new_tokens=int(budgets.max()), pad_token_id=pad,
+                                     eos_token_id=stops or None,
+                                     stopping_criteria=StoppingCriteriaList([PerRowLength()]))
+            for i, r in enumerate(chunk):
+                gen = out[i, L:].tolist()
+                n = len(gen)
+                for j, t in enumerate(gen):
+                    if t in stops:
+                        n = j + 1
+                        break
+                total += min(n, r.params.max_new_tokens)
+        return total
+
+    return generate, lambda: None
 
 
-def run_vllm(model_dir: Path, reqs: list[GenerationRequest], batch: int, mode: str) -> tuple[int, float]:
+def vllm_runner(model_dir: Path, batch: int, mode: str):
     import asyncio
 
     from tidal.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model_dir, mode=mode, max_batch_size=batch)
-    try:
-        t0 = time.perf_counter()
-        results = asyncio.run(engine.generate(reqs))
-        return sum(len(r.token_ids) for r in results), time.perf_counter() - t0
-    finally:
+    loop = asyncio.new_event_loop()  # one loop for every pass, as a rollout's
+
+    def generate(reqs: list[GenerationRequest]) -> int:
+        return sum(len(r.token_ids) for r in loop.run_until_complete(engine.generate(reqs)))
+
+    def close() -> None:
         engine.close()
+        loop.close()
+
+    return generate, close
 
 
-RUNNERS = {"torch": run_torch, "torch-model": lambda m, r, b: run_torch(m, r, b, lean=False), "hf": run_hf,
-           "vllm": lambda m, r, b: run_vllm(m, r, b, "in_process"),
-           "vllm-server": lambda m, r, b: run_vllm(m, r, b, "server")}
+RUNNERS = {"torch": torch_runner, "torch-model": lambda m, b: torch_runner(m, b, lean=False), "hf": hf_runner,
+           "vllm": lambda m, b: vllm_runner(m, b, "in_process"),
+           "vllm-server": lambda m, b: vllm_runner(m, b, "server")}
 
 
 def run_one(engine: str, model_dir: Path, natural_stop: bool, prompts: int, batch: int,
-            system_tokens: int = 0) -> tuple[int, float, float]:
+            system_tokens: int = 0, passes: int = 3) -> tuple[int, float, float]:
     """One timed run in a fresh process (see the module docstring)."""
     out = subprocess.run([sys.executable, __file__, "--child", engine, str(model_dir), str(int(natural_stop)),
-                          str(prompts), str(batch), str(system_tokens)], check=True, capture_output=True,
+                          str(prompts), str(batch), str(system_tokens), str(passes)], check=True, capture_output=True,
                          text=True).stdout
     tokens, seconds, cpu_seconds = json.loads(out.strip().splitlines()[-1])
     return tokens, seconds, cpu_seconds
@@ -163,15 +177,24 @@ def run_one(engine: str, model_dir: Path, natural_stop: bool, prompts: int, batc
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
-        engine, model_dir, natural_stop, prompts, batch, system_tokens = sys.argv[2:8]
+        engine, model_dir, natural_stop, prompts, batch, system_tokens, passes = sys.argv[2:9]
         reqs = workload(Path(model_dir), int(prompts), natural_stop=natural_stop == "1", system_tokens=int(system_tokens))
-        # The first pass warms up (allocations, oneDNN kernels per shape: the first 64-row
-        # prefill took 140 ms instead of ~30): the second is what an RL loop that generates
-        # every step sees. Every engine gets the same warm-up.
-        RUNNERS[engine](Path(model_dir), reqs, int(batch))
-        cpu0 = time.process_time()
-        tokens, seconds = RUNNERS[engine](Path(model_dir), reqs, int(batch))
-        print(json.dumps([tokens, seconds, time.process_time() - cpu0]))
+        generate, close = RUNNERS[engine](Path(model_dir), int(batch))
+        try:
+            # The first pass warms up (allocations, oneDNN kernels per shape: the first 64-row
+            # prefill took 140 ms instead of ~30; the torch engine's one-time probe of its lean
+            # step): the later ones are what an RL loop that generates every step sees. Every
+            # engine gets the same warm-up; the median timed pass counts.
+            generate(reqs)
+            timed = []
+            for _ in range(int(passes)):
+                cpu0, t0 = time.process_time(), time.perf_counter()
+                tokens = generate(reqs)
+                timed.append((time.perf_counter() - t0, time.process_time() - cpu0))
+        finally:
+            close()
+        seconds, cpu_seconds = sorted(timed)[len(timed) // 2]
+        print(json.dumps([tokens, seconds, cpu_seconds]))
         return
     p = argparse.ArgumentParser()
     p.add_argument("--prompts", type=int, default=256)
@@ -180,12 +203,13 @@ def main() -> None:
     p.add_argument("--engines", default="torch,torch-model,hf")
     p.add_argument("--models", default="default,mid")
     p.add_argument("--system-tokens", type=int, default=0, help="a shared system turn of this many tokens")
+    p.add_argument("--passes", type=int, default=3, help="timed passes per process (after one warm-up); the median counts")
     p.add_argument("--out", default="benchmarks/results/engines.json")
     ns = p.parse_args()
     engines = ns.engines.split(",")
     results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                      "torch_threads": torch.get_num_threads(), "prompts": ns.prompts, "batch": ns.batch,
-                     "system_tokens": ns.system_tokens, "models": {}}
+                     "system_tokens": ns.system_tokens, "passes": ns.passes, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"default": DEFAULT_MODEL_DIR, "mid": build_mid_model(Path(tmp) / "mid")}
         for name in ns.models.split(","):
@@ -194,7 +218,8 @@ def main() -> None:
             runs: dict[str, list[dict]] = {e: [] for e in engines}
             for rnd in range(ns.rounds):
                 for eng in engines[rnd % len(engines):] + engines[:rnd % len(engines)]:  # order rotates
-                    tokens, dt, cpu = run_one(eng, model_dir, name == "default", ns.prompts, ns.batch, ns.system_tokens)
+                    tokens, dt, cpu = run_one(eng, model_dir, name == "default", ns.prompts, ns.batch, ns.system_tokens,
+                                              ns.passes)
                     runs[eng].append({"tokens": tokens, "seconds": round(dt, 3), "tokens_per_s": round(tokens / dt, 1),
                                       "cpu_seconds": round(cpu, 3), "tokens_per_cpu_s": round(tokens / cpu, 1)})
                     print(f"{name} round {rnd + 1} {eng}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s "

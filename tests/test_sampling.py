@@ -5,7 +5,7 @@ import math
 import torch
 from torch.testing import assert_close
 
-from tidal.engines.sampling import mask_top_k_top_p, sample, uniform_noise
+from tidal.engines.sampling import _uniform_noise_numpy, _uniform_noise_torch, mask_top_k_top_p, sample, uniform_noise
 
 
 def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, seeds=None, positions=None):
@@ -44,6 +44,17 @@ def test_noise_depends_only_on_seed_position_token():
     assert torch.equal(uniform_noise(seeds, positions, 10), batch[:, :10])
     # same seed, other position differs
     assert not torch.equal(batch[0], batch[3])
+
+
+def test_cpu_noise_is_the_torch_hash_bit_for_bit():
+    # On CPU the noise is computed on numpy's uint64; it must be the same bits as the torch
+    # version (which a GPU runs): the same requests sample the same tokens on either device.
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.randint(-2**62, 2**62, (40,), generator=g), torch.tensor([0, -1, 2**63 - 1, -2**63])])
+    positions = torch.randint(0, 2**31, (44,), generator=g)
+    for vocab in (1, 294, 5000):
+        assert torch.equal(_uniform_noise_numpy(seeds, positions, vocab), _uniform_noise_torch(seeds, positions, vocab))
+    assert torch.equal(uniform_noise(seeds, positions, 7), _uniform_noise_torch(seeds, positions, 7))
 
 
 def test_different_seeds_differ():

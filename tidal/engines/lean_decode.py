@@ -152,8 +152,11 @@ class KVCache:
         if holes:
             to = torch.tensor(holes, device=self.k.device)
             frm = torch.tensor(movers, device=self.k.device)
-            self.k[:, to] = self.k[:, frm]
-            self.v[:, to] = self.v[:, frm]
+            # Only the window moves: columns outside it are never read (merge zeroes those the
+            # window grows into), and the buffers' capacity can be several windows long.
+            window = slice(self.lo, self.hi)
+            self.k[:, to, :, window] = self.k[:, frm, :, window]
+            self.v[:, to, :, window] = self.v[:, frm, :, window]
             self.mask[to] = self.mask[frm]
             for h, m in zip(holes, movers):
                 order[h] = m
@@ -245,9 +248,19 @@ def _mlp_residual(layer, x: torch.Tensor) -> torch.Tensor:
     return x + F.linear(gated, mlp.down_proj.weight, mlp.down_proj.bias)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: `_rope` multiplies it into x's swapped halves."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin`, bit for bit: rotate_half(x) is x's halves
+    swapped with the first negated, and -a * b == a * -b exactly. One flip of a view instead of
+    rotate_half's two slices, negation and concatenation."""
+    D = x.shape[-1]
+    swapped = x.unflatten(-1, (2, D // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
 
 
 class LeanDecoder:
@@ -392,7 +405,7 @@ class LeanDecoder:
         pos = (attn.cumsum(-1) - 1).clamp(min=0) + c
         x = F.embedding(input_ids, inner.embed_tokens.weight)  # [B, S, hidden]
         cos, sin = inner.rotary_emb(x, pos)  # [B, S, D]
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos[:, None], _signed_sin(sin)[:, None]
         eye = torch.eye(S, dtype=torch.bool, device=x.device)
         allowed = (eye.cumsum(0).bool()[None] & attn.bool()[:, None, :]) | eye  # [B, S query, S key]: causal, real keys
         if c:  # real tokens see the whole prefix; padding still only itself
@@ -410,8 +423,7 @@ class LeanDecoder:
                 q = _rms_norm(q, att.q_norm.weight, att.q_norm.variance_epsilon)
                 k = _rms_norm(k, att.k_norm.weight, att.k_norm.variance_epsilon)
             q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, S, D], [B, K, S, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
             layers.append((k, v))
             if c:
                 pk, pv = past[len(layers) - 1]
@@ -462,38 +474,47 @@ class LeanDecoder:
 
     def __call__(self, tok_B: torch.Tensor, pos_B: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """Next-token logits [B, V] after feeding tok_B at positions pos_B; the new keys and
-        values go to the cache's next column."""
+        values go to the cache's next column.
+
+        A decode step at a few dozen rows is dozens of small ops per layer, each a fixed
+        dispatch cost, so the step keeps their number down: the hidden state stays [B, hidden]
+        (no sequence axis to view away), q and k get their rotary embedding as one tensor, and
+        attention is one `baddbmm` (the query-key products, scaled, plus an additive mask built
+        once per step) and one `bmm` over the (row, key/value head) pairs, the G query heads of
+        a key/value head as G rows. The same formulas in the same order as the module's forward,
+        so the logits agree with it to float rounding (the probe checks)."""
         if self.hooked():  # e.g. a debugging or timing hook: it must see every step
             return model_decode(self.model, tok_B, pos_B, kv)
         inner, B = self.inner, tok_B.shape[0]
         H, K, D = self.heads, self.kv_heads, self.head_dim
+        G = H // K
         col = kv.reserve_column()
-        masked = ~kv.mask[:B, None, None, kv.lo:col + 1]  # [B, 1, 1, T]
-        x = F.embedding(tok_B[:, None], inner.embed_tokens.weight)  # [B, 1, hidden]
+        T = col + 1 - kv.lo
+        x = F.embedding(tok_B, inner.embed_tokens.weight)  # [B, hidden]
         cos, sin = inner.rotary_emb(x, pos_B[:, None])  # [B, 1, D]
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = cos.reshape(B, 1, D), _signed_sin(sin).reshape(B, 1, D)
+        # 0 where a row's column is real, -inf where it is padding: [B * K, G, T].
+        masked = kv.mask[:B, None, kv.lo:col + 1].logical_not()
+        bias = x.new_zeros((B, H, T)).masked_fill_(masked, float("-inf")).view(B * K, G, T)
         for i, layer in enumerate(inner.layers):
             att = layer.self_attn
             ln = layer.input_layernorm
             h = _rms_norm(x, ln.weight, ln.variance_epsilon)
-            q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(B, 1, H, D)
-            k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(B, 1, K, D)
-            v = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(B, K, 1, D)
+            q = F.linear(h, att.q_proj.weight, att.q_proj.bias).view(B, H, D)
+            k = F.linear(h, att.k_proj.weight, att.k_proj.bias).view(B, K, D)
             if self.qk_norm:
                 q = _rms_norm(q, att.q_norm.weight, att.q_norm.variance_epsilon)
                 k = _rms_norm(k, att.k_norm.weight, att.k_norm.variance_epsilon)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, 1, D], [B, K, 1, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kv.k[i, :B, :, col] = k[:, :, 0]
-            kv.v[i, :B, :, col] = v[:, :, 0]
+            qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # [B, H + K, D]
+            kv.k[i, :B, :, col] = qk[:, H:]
+            kv.v[i, :B, :, col] = F.linear(h, att.v_proj.weight, att.v_proj.bias).view(B, K, D)
             keys, values = kv.window(i, col + 1)  # [B, K, T, D]
-            # One query token: the G query heads of a key/value head attend as G rows of it.
-            scores = torch.matmul(q.reshape(B, K, H // K, D), keys.transpose(-1, -2)) * self.scale  # [B, K, G, T]
-            probs = scores.masked_fill(masked, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.matmul(probs, values).reshape(B, 1, H * D)
+            scores = torch.baddbmm(bias, qk[:, :H].reshape(B * K, G, D), keys.reshape(B * K, T, D).transpose(1, 2),
+                                   alpha=self.scale)  # [B * K, G, T]
+            probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.bmm(probs, values.reshape(B * K, T, D)).view(B, H * D)
             x = x + F.linear(out, att.o_proj.weight, att.o_proj.bias)
             x = _mlp_residual(layer, x)
-        x = _rms_norm(x[:, -1], inner.norm.weight, inner.norm.variance_epsilon)
+        x = _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
         kv.hi = col + 1
         return F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)

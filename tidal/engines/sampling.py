@@ -11,6 +11,7 @@ Legend: B batch rows, V vocabulary.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as signed int64
@@ -32,6 +33,12 @@ def splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 def uniform_noise(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab: int) -> torch.Tensor:
     """U(0,1) float32 noise [B, V], a pure function of (seed, position, token index)."""
+    if seeds_B.device.type == "cpu":
+        return _uniform_noise_numpy(seeds_B, positions_B, vocab)
+    return _uniform_noise_torch(seeds_B, positions_B, vocab)
+
+
+def _uniform_noise_torch(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab: int) -> torch.Tensor:
     row = splitmix64(splitmix64(seeds_B.long()) ^ (positions_B.long() * 0x2545F491))  # [B]
     cols = torch.arange(vocab, dtype=torch.long, device=seeds_B.device)
     z = splitmix64(row[:, None] + cols[None, :] * _GOLDEN)
@@ -39,6 +46,40 @@ def uniform_noise(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab: int) 
     # bits the top value rounds to 1.0, its Gumbel noise is +inf and it beats any mask).
     bits = _shr(z, 41).to(torch.float32)
     return (bits + 0.5) / float(1 << 23)
+
+
+# The same hash on numpy's uint64, whose >> is the logical shift (torch's int64 >> is arithmetic,
+# and torch has no uint64 arithmetic on CPU): 9 array ops a splitmix64 instead of 15, in place.
+# On CPU it is the engine's sampling noise, bit for bit the torch version's (tested): at 64 rows
+# it took 74 us against 189 us for a 294-token vocabulary, 0.10 s against 0.39 s for 151,936.
+_U64 = np.uint64
+
+
+def _splitmix64_numpy(z: np.ndarray) -> np.ndarray:  # z: uint64, updated in place
+    z += _U64(_GOLDEN & (2**64 - 1))
+    z ^= z >> _U64(30)
+    z *= _U64(_MIX1 & (2**64 - 1))
+    z ^= z >> _U64(27)
+    z *= _U64(_MIX2 & (2**64 - 1))
+    z ^= z >> _U64(31)
+    return z
+
+
+_COLUMNS: dict[int, np.ndarray] = {}  # vocab -> token index * golden ratio, uint64
+
+
+def _uniform_noise_numpy(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab: int) -> torch.Tensor:
+    seeds = seeds_B.long().numpy().astype(np.uint64)  # two's complement: the int64 bits
+    row = _splitmix64_numpy(seeds) ^ (positions_B.long().numpy().astype(np.uint64) * _U64(0x2545F491))
+    row = _splitmix64_numpy(row)
+    cols = _COLUMNS.get(vocab)
+    if cols is None:
+        cols = _COLUMNS[vocab] = np.arange(vocab, dtype=np.uint64) * _U64(_GOLDEN & (2**64 - 1))
+    z = _splitmix64_numpy(row[:, None] + cols[None, :])
+    bits = (z >> _U64(41)).astype(np.float32)
+    bits += np.float32(0.5)
+    bits /= np.float32(1 << 23)
+    return torch.from_numpy(bits)
 
 
 def mask_top_k_top_p(logits_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor) -> torch.Tensor:
@@ -78,7 +119,8 @@ def sample(
     scaled_BV = logits_BV / t_B[:, None]
     logp_BV = scaled_BV.log_softmax(dim=-1)
     masked_BV = mask_top_k_top_p(scaled_BV, top_k_B, top_p_B)
-    gumbel_BV = -torch.log(-torch.log(uniform_noise(seeds_B, positions_B, logits_BV.shape[-1])))
-    sampled_B = (masked_BV + gumbel_BV).argmax(dim=-1)
+    # Gumbel-max: masked + gumbel, where gumbel = -log(-log(u)); a - b is a + (-b) exactly.
+    minus_gumbel_BV = torch.log(uniform_noise(seeds_B, positions_B, logits_BV.shape[-1])).neg_().log_()
+    sampled_B = (masked_BV - minus_gumbel_BV).argmax(dim=-1)
     tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), sampled_B)
     return tokens_B, logp_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
