@@ -5,7 +5,8 @@
 
 Same prompts, same concurrency (`--batch` sequences decode at once in every engine: HF
 gets the prompts in chunks of that size, the others a batch-size limit), same sampling
-(temperature 1, per-request seeds), realistic variable lengths:
+(temperature 1, per-request seeds; HF's global generator seeded at each pass, so that every
+pass of an engine writes the same tokens), realistic variable lengths:
 - `default`: the embedded 1M model on arithmetic prompts, stopping at its end-of-turn
   token (budget 64 tokens); lengths are whatever the model writes.
 - `mid`: a 24M-parameter Qwen2 (hidden 512, 6 layers, random weights, the same
@@ -23,7 +24,8 @@ Each engine runs `--rounds` times, alternating, every run in a fresh process: tw
 of one process that both run torch ops make libgomp keep two thread teams on two cores,
 and then both are ~2.5x slower (docs/engines.md), so an engine that decodes on its own thread
 (tidal's does) after another ran on the main thread would pay for the other. Each round's
-tokens/s are kept; the median counts (this machine is shared). In a process the engine (or
+tokens/s are kept; the median counts (this machine is shared), and so does the median over
+rounds of torch / hf within a round (the two ran close in time). In a process the engine (or
 HF's model) is loaded once and passes over the workload `--passes` + 1 times, as an RL loop
 generates with one engine every step; the first pass warms up (and holds the torch engine's
 one-time probe of its lean step), and tokens/s = generated tokens (up to and including the
@@ -108,6 +110,7 @@ def hf_runner(model_dir: Path, batch: int):
     pad = tokenizer.pad_token_id
 
     def generate(reqs: list[GenerationRequest]) -> int:
+        torch.manual_seed(0)  # HF samples from torch's global generator: every pass writes the same tokens
         total = 0
         for start in range(0, len(reqs), batch):
             chunk = reqs[start : start + batch]
@@ -229,15 +232,20 @@ def main() -> None:
                     "median_tokens_per_cpu_s": round(statistics.median(r["tokens_per_cpu_s"] for r in rs), 1),
                     "rounds": rs}
                 for e, rs in runs.items()}}
+            if {"torch", "hf"} <= set(engines):  # within a round the two ran minutes apart at most
+                per_round = [t["tokens_per_s"] / h["tokens_per_s"] for t, h in zip(runs["torch"], runs["hf"])]
+                results["models"][name]["torch_over_hf_per_round"] = [round(r, 3) for r in per_round]
+                results["models"][name]["median_torch_over_hf_per_round"] = round(statistics.median(per_round), 3)
     Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
     Path(ns.out).write_text(json.dumps(results, indent=1))
-    print("\n| model | " + " | ".join(engines) + " | torch / hf |")
-    print("| --- | " + " | ".join("---" for _ in engines) + " | --- |")
+    print("\n| model | " + " | ".join(engines) + " | torch / hf (medians) | torch / hf (median of rounds) |")
+    print("| --- | " + " | ".join("---" for _ in engines) + " | --- | --- |")
     for name, r in results["models"].items():
         tps = {e: r["engines"][e]["median_tokens_per_s"] for e in engines}
         cells = [f"{tps[e]:.0f}" for e in engines]
         ratio = tps["torch"] / tps["hf"] if {"torch", "hf"} <= set(engines) else float("nan")
-        print(f"| {name} ({r['parameters'] / 1e6:.1f}M) | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+        per_round = r.get("median_torch_over_hf_per_round", float("nan"))
+        print(f"| {name} ({r['parameters'] / 1e6:.1f}M) | " + " | ".join(cells) + f" | {ratio:.2f}× | {per_round:.2f}× |")
 
 
 if __name__ == "__main__":
