@@ -48,6 +48,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# Before torch: the OpenMP defaults that `import tidal` sets (tidal/__init__.py) take effect only
+# if libgomp has not loaded yet, and every process here (HF's too) runs with them, as a tidal run does.
+import tidal  # noqa: F401
+
+# isort: split
 import torch
 
 from tidal.engines.torch_engine import TorchEngine
@@ -212,7 +217,8 @@ def main() -> None:
     engines = ns.engines.split(",")
     results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                      "torch_threads": torch.get_num_threads(), "prompts": ns.prompts, "batch": ns.batch,
-                     "system_tokens": ns.system_tokens, "passes": ns.passes, "models": {}}
+                     "system_tokens": ns.system_tokens, "passes": ns.passes,
+                     "openmp_env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}, "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {"default": DEFAULT_MODEL_DIR, "mid": build_mid_model(Path(tmp) / "mid")}
         for name in ns.models.split(","):
