@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from tests.engine_checks import held_out_prompt_ids, perturbed_weights, requests, run
-from tidal.engines.lean_decode import KVCache, LeanDecoder
+from tidal.engines.lean_decode import KVCache, LeanDecoder, _rope, _signed_sin
 from tidal.engines.torch_engine import TorchEngine
 from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
 
@@ -192,6 +192,21 @@ def test_a_model_the_lean_step_does_not_compute_falls_back_to_its_own_forward(to
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2))
     assert "gpt2" in LeanDecoder.unsupported(gpt2)
     assert "sliding" in LeanDecoder.unsupported(_tiny("mistral", sliding_window=4))
+
+
+def test_rope_is_transformers_rotary_embedding_bit_for_bit():
+    # The lean step's rotary embedding (a flip against a sine with its first half negated) claims
+    # the same bits as transformers' q * cos + rotate_half(q) * sin, not merely close ones.
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 4, 7, 32, generator=g) * 3, torch.randn(5, 2, 7, 32, generator=g) * 3
+    angles = torch.rand(5, 7, 32, generator=g) * 100
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    signed = _signed_sin(sin)[:, None]
+    assert torch.equal(_rope(q, cos[:, None], signed), want_q)
+    assert torch.equal(_rope(k, cos[:, None], signed), want_k)
 
 
 def test_kv_cache_select_and_merge_keep_each_rows_positions():

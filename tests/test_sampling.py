@@ -156,3 +156,18 @@ def test_mask_off_rows_keep_everything_next_to_masked_rows():
     assert torch.equal(masked[0], logits[0])
     assert torch.isfinite(masked[1]).sum().item() == 2
     assert torch.isfinite(masked[2]).sum().item() >= 1
+
+
+def test_the_engine_benchmark_runs_with_tidals_openmp_defaults():
+    # libgomp reads OMP_WAIT_POLICY once, when torch loads it: benchmarks/engines.py must import
+    # tidal (which sets it) before torch. An import sorter once put torch first, silently.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = "import sys, os; sys.path.insert(0, 'benchmarks'); import engines; print(os.environ.get('OMP_WAIT_POLICY'))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "ACTIVE"
