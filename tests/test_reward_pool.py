@@ -220,14 +220,17 @@ def test_async_reward_that_blocks_its_loop_is_killed(async_pool):
 
 
 # -- deaths, start-up and close ----------------------------------------------------------------
-def test_worker_that_exits_is_replaced_and_its_call_retried_once(sync_pool, rewards_file):
+def test_worker_that_exits_is_replaced_and_the_crash_charged_to_its_call_alone(sync_pool, rewards_file):
+    """The worker tells which call it was running (tidal/rewards/limits.py, CrashMark): that
+    call ends `reward_error` naming the crash, without a retry; the others are answered."""
     ready(sync_pool, 2)
-    restarts = sync_pool.restarts
+    restarts, crashes = sync_pool.restarts, sync_pool.crashes
     outs, _ = run(sync_pool, ["exit", "ok", "ok", "ok"])
     assert [o.status for o in outs] == ["reward_error", "ok", "ok", "ok"]
     assert outs[0].error == (f"reward function `{rewards_file}:behave` could not be scored on episode e0 (task t0) "
-                             f"of step 5: its reward worker died (exit code 3) while running it, also on its retry")
-    assert sync_pool.restarts == restarts + 2  # once for the first run, once for the retry
+                             f"of step 5: its reward worker died (exit code 3) while running it: the crash was this "
+                             f"call's")
+    assert sync_pool.restarts == restarts + 1 and sync_pool.crashes == crashes + 1
     ready(sync_pool, 2)
     assert [o.status for o in run(sync_pool, ["ok"] * 4)[0]] == ["ok"] * 4
 
