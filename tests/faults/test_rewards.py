@@ -19,6 +19,7 @@ import pytest
 from tidal.config import RewardConfig, RewardSpec
 from tidal.rewards.contract import RewardInput
 from tidal.rewards.pool import build_scorer
+from tidal.sandbox import cgroup
 
 REWARDS = textwrap.dedent('''
     import asyncio, ctypes, os, subprocess, sys
@@ -49,6 +50,21 @@ REWARDS = textwrap.dedent('''
         other = subprocess.Popen(["sleep", "300"], start_new_session=True)
         with open(pidfile, "a") as f:
             f.write(f"{same.pid} {other.pid}\\n")
+        return 1.0
+
+    def hog(completion, mode):
+        if mode == "memory":
+            kept = b"x" * (1 << 30)  # 1 GiB, every page written
+            return float(len(kept))
+        if mode == "fork":
+            procs = []
+            try:
+                for _ in range(200):
+                    procs.append(subprocess.Popen(["sleep", "30"]))
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.wait()
         return 1.0
 
     def chatty(completion):
@@ -164,3 +180,21 @@ def test_a_printing_reward_is_logged_bounded_and_never_on_our_stdout(rewards_fil
     assert sum(len(m) for m in logged) <= budget + len(logged) * 64  # the budget, plus each line's prefix
     assert any("more bytes of output were dropped" in m for m in lines)
     print(f"\nlogged {len(logged)} lines of the reward's output; {os.getpid()} printed nothing")
+
+
+NO_CGROUP = cgroup.detect()[1]
+
+
+@pytest.mark.skipif(bool(NO_CGROUP), reason=f"no cgroup can be made here: {NO_CGROUP}")
+def test_memory_and_process_limits_bound_a_worker_and_name_the_limit(rewards_file):
+    cfg = RewardConfig(timeout_s=20, workers=1, worker_memory_mb=256, worker_max_processes=48)
+    scorer = build_scorer([RewardSpec(fn=f"{rewards_file}:hog")], cfg)
+    try:
+        (out,) = score(scorer, inputs(1, mode="memory"))
+        assert out.status == "reward_error"
+        assert "its memory limit (reward.worker_memory_mb=256) was reached" in out.error, out.error
+        (out,) = score(scorer, inputs(1, mode="fork"))  # 200 processes where 48 are allowed: its forks fail
+        assert out.status == "reward_error" and "BlockingIOError" in out.error, out.error
+        assert [o.status for o in score(scorer, inputs(2, mode="ok"))] == ["ok", "ok"]
+    finally:
+        scorer.shutdown()
