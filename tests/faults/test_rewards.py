@@ -198,3 +198,59 @@ def test_memory_and_process_limits_bound_a_worker_and_name_the_limit(rewards_fil
         assert [o.status for o in score(scorer, inputs(2, mode="ok"))] == ["ok", "ok"]
     finally:
         scorer.shutdown()
+
+
+# -- Ray reward actors: each runs its rewards in a worker process of its own ---------------------
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    from tidal.runtime.placement import keep_on_loopback
+
+    keep_on_loopback()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(_node_ip_address="127.0.0.1", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
+
+
+def _ray_scorer(fn: str, cfg: RewardConfig, n: int = 2):
+    import ray
+
+    from tidal.runtime.workers import RewardActors, RewardWorker
+
+    cls = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=64)
+    actors = RewardActors(n, lambda i, specs, timeout_s: cls.remote(specs, timeout_s,
+                                                                    reward_cfg=cfg.model_dump(mode="json")))
+    return build_scorer([RewardSpec(fn=fn)], cfg, ray_handles=actors), actors
+
+
+@pytest.mark.slow  # Ray's start and two actors (~30 s here)
+def test_ray_reward_actors_lose_only_the_crashing_calls_and_keep_output_off_stdout(rewards_file, ray_local,
+                                                                                   tmp_path, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="tidal.rewards.output")
+    scorer, actors = _ray_scorer(f"{rewards_file}:crashy", RewardConfig(timeout_s=20))
+    try:
+        first = dict(actors.live)
+        t0 = time.monotonic()
+        outs = score(scorer, inputs(64))
+        elapsed = time.monotonic() - t0
+        assert [i for i, o in enumerate(outs) if o.status != "ok"] == [i for i in range(64) if i % 8 == 0]
+        assert all("killed by SIGSEGV" in o.error and "the crash was this call's" in o.error
+                   for o in outs if o.status != "ok")
+        assert actors.live == first  # the actors stayed; their worker processes were replaced
+        print(f"\nRay actors: 64 calls, 8 crashes, {elapsed:.2f} s")  # reported, not asserted
+    finally:
+        scorer.shutdown()
+    budget = 64 << 10
+    scorer, _ = _ray_scorer(f"{rewards_file}:chatty", RewardConfig(timeout_s=20, worker_log_bytes=budget), n=1)
+    try:
+        assert all(o.status == "ok" for o in score(scorer, inputs(4)))
+    finally:
+        scorer.shutdown()
+    time.sleep(1.0)  # Ray's log monitor would have printed the actor's output by now
+    out, err = capfd.readouterr()
+    assert "xxxx" not in out and "xxxx" not in err
+    logged = [r.getMessage() for r in caplog.records if r.name == "tidal.rewards.output"]
+    assert any(m.endswith("x" * 100) for m in logged)  # carried back with the answers into the driver's log
+    assert sum(len(m) for m in logged) <= budget + len(logged) * 96

@@ -255,6 +255,17 @@ class _PoolScorer:
             raise
         return _outcomes(self.rewards, inputs, plan, answers)
 
+    def submit(self, calls: list[tuple[int, list[RewardInput]]], loop) -> list[asyncio.Future]:
+        """Calls (reward index, inputs) as they are, without combining: a future per call for
+        its list of Results, set in `loop` (a Ray reward actor serves the driver's calls so)."""
+        kinds = self.kinds or [False] * len(self.rewards)
+        cs = [_Call(next(self._ids), spec, inputs, kinds[spec], loop, loop.create_future()) for spec, inputs in calls]
+        with self._lock:
+            self._pending.extend(cs)
+            self._dispatch()
+            self._flush_wakes()
+        return [c.future for c in cs]
+
     def _dispatch_now(self) -> None:
         with self._lock:
             self._dispatch_soon = False

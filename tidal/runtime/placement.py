@@ -186,7 +186,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
 
     def start_reward_actor(i: int, specs: list, timeout_s: float):  # the scorer starts them (it knows the rewards)
-        return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus)
+        return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus,
+                                                                      reward_cfg=cfg.reward.model_dump(mode="json"))
 
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
     def spawn_env(i: int) -> Handle:
