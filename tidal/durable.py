@@ -94,23 +94,30 @@ def write_atomic(path: str | Path, text: str) -> None:
         raise named(e, p) from e
 
 
+def _chain(e: BaseException | None) -> list[BaseException]:
+    out = []
+    while e is not None and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
 def disk_error(e: BaseException | None) -> OSError | None:
-    """The disk error behind `e` (ENOSPC, EDQUOT, EIO, EFBIG, EROFS: in its chain, or said in a
-    library's message), or None for any other error."""
-    for _ in range(8):
-        if e is None:
-            return None
-        if isinstance(e, OSError) and e.errno in DISK_ERRNOS:
-            return e
-        text = str(e)
+    """The disk error behind `e` (ENOSPC, EDQUOT, EIO, EFBIG, EROFS: an OSError in its chain,
+    else one said in a library's message), or None for any other error."""
+    chain = _chain(e)
+    for x in chain:  # the OSError itself first: it names the file
+        if isinstance(x, OSError) and x.errno in DISK_ERRNOS:
+            return x
+    for x in chain:
+        text = str(x)
         m = _OS_ERROR_TEXT.search(text)
         if m and int(m.group(1) or m.group(2)) in DISK_ERRNOS:
             code = int(m.group(1) or m.group(2))
-            return OSError(code, os.strerror(code), getattr(e, "filename", None))
+            return OSError(code, os.strerror(code), getattr(x, "filename", None))
         if _TORCH_SHORT_WRITE.search(text):
             return OSError(errno.EIO, "torch.save wrote short (its zip writer's 'unexpected pos': the file system took "
                            "fewer bytes than written, a full disk or an I/O error)")
-        e = e.__cause__ or e.__context__
     return None
 
 

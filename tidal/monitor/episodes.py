@@ -290,13 +290,7 @@ class EpisodeWriter:
         with self._lock:
             gone = []
             for f in self._open.values():
-                if f.writer is not None:
-                    with contextlib.suppress(Exception):  # its footer may not fit either
-                        f.writer.close()
-                for p in ([f.tmp] if f.tmp is not None else []) + f.done:
-                    with contextlib.suppress(OSError):
-                        p.unlink(missing_ok=True)
-                        gone.append(p)
+                gone += _discard(f)
                 self._ended.add(f.step)
             self._open.clear()
             return gone
@@ -372,6 +366,13 @@ class EpisodeWriter:
         f.writer, f.tmp = None, None
 
     def _close_step(self, f: _OpenFile) -> list[Path]:
+        try:
+            return self._close_parts(f)
+        except BaseException:  # a step that cannot be written whole leaves nothing (a full disk, say)
+            _discard(f)
+            raise
+
+    def _close_parts(self, f: _OpenFile) -> list[Path]:
         self._flush(f)
         if f.writer is None and not f.done:  # no episodes at all: an empty file with the schema
             self._start_part(f)
@@ -384,6 +385,20 @@ class EpisodeWriter:
             stale.unlink()
             part += 1
         return f.done
+
+
+def _discard(f: _OpenFile) -> list[Path]:
+    """Remove what was written of `f`'s step (its hidden file, its closed parts); never raises."""
+    if f.writer is not None:
+        with contextlib.suppress(Exception):  # its footer may not fit either
+            f.writer.close()
+        f.writer = None
+    gone = []
+    for p in ([f.tmp] if f.tmp is not None else []) + f.done:
+        with contextlib.suppress(OSError):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def read_episodes(path: str | Path, columns: list[str] | None = None) -> pa.Table:

@@ -46,7 +46,7 @@ from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.placement import build_roles
 from tidal.runtime.recovery import role_restarts
 from tidal.runtime.rollout import Rollout, group_specs
-from tidal.runtime.run_dir import DiskError, RunFailed, disk_failure, tidy_for_resume
+from tidal.runtime.run_dir import DiskError, RunFailed, disk_failure, free_space, tidy_for_resume
 from tidal.runtime.run_lock import RunLock
 from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime.tasks import Task, build_task
@@ -122,6 +122,7 @@ class Controller:
         self.disk_error: DiskError | None = None  # a disk error met while closing (close() does not raise it)
         self.roles = self.gateway = self.scorer = self.eval_scorer = None
         self.run_log = None
+        self._learning: int | None = None  # the step being learned (named by a write that fails in it)
         try:
             self._start(resume, resume_record)
         except BaseException:  # whatever stopped the start (an error, SIGTERM): nothing it began outlives it
@@ -217,8 +218,10 @@ class Controller:
         """The DiskError a step's failure `e` stops the run with, when it is a disk error (the
         episodes of the steps in flight are then removed: nothing of them is half kept); None
         when it is not (or is one already: save() names its checkpoint itself)."""
+        if disk_failure(e, self.paths.root, 0, None) is not None and self.run_log.error is not None:
+            e = self.run_log.error  # train.log met the full disk first (it does not raise): name it
         failure = None if isinstance(e, DiskError) else disk_failure(
-            e, self.paths.root, self.step + 1, self.paths.latest_checkpoint())
+            e, self.paths.root, self._learning or self.step + 1, self.paths.latest_checkpoint())
         if (failure is not None or isinstance(e, DiskError)) and self.episode_writer is not None:
             self.episode_writer.abandon()
         return failure
@@ -236,7 +239,7 @@ class Controller:
         """The rest of a step: advantages → forward/backward → optimizer step → weight sync → log → save."""
         cfg, step = self.cfg, s.step
         episodes, train_eps, metrics = s.episodes, s.train_eps, s.metrics
-        self.trainer.step = step  # named in the error of a role that fails
+        self.trainer.step = self._learning = step  # named in the error of a role that fails, or of a write
         t0 = time.perf_counter()
         self._report_failures(step, episodes)
         metrics.update(episode_metrics(episodes))
@@ -299,6 +302,8 @@ class Controller:
                 self.episode_writer.end_step(step)
         self._check_nonfinite(step, metrics)
         self._stop_on_alert(step, alerts)
+        if self.run_log.error is not None:  # train.log lost lines of this step (a full disk): not checkpointed
+            raise self.run_log.error
         # A step over the failure budget, or with a non-finite gradient, is not checkpointed: the
         # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
         healthy = not self._over_budget and not self._nonfinite
@@ -309,8 +314,7 @@ class Controller:
             if best:
                 self._record_best(step, metrics[cfg.eval.keep_best], saved)
         self._flush_trace()
-        if self.run_log.error is not None:  # train.log could not be written this step (a full disk)
-            raise self.run_log.error
+        self._learning = None
         return metrics
 
     # -- evaluation during training ---------------------------------------------------------
@@ -622,7 +626,8 @@ class Controller:
             if cause is None:
                 raise
             last = self.paths.latest_checkpoint()
-            raise DiskError(f"step {self.step}: the checkpoint could not be written to {final} ({cause}); nothing of "
+            raise DiskError(f"step {self.step}: the checkpoint could not be written to {final} ({cause}; "
+                            f"{free_space(final)}); nothing of "
                             f"it was kept and the last good checkpoint is {last or 'none (no step was saved yet)'}. "
                             f"Free space, then continue with: tidal train --resume run.dir={self.paths.root}") from e
         with self._source_lock:

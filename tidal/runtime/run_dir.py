@@ -37,6 +37,11 @@ class DiskError(RunFailed):
     """The run directory could not be written: the run stopped, its last good checkpoint intact."""
 
 
+def free_space(path: Path) -> str:
+    """`N MiB free there` for the file system of `path`."""
+    return _size(free_bytes(path))
+
+
 def _size(n: int | None) -> str:
     if n is None:
         return "free space unknown"
@@ -52,8 +57,10 @@ def disk_failure(e: BaseException, root: Path, step: int, last_checkpoint: Path 
         return None
     path = cause.filename or what or "the run directory"
     reason = cause.strerror or str(cause)
+    counted = (f"step {step} was checkpointed before it" if last_checkpoint is not None
+               and last_checkpoint.name == f"step_{step:06d}" else f"step {step} is not counted")
     return DiskError(f"step {step}: could not write {path} ({reason}; {_size(free_bytes(path if cause.filename else root))}). "
-                     f"The run stopped; step {step} is not counted and the last good checkpoint is "
+                     f"The run stopped; {counted} and the last good checkpoint is "
                      f"{last_checkpoint or 'none (no step was saved yet)'}. Free space, then continue with: "
                      f"tidal train --resume run.dir={root}")
 
