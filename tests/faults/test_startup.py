@@ -72,8 +72,8 @@ def test_sigterm_during_start_up_stops_cleanly_and_frees_the_directory(tiny_mode
     proc = subprocess.Popen([*TIDAL, "train", f"model.path={tiny_model_dir}", f"run.dir={run}", "train.steps=40",
                              *SMALL], stderr=subprocess.PIPE, text=True)
     try:
-        # The lock is taken once the inputs are checked, before the model and the roles load.
-        assert _wait_for(lambda: _holder(run) is not None, proc), proc.stderr.read() if proc.poll() is not None else ""
+        # config.yaml is written once the inputs are checked, before the model and the roles load.
+        assert _wait_for(lambda: (run / "config.yaml").exists(), proc), proc.stderr.read() if proc.poll() is not None else ""
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

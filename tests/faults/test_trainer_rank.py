@@ -105,3 +105,13 @@ def test_past_max_restarts_a_lost_rank_stops_the_run_with_its_checkpoint(tmp_pat
         train(cfg, kill_rank_after_step=2)
     assert not (run / "events.jsonl").exists() or "restart" not in (run / "events.jsonl").read_text()
     assert latest_good(run / "checkpoints").name in ("step_000001", "step_000002")  # intact, and found
+
+
+@pytest.mark.slow
+def test_a_rank_lost_before_the_first_checkpoint_stops_the_run_in_one_message(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[*BASE, f"run.dir={run}", "run.save_every=0"])  # no checkpoint before the end
+    with pytest.raises(RunFailed, match=r"trainer rank \d.*not restarted: the run has no checkpoint to restart from "
+                       r"yet \(run.save_every\)\. No step was saved: start the run again"):
+        train(cfg, kill_rank_after_step=1)
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())
