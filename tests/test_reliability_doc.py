@@ -37,12 +37,14 @@ def rows(text: str) -> list[list[str]]:
 
 @functools.cache
 def _tests_of(path: str) -> dict[str, bool]:
-    """Each test function of a test file, and whether it is marked slow (by a decorator or the
+    """Each test function of a test file, and whether it is marked slow (by its decorator or the
     module's pytestmark)."""
     tree = ast.parse((ROOT / path).read_text())
     module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
                       and "mark.slow" in ast.unparse(n.value) for n in tree.body)
-    return {n.name: module_slow or any("mark.slow" in ast.unparse(d) for d in n.decorator_list)
+    # A decorator `pytest.mark.slow` marks the whole test (slow parameters of a parametrized one
+    # do not: the row says which run where).
+    return {n.name: module_slow or any(ast.unparse(d).split("(")[0] == "pytest.mark.slow" for d in n.decorator_list)
             for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
