@@ -69,7 +69,23 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.run.dir = str(run_dir)
     else:
         cfg = load_config(config, overrides)
-    ctl = Controller(cfg, resume=ns.resume, resume_record=record)
+    # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
+    # step in flight is abandoned, roles are closed, the last complete checkpoint stays (exit 143).
+    previous = _catch_stop_signals()
+    try:
+        ctl = Controller(cfg, resume=ns.resume, resume_record=record)
+    except KeyboardInterrupt as e:  # the controller closed what it had started
+        _restore_signals(previous)
+        from tidal.runtime.checkpoints import latest_good
+
+        ckpt = latest_good(Path(cfg.run.dir) / "checkpoints") if cfg.run.dir else None
+        print(f"tidal: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'an interrupt'} during start-up, "
+              f"before any step; " + (f"the last complete checkpoint is {ckpt}" if ckpt else "nothing was trained"),
+              file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
+    except BaseException:
+        _restore_signals(previous)
+        raise
     if ns.resume:
         print(f"tidal: resuming {ctl.paths.root} from checkpoint {ctl.resumed_from} (step {ctl.step} of "
               f"train.steps={cfg.train.steps})", file=sys.stderr)
@@ -77,6 +93,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             note = "  (changes what the resumed steps compute)" if key in record["changes_computation"] else ""
             print(f"tidal:   {key}: {old!r} -> {new!r}{note}", file=sys.stderr)
         if ctl.step >= cfg.train.steps:
+            _restore_signals(previous)
             ctl.close()
             print(f"tidal: nothing to do: the run is at step {ctl.step} of train.steps={cfg.train.steps} "
                   f"(give train.steps=N with N > {ctl.step} to go on)", file=sys.stderr)
@@ -87,9 +104,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
     t0 = time.time()
     # A lost trainer rank restarts the roles from the last checkpoint (run.max_restarts).
     runner = Recovering(ctl, lambda rec: Controller(cfg, resume=True, resume_record=rec))
-    # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does: the step in flight is
-    # abandoned, roles are closed, the last complete checkpoint stays (exit 143).
-    previous = _catch_stop_signals()
     try:
         last = runner.train()
         ctl = runner.ctl
@@ -105,6 +119,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
         _restore_signals(previous)
         if runner.ctl is not None:
             runner.ctl.close()
+    if ctl.disk_error is not None:  # the run's last write (closing its trace) met a full disk
+        raise ctl.disk_error
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
     return 0
@@ -509,11 +525,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
+        from tidal.durable import disk_error
         from tidal.runtime.controller import RunFailed
 
-        if not isinstance(err, RunFailed):
+        if isinstance(err, RunFailed):
+            print(f"tidal: run stopped: {err}", file=sys.stderr)
+            return RUN_FAILED_EXIT
+        cause = disk_error(err)  # a full disk before the first step (config.yaml, train.log)
+        if cause is None:
             raise
-        print(f"tidal: run stopped: {err}", file=sys.stderr)
+        print(f"tidal: run stopped: could not write {cause.filename or 'the run directory'} ({cause.strerror}); "
+              "nothing was trained", file=sys.stderr)
         return RUN_FAILED_EXIT
     except KeyboardInterrupt:
         print("tidal: interrupted; the last complete checkpoint is intact (resume with --resume)", file=sys.stderr)

@@ -17,8 +17,7 @@ import pytest
 
 from tidal.config import load_config
 from tidal.runtime.checkpoints import latest_good
-from tidal.runtime.controller import Controller
-from tidal.runtime.handles import RoleError
+from tidal.runtime.controller import Controller, RunFailed
 from tidal.runtime.recovery import Recovering
 
 BASE = ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=16", "train.steps=4",
@@ -101,7 +100,18 @@ def test_a_lost_trainer_rank_is_recovered_and_the_run_ends_as_an_uninterrupted_o
 def test_past_max_restarts_a_lost_rank_stops_the_run_with_its_checkpoint(tmp_path):
     run = tmp_path / "run"
     cfg = load_config(overrides=[*BASE, f"run.dir={run}", "run.max_restarts=0"])
-    with pytest.raises(RoleError, match=r"trainer rank \d"):
+    with pytest.raises(RunFailed, match=r"trainer rank \d.*not restarted: run.max_restarts=0 restarts were used\. "
+                       r"The last good checkpoint is .*step_00000[12]"):
         train(cfg, kill_rank_after_step=2)
     assert not (run / "events.jsonl").exists() or "restart" not in (run / "events.jsonl").read_text()
     assert latest_good(run / "checkpoints").name in ("step_000001", "step_000002")  # intact, and found
+
+
+@pytest.mark.slow
+def test_a_rank_lost_before_the_first_checkpoint_stops_the_run_in_one_message(tmp_path):
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[*BASE, f"run.dir={run}", "run.save_every=0"])  # no checkpoint before the end
+    with pytest.raises(RunFailed, match=r"trainer rank \d.*not restarted: the run has no checkpoint to restart from "
+                       r"yet \(run.save_every\)\. No step was saved: start the run again"):
+        train(cfg, kill_rank_after_step=1)
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").iterdir())

@@ -48,15 +48,28 @@ def load_prompts(path: str | Path) -> list[dict[str, Any]]:
             import datasets  # optional: only for HF datasets directories
         except ImportError:
             raise DatasetError(f"`{path}` is a directory; reading a Hugging Face datasets directory needs `pip install datasets`") from None
-        rows = list(datasets.load_from_disk(str(p)))
+        try:
+            rows = list(datasets.load_from_disk(str(p)))
+        except Exception as e:  # a damaged directory: its library's error may name no file
+            raise DatasetError(f"dataset directory `{path}` cannot be read ({type(e).__name__}: {e})") from e
     elif p.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(p).to_pylist()
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except (pa.ArrowException, OSError) as e:  # Arrow's "Corrupt snappy compressed data." names no file
+            raise DatasetError(f"dataset `{path}` is not a readable Parquet file ({type(e).__name__}: {e}): "
+                               "truncated or corrupted?") from e
     elif p.suffix in (".jsonl", ".json"):
         rows = []
-        with p.open() as f:
-            for n, line in enumerate(f, start=1):
+        with p.open("rb") as f:  # decoded a line at a time: a bad byte is named by its line
+            for n, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{path}, line {n}: not UTF-8 text ({e.reason} at byte {e.start}): "
+                                       "corrupted?") from None
                 if not line.strip():
                     continue
                 try:

@@ -28,6 +28,7 @@ tidal/images.py); the writer saves each picture once, as PNG, under the store's 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
@@ -42,6 +43,7 @@ from typing import Self
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from tidal.durable import named
 from tidal.images import ImageDir
 from tidal.types import Episode, Status, ToolCallRecord, Turn
 
@@ -281,6 +283,18 @@ class EpisodeWriter:
                 out += self._close_step(self._open.pop(step))
             return out
 
+    def abandon(self) -> list[Path]:
+        """Give up every open step (the run stopped in it: a full disk, say): nothing of them
+        stays, neither the hidden file being written nor a part already closed. Never raises;
+        returns what was removed."""
+        with self._lock:
+            gone = []
+            for f in self._open.values():
+                gone += _discard(f)
+                self._ended.add(f.step)
+            self._open.clear()
+            return gone
+
     def __enter__(self) -> Self:
         return self
 
@@ -321,7 +335,10 @@ class EpisodeWriter:
         table = self._table(f.buffer, f.step)
         if f.writer is None:
             self._start_part(f)
-        f.writer.write_table(table, row_group_size=len(f.buffer))
+        try:
+            f.writer.write_table(table, row_group_size=len(f.buffer))
+        except OSError as e:  # Arrow's error names no file
+            raise named(e, f.tmp) from e
         f.rows_in_file += len(f.buffer)
         self.episodes_written += len(f.buffer)
         f.buffer, f.buffered_tokens = [], 0
@@ -332,17 +349,30 @@ class EpisodeWriter:
     def _start_part(self, f: _OpenFile) -> None:
         final = step_file(self.dir, f.step, f.part)
         f.tmp = final.with_name(f".{final.name}.tmp")
-        f.writer = pq.ParquetWriter(f.tmp, SCHEMA, compression=self.compression, write_statistics=_STATS_COLUMNS)
+        try:
+            f.writer = pq.ParquetWriter(f.tmp, SCHEMA, compression=self.compression, write_statistics=_STATS_COLUMNS)
+        except OSError as e:
+            raise named(e, f.tmp) from e
         f.rows_in_file = 0
 
     def _finish_part(self, f: _OpenFile) -> None:
-        f.writer.close()
         final = step_file(self.dir, f.step, f.part)
-        os.replace(f.tmp, final)  # atomic: the name appears with the whole file behind it
+        try:
+            f.writer.close()  # the footer: the file's last write
+            os.replace(f.tmp, final)  # atomic: the name appears with the whole file behind it
+        except OSError as e:
+            raise named(e, f.tmp) from e
         f.done.append(final)
         f.writer, f.tmp = None, None
 
     def _close_step(self, f: _OpenFile) -> list[Path]:
+        try:
+            return self._close_parts(f)
+        except BaseException:  # a step that cannot be written whole leaves nothing (a full disk, say)
+            _discard(f)
+            raise
+
+    def _close_parts(self, f: _OpenFile) -> list[Path]:
         self._flush(f)
         if f.writer is None and not f.done:  # no episodes at all: an empty file with the schema
             self._start_part(f)
@@ -355,6 +385,20 @@ class EpisodeWriter:
             stale.unlink()
             part += 1
         return f.done
+
+
+def _discard(f: _OpenFile) -> list[Path]:
+    """Remove what was written of `f`'s step (its hidden file, its closed parts); never raises."""
+    if f.writer is not None:
+        with contextlib.suppress(Exception):  # its footer may not fit either
+            f.writer.close()
+        f.writer = None
+    gone = []
+    for p in ([f.tmp] if f.tmp is not None else []) + f.done:
+        with contextlib.suppress(OSError):
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def read_episodes(path: str | Path, columns: list[str] | None = None) -> pa.Table:

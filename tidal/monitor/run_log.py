@@ -4,20 +4,56 @@ traceback of an error that stops the run."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 from pathlib import Path
+
+from tidal.durable import disk_error, named
 
 
 class RunLogHandler(logging.FileHandler):
-    """The run's train.log. Writing to it never raises into the code that logged: a handler
-    left open by a controller nobody closed, whose run directory is gone, reports the failure
-    on stderr (logging's handleError) instead of failing the next run's start."""
+    """The run's train.log. Writing to it never raises into the code that logged. A disk error
+    (a full disk: tidal/durable.py) is kept in `error`, silently, and the file is written no
+    more: the run stops on it at the end of the step, naming it, in one message (a traceback
+    per log line, or an error of closing the file, would bury that message). Any other failure
+    (a handler left open by a controller nobody closed, whose run directory is gone) is reported
+    on stderr by logging's handleError, as before."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.error: OSError | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.error is not None:
+            return
         try:
             super().emit(record)
         except OSError:
             self.handleError(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        e = sys.exc_info()[1]
+        if isinstance(e, OSError) and disk_error(e) is not None:
+            self._give_up(e)
+            return
+        super().handleError(record)
+
+    def _give_up(self, e: OSError) -> None:
+        if self.error is None:
+            self.error = named(e, self.baseFilename)
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            with contextlib.suppress(OSError):  # its buffer cannot be written either; the descriptor closes anyway
+                stream.close()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as e:  # flushing the last lines on a full disk
+            if disk_error(e) is None:
+                raise
+            self._give_up(e)
 
 
 class RunLog:
@@ -50,8 +86,13 @@ class RunLog:
         self.file.setLevel(logging.INFO)
         self.file.addHandler(self.handler)
 
+    @property
+    def error(self) -> OSError | None:
+        """The disk error that stopped train.log, if one did."""
+        return self.handler.error
+
     def close(self) -> None:
-        """Idempotent: the loop and close() both end the log."""
+        """Idempotent: the loop and close() both end the log. Never raises (RunLogHandler)."""
         if not self.handlers:
             return
         for h in self.handlers:

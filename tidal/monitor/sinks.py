@@ -9,9 +9,10 @@ Every sink gets the same names and values as `metrics.jsonl`: numbers only, a no
 value left out of the step (JSONL writes it as null). Tables of sampled episodes
 (`run.log_samples`) go to the console and to every sink that has tables.
 
-A sink that fails while the run goes on (a W&B outage, a full disk under the event files)
-is named in a warning with its error, once, and the run continues without it; the JSONL
-record is never given up.
+A sink that fails while the run goes on (a W&B outage) is named in a warning with its error,
+once, and the run continues without it; the JSONL record is never given up. A disk error
+(a full disk under the event files: tidal/durable.py) is not a sink's failure but the run's:
+it stops the run as any write of its directory does.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from tidal.durable import append_lines, disk_error, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +69,39 @@ class Sink(Protocol):
 
 
 class JsonlSink:
-    """One JSON object per step in `metrics.jsonl`, flushed at once (a crash loses nothing)."""
+    """One JSON object per step in `metrics.jsonl`, each line whole or not at all (a full disk
+    leaves no torn line: tidal/durable.py), on disk before the step goes on."""
 
     name = "jsonl"
 
     def __init__(self, path: Path, truncate_after: int | None = None):
         self.path = path
         if truncate_after is not None and path.exists():
-            # On resume, drop records past the checkpoint so the file reads as one run.
-            keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= truncate_after]
-            path.write_text("".join(line + "\n" for line in keep))
-        self._f = path.open("a")
+            # On resume, drop records past the checkpoint so the file reads as one run, and any
+            # line that does not read (a torn one, from a process that died writing it).
+            keep, torn = [], []
+            for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                try:
+                    record = json.loads(line) if line else None
+                except ValueError:
+                    torn.append(i)
+                    continue
+                if isinstance(record, dict) and record.get("step", math.inf) <= truncate_after:
+                    keep.append(line)
+            if torn:
+                log.warning("%s: line(s) %s did not read as JSON (a write the process did not finish) and were "
+                            "removed", path, ", ".join(map(str, torn[:10])))
+            write_atomic(path, "".join(line + "\n" for line in keep))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in metrics.items()}
-        self._f.write(json.dumps({"step": step, **clean}) + "\n")
-        self._f.flush()
+        append_lines(self.path, [json.dumps({"step": step, **clean}) + "\n"])
 
     def table(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
         pass  # the episodes themselves are in the Parquet store
 
     def close(self) -> None:
-        self._f.close()
+        pass  # each line was written whole when it was logged
 
 
 class ConsoleSink:
@@ -259,6 +273,8 @@ class Sinks:
         try:
             getattr(sink, what)(*args)
         except Exception as e:  # a metrics service must not stop training
+            if disk_error(e) is not None:
+                raise  # a full disk: every write of the run fails next; stop it now, naming this one
             log.warning("run.loggers: %s failed at step %d (%s: %s); the run continues without it, metrics.jsonl "
                         "has every step", sink.name, args[0], type(e).__name__, e, exc_info=True)
             self.sinks.remove(sink)
@@ -298,7 +314,7 @@ def open_sinks(cfg: Any, run_dir: Path, resume_step: int | None, config: dict, f
         Sinks(sinks).close()
         raise
     if ids:
-        ids_path.write_text(json.dumps(ids) + "\n")
+        write_atomic(ids_path, json.dumps(ids) + "\n")
     return Sinks(sinks)
 
 

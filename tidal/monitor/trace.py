@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tidal.durable import append_lines, write_atomic
+
 _lock = threading.Lock()
 _events: list[dict[str, Any]] = []
 _enabled = False
@@ -109,15 +111,12 @@ def drain() -> list[dict[str, Any]]:
 
 
 def append(path: Path, events: list[dict[str, Any]]) -> None:
-    if events:
-        with path.open("a") as f:
-            f.writelines(json.dumps(e) + "\n" for e in events)
+    if events:  # whole lines or none (a full disk leaves no torn event)
+        append_lines(path, [json.dumps(e) + "\n" for e in events])
 
 
 def assemble(jsonl: Path, out: Path) -> int:
     """`out` = every event of `jsonl` as one trace object; returns the number of events."""
     events = [json.loads(line) for line in jsonl.read_text().splitlines() if line] if jsonl.exists() else []
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-    tmp.replace(out)
+    write_atomic(out, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
     return len(events)

@@ -14,9 +14,10 @@ import hashlib
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from tidal.durable import disk_error
 
 log = logging.getLogger("tidal")
 
@@ -138,21 +139,16 @@ def write_best(root: Path, record: dict) -> None:
     tmp.replace(root / "best.json")
 
 
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
 def file_system_error(e: BaseException) -> OSError | None:
-    """The file-system error behind `e`: an OSError in its chain (a trainer rank's error holds
-    the rank's as its cause), or one that a library reports in its message as Rust's I/O errors
-    read, "(os error 28)" (safetensors' SafetensorError is no OSError); None otherwise."""
+    """The file-system error behind `e`: a disk error as tidal/durable.py reads them (in the
+    chain, or in a library's message: safetensors' "(os error 28)", torch.save's short write),
+    else any OSError in its chain (a trainer rank's error holds the rank's as its cause); None
+    otherwise."""
+    found = disk_error(e)
     for _ in range(8):
-        if e is None:
-            return None
+        if found is not None or e is None:
+            return found
         if isinstance(e, OSError):
             return e
-        m = _RUST_OS_ERROR.search(str(e))
-        if m:
-            code = int(m.group(1))
-            return OSError(code, os.strerror(code))
         e = e.__cause__ or e.__context__
     return None

@@ -25,6 +25,7 @@ import torch
 
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
+from tidal.durable import append_lines, write_atomic
 from tidal.engines.factory import choose_engine_kind
 from tidal.envs import loop_scoped
 from tidal.envs.dataset import DatasetError, PromptSource, load_prompts
@@ -46,6 +47,8 @@ from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.placement import build_roles
 from tidal.runtime.recovery import role_restarts
 from tidal.runtime.rollout import Rollout, group_specs
+from tidal.runtime.run_dir import DiskError, RunFailed, disk_failure, free_space, tidy_for_resume
+from tidal.runtime.run_lock import RunLock
 from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime.tasks import Task, build_task
 from tidal.runtime.threads import on_own_thread
@@ -61,9 +64,7 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-class RunFailed(RuntimeError):
-    """The run stopped itself (the failure budget, non-finite steps, an alert of alerts.stop_on): its last
-    checkpoint is intact."""
+__all__ = ["Controller", "DiskError", "RunFailed", "Sampled", "make_rollout", "start_run_gateway", "write_json"]
 
 
 def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None) -> Rollout:
@@ -116,20 +117,32 @@ class Controller:
         self.make_env = self.task.make_env
         run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.paths = RunPaths(run_dir)
+        # One run per directory, from before its first write to close() (tidal/runtime/run_lock.py).
+        self.run_lock = RunLock(run_dir)
+        self.run_lock.acquire()
+        self.disk_error: DiskError | None = None  # a disk error met while closing (close() does not raise it)
+        self.roles = self.gateway = self.scorer = self.eval_scorer = None
+        self.run_log = None
+        self._learning: int | None = None  # the step being learned (named by a write that fails in it)
+        try:
+            self._start(resume, resume_record)
+        except BaseException:  # whatever stopped the start (an error, SIGTERM): nothing it began outlives it
+            self.close()
+            raise
+
+    def _start(self, resume: bool, resume_record: dict | None) -> None:
+        cfg, run_dir = self.cfg, self.paths.root
         resume_from = self.paths.latest_checkpoint() if resume else None
         if resume and resume_from is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.paths.checkpoints}")
         if not resume and (run_dir / "metrics.jsonl").exists():
             raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it or choose another run.dir")
         self.resumed_from = resume_from
-        run_dir.mkdir(parents=True, exist_ok=True)
         if not (resume and (run_dir / "config.yaml").is_file()):  # a resumed run keeps its own record
-            (run_dir / "config.yaml").write_text(dump_config(cfg))
-        if resume:
-            with (run_dir / "resumes.jsonl").open("a") as f:
-                f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from),
-                                    **(resume_record or {})}) + "\n")
+            write_atomic(run_dir / "config.yaml", dump_config(cfg))
         self.run_log = RunLog(run_dir / "train.log")  # train.log (tidal/monitor/run_log.py)
+        if resume_from is not None:  # what an earlier attempt left past the checkpoint
+            tidy_for_resume(run_dir, json.loads((resume_from / "controller.json").read_text())["step"])
 
         if cfg.run.trace:  # before the roles start: a trainer in this process records into the driver's track
             trace.enable("driver")
@@ -188,11 +201,33 @@ class Controller:
         self.monitor = HackingMonitor(**cfg.reward.monitor_args) if cfg.reward.monitors else None
         self.alerts = Alerts(cfg.alerts) if cfg.alerts.enabled else None
         self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
+        if resume:  # recorded once the resume has started: a resume that failed to start adds no line
+            append_lines(run_dir / "resumes.jsonl", [json.dumps({
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from), **(resume_record or {})})
+                + "\n"])
 
     # -- the loop ---------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
         """One synchronous step: sample, then learn from it."""
-        return self._learn(self._produce(self.step + 1))
+        try:
+            return self._learn(self._produce(self.step + 1))
+        except Exception as e:
+            stopped = self._stopped_by_disk(e)
+            if stopped is None:
+                raise
+            raise stopped from e
+
+    def _stopped_by_disk(self, e: BaseException) -> DiskError | None:
+        """The DiskError a step's failure `e` stops the run with, when it is a disk error (the
+        episodes of the steps in flight are then removed: nothing of them is half kept); None
+        when it is not (or is one already: save() names its checkpoint itself)."""
+        if disk_failure(e, self.paths.root, 0, None) is not None and self.run_log.error is not None:
+            e = self.run_log.error  # train.log met the full disk first (it does not raise): name it
+        failure = None if isinstance(e, DiskError) else disk_failure(
+            e, self.paths.root, self._learning or self.step + 1, self.paths.latest_checkpoint())
+        if (failure is not None or isinstance(e, DiskError)) and self.episode_writer is not None:
+            self.episode_writer.abandon()
+        return failure
 
     def _produce(self, step: int) -> Sampled:
         """The rollout stage of a step: sample + reward (+ DAPO refill)."""
@@ -207,7 +242,7 @@ class Controller:
         """The rest of a step: advantages → forward/backward → optimizer step → weight sync → log → save."""
         cfg, step = self.cfg, s.step
         episodes, train_eps, metrics = s.episodes, s.train_eps, s.metrics
-        self.trainer.step = step  # named in the error of a role that fails
+        self.trainer.step = self._learning = step  # named in the error of a role that fails, or of a write
         t0 = time.perf_counter()
         self._report_failures(step, episodes)
         metrics.update(episode_metrics(episodes))
@@ -258,8 +293,7 @@ class Controller:
             events = self.monitor.update(step, episodes, metrics)
             metrics.update(self.monitor.metrics_of(events))
             if events:
-                with (self.paths.root / "hacking_events.jsonl").open("a") as f:
-                    f.writelines(json.dumps(e.to_dict()) + "\n" for e in events)
+                append_lines(self.paths.root / "hacking_events.jsonl", [json.dumps(e.to_dict()) + "\n" for e in events])
         alerts = self._alert(step, metrics, events)
         self.metrics.log(step, metrics)
         if cfg.run.log_samples and step % cfg.run.log_samples_every == 0 and episodes:
@@ -271,6 +305,8 @@ class Controller:
                 self.episode_writer.end_step(step)
         self._check_nonfinite(step, metrics)
         self._stop_on_alert(step, alerts)
+        if self.run_log.error is not None:  # train.log lost lines of this step (a full disk): not checkpointed
+            raise self.run_log.error
         # A step over the failure budget, or with a non-finite gradient, is not checkpointed: the
         # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
         healthy = not self._over_budget and not self._nonfinite
@@ -281,6 +317,7 @@ class Controller:
             if best:
                 self._record_best(step, metrics[cfg.eval.keep_best], saved)
         self._flush_trace()
+        self._learning = None
         return metrics
 
     # -- evaluation during training ---------------------------------------------------------
@@ -420,8 +457,7 @@ class Controller:
             metrics[f"alerts/{a.alert}"] = 1.0
             log.warning("alert %s at step %d: %s", a.alert, step, a.message)
         if events := [a.to_dict() for a in fired] + role_restarts(self.roles, step):
-            with (self.paths.root / "events.jsonl").open("a") as f:
-                f.writelines(json.dumps(e) + "\n" for e in events)
+            append_lines(self.paths.root / "events.jsonl", [json.dumps(e) + "\n" for e in events])
         return fired
 
     def _stop_on_alert(self, step: int, fired: list[AlertEvent]) -> None:
@@ -532,8 +568,13 @@ class Controller:
                         published.notify_all()
                     bar.update(self.step, last)
         except BaseException as e:
-            # The whole account in train.log; the caller reports it on the console as before.
-            self.run_log.file.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__, e)
+            stopped = self._stopped_by_disk(e)
+            # The whole account in train.log (unless it is what the disk refused); the caller
+            # reports it on the console as before.
+            self.run_log.file.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__,
+                                        stopped or e)
+            if stopped is not None:
+                raise stopped from e
             raise
         finally:
             stop.set()
@@ -544,11 +585,20 @@ class Controller:
         return last
 
     def close(self) -> None:
-        """Stop the reward workers, the engines (a vLLM server process ends with its engine) and the actors."""
+        """Stop the reward workers, the engines (a vLLM server process ends with its engine) and the
+        actors, and release the run directory. Also of a controller whose start failed half way.
+        A disk error while closing (the trace's last write) is kept in `disk_error`, not raised:
+        it must not replace the error the run may be stopping with (tidal train reports it)."""
         if self.cfg.run.trace and trace.enabled():
-            self._flush_trace()
-            n = trace.assemble(self.paths.root / "trace.jsonl", self.paths.root / "trace.json")
-            log.info("run.trace: %d events in %s (open it in https://ui.perfetto.dev)", n, self.paths.root / "trace.json")
+            try:
+                self._flush_trace()
+                n = trace.assemble(self.paths.root / "trace.jsonl", self.paths.root / "trace.json")
+                log.info("run.trace: %d events in %s (open it in https://ui.perfetto.dev)", n,
+                         self.paths.root / "trace.json")
+            except Exception as e:  # noqa: BLE001 - closing goes on; a disk error is reported by the caller
+                self.disk_error = disk_failure(e, self.paths.root, self.step, self.paths.latest_checkpoint())
+                if self.disk_error is None:
+                    log.warning("run.trace: the trace could not be assembled (%s: %s)", type(e).__name__, e)
             trace.disable()
         for scorer in {id(s): s for s in (self.scorer, self.eval_scorer) if s is not None}.values():
             try:
@@ -557,8 +607,11 @@ class Controller:
                 log.warning("closing the reward workers raised %s(%s)", type(e).__name__, e)
         if self.gateway is not None:
             self.gateway.close()
-        self.roles.close()
-        self.run_log.close()
+        if self.roles is not None:
+            self.roles.close()
+        if self.run_log is not None:
+            self.run_log.close()
+        self.run_lock.release()
 
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -586,7 +639,8 @@ class Controller:
             if cause is None:
                 raise
             last = self.paths.latest_checkpoint()
-            raise RunFailed(f"step {self.step}: the checkpoint could not be written to {final} ({cause}); nothing of "
+            raise DiskError(f"step {self.step}: the checkpoint could not be written to {final} ({cause}; "
+                            f"{free_space(final)}); nothing of "
                             f"it was kept and the last good checkpoint is {last or 'none (no step was saved yet)'}. "
                             f"Free space, then continue with: tidal train --resume run.dir={self.paths.root}") from e
         with self._source_lock:

@@ -62,15 +62,33 @@ def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
         keep_on_loopback()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if pl.address:
-        ray.init(address=pl.address, logging_level=logging.WARNING, log_to_driver=True)
+        with _keeping_sigterm():
+            ray.init(address=pl.address, logging_level=logging.WARNING, log_to_driver=True)
         return True
     cpus = max(float(os.cpu_count() or 1), needed_cpus)
     if needed_cpus > (os.cpu_count() or 1):
         log.warning("placement: the roles reserve %.1f CPUs and this machine has %d: the local Ray instance offers %.1f "
                     "(they will share cores)", needed_cpus, os.cpu_count() or 1, cpus)
-    ray.init(_node_ip_address=pl.host, include_dashboard=False, num_cpus=int(-(-cpus // 1)),
-             _temp_dir=pl.ray_temp_dir, logging_level=logging.WARNING, log_to_driver=True)
+    with _keeping_sigterm():
+        ray.init(_node_ip_address=pl.host, include_dashboard=False, num_cpus=int(-(-cpus // 1)),
+                 _temp_dir=pl.ray_temp_dir, logging_level=logging.WARNING, log_to_driver=True)
     return True
+
+
+@contextlib.contextmanager
+def _keeping_sigterm():
+    """ray.init replaces the driver's SIGTERM handler with its own `sys.exit(15)`; the program's
+    (tidal train's: stop cleanly naming the last checkpoint, exit 143) is put back after it."""
+    import signal
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.runtime.handles import RoleError
+from tidal.runtime.run_dir import RunFailed
 
 log = logging.getLogger("tidal")
 
@@ -74,11 +75,17 @@ class Recovering:
                 limit = ctl.cfg.run.max_restarts
                 ckpt = ctl.paths.latest_checkpoint()
                 if lost is None or self.restarts >= limit or ckpt is None:
-                    if lost is not None:
-                        why = (f"run.max_restarts={limit} restarts were used" if self.restarts >= limit else
-                               "the run has no checkpoint to restart from yet (run.save_every)")
-                        log.error("not restarting after losing %s: %s", lost, why)
-                    raise
+                    if lost is None:
+                        raise
+                    why = (f"run.max_restarts={limit} restarts were used" if self.restarts >= limit else
+                           "the run has no checkpoint to restart from yet (run.save_every)")
+                    log.error("not restarting after losing %s: %s", lost, why)
+                    # One message a person can act on (the CLI's exit 3), not the actor's traceback.
+                    raise RunFailed(f"{e}; not restarted: {why}. " + (
+                        f"The last good checkpoint is {ckpt} (continue with: tidal train --resume "
+                        f"run.dir={ctl.paths.root})" if ckpt is not None else
+                        "No step was saved: start the run again (a lower run.save_every makes a "
+                        "restart possible sooner)")) from e
                 self.restarts += 1
                 step = e.step if e.step is not None else ctl.step + 1
                 message = (f"{lost} lost at step {step} ({e}); restarting every role from {ckpt} "

@@ -36,6 +36,7 @@ import torch
 from tidal.algorithms import entropy_from_logits, kl_estimate, token_logprobs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
+from tidal.durable import disk_error
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
 from tidal.models.vision import Vision, mask_banned
@@ -530,7 +531,13 @@ class Trainer:
                 tokenizer.save_pretrained(path / "model")
             if self.vision is not None:  # the image processor's settings: engines and the trainer load it from model/
                 shutil.copy2(self.model_dir / "preprocessor_config.json", path / "model" / "preprocessor_config.json")
-            torch.save(state, path / "trainer_state.pt")
+            try:
+                torch.save(state, path / "trainer_state.pt")
+            except RuntimeError as e:  # a short write of its zip writer names no file (tidal/durable.py)
+                cause = disk_error(e)
+                if cause is None:
+                    raise
+                raise OSError(cause.errno, cause.strerror, str(path / "trainer_state.pt")) from e
         dp.barrier()  # nobody reads the checkpoint before it is whole
 
     def load(self, path: str | Path) -> None:
