@@ -83,6 +83,7 @@ class RewardHost:
         self.mark = None
         self.after_call = None
         self._busy = 0  # calls running now (async ones, and the lane's current one)
+        self._busy_lock = threading.Lock()  # counted from the loop and from the lane's thread
 
     async def run(self, spec: int, inputs: list[RewardInput], call_id: int | None = None) -> tuple[list[Result], bool]:
         """`call_id`: the driver's id of the call, kept in `mark` while it runs (a crash is charged to it)."""
@@ -92,7 +93,7 @@ class RewardHost:
         except BadInput as e:
             return bad_input(e, len(inputs)), False
         if reward.is_async or not self.sync_in_thread:
-            self._busy += 1
+            self._begun()
             try:
                 return await self._direct(reward, args, kwargs, inputs), False
             finally:
@@ -150,7 +151,7 @@ class RewardHost:
         for i, (reward, args, kwargs, inputs, fut, call_id) in enumerate(batch):
             t0 = time.monotonic()
             progress[0] = (i, t0)
-            self._busy += 1
+            self._begun()
             if self.mark is not None:
                 self.mark.set(call_id)
             ok, out, tb = _invoke(reward.fn, args, kwargs)
@@ -166,16 +167,21 @@ class RewardHost:
             self._ended()
             self._deliver(loop, fut, res)
 
+    def _begun(self) -> None:
+        with self._busy_lock:
+            self._busy += 1
+
     def _ended(self) -> None:
         """A call ended: when none is left running, `after_call` (a worker kills the processes
-        the calls left behind). The counter is shared by the loop and the lane thread; a
-        call starting on the other thread during the sweep is the race this leaves open."""
-        self._busy -= 1
-        if self._busy == 0 and self.after_call is not None:
-            try:
-                self.after_call()
-            except Exception:  # noqa: BLE001 - cleanup must not fail the call that ended
-                traceback.print_exc()
+        the calls left behind), under the lock that a call takes to start: no call starts
+        during the sweep, so none loses a child to it."""
+        with self._busy_lock:
+            self._busy -= 1
+            if self._busy == 0 and self.after_call is not None:
+                try:
+                    self.after_call()
+                except Exception:  # noqa: BLE001 - cleanup must not fail the call that ended
+                    traceback.print_exc()
 
     def _deliver(self, loop, fut, res) -> None:
         """Answers go to the loop in bunches: one wake-up for all that finished meanwhile."""
