@@ -30,7 +30,7 @@ def config(run: Path, steps: int, k: int, *extra: str):
         f"run.dir={run}", f"train.steps={steps}", f"rollout.max_staleness={k}", "rollout.prompts_per_step=4",
         "rollout.samples_per_prompt=4", "rollout.max_new_tokens=6", "train.mini_batches=2", "train.epochs=2",
         "algorithm.is_level=token", "task.train_size=64", "task.eval_size=8", "run.eval_every=0",
-        "run.progress=false", "run.save_every=1", "run.keep_checkpoints=10", *extra])
+        "run.progress=false", "run.save_every=1", "run.keep_checkpoints=10", "run.threads=1", *extra])
 
 
 def metrics(run: Path) -> list[dict]:
