@@ -67,6 +67,10 @@ REWARDS = textwrap.dedent('''
                     p.wait()
         return 1.0
 
+    def orphaning(completion):  # leaves an exited orphan in a session of its own
+        subprocess.run(["sh", "-c", "setsid sh -c 'exit 0' & exit 0"], check=True)
+        return 1.0
+
     def chatty(completion):
         line = "x" * 1023 + "\\n"
         for _ in range(1024 * 100 // 4):  # 25 MB a call, 100 MB over the 4 calls
@@ -127,6 +131,23 @@ def test_a_leaking_reward_is_recycled_before_it_grows_past_its_bound(rewards_fil
         # check follows each answer; a batch of 8 is answered together): 200 + 128 MiB.
         assert all(s.rss <= (200 + 128 + 64) << 20 for s in pool.slots), [s.rss >> 20 for s in pool.slots]
         assert scorer.pids() != first
+    finally:
+        scorer.shutdown()
+
+
+def test_exited_orphans_do_not_pile_up_in_a_worker(rewards_file):
+    """The worker is the subreaper of what rewards start: orphans that exit stay its zombies
+    (it does not reap what a reward's own Popen may wait for), so past MAX_ZOMBIES it is recycled."""
+    from tidal.rewards.pool import MAX_ZOMBIES
+
+    scorer = build_scorer([RewardSpec(fn=f"{rewards_file}:orphaning")], RewardConfig(timeout_s=20, workers=1))
+    try:
+        for _ in range(4 * MAX_ZOMBIES // 8):  # an orphan a call; some exit after the count that follows the call
+            assert all(o.status == "ok" for o in score(scorer, inputs(8)))
+            if scorer.recycled:
+                break
+        assert scorer.recycled >= 1
+        assert all(s.zombies <= MAX_ZOMBIES + 8 for s in scorer._pool.slots)
     finally:
         scorer.shutdown()
 

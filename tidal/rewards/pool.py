@@ -53,6 +53,7 @@ GRACE_S = 0.5  # the driver's deadline past reward.timeout_s: the worker's own a
 START_TIMEOUT_S = 120.0  # a worker imports the rewards (torch, math-verify, a model) before it is ready
 SYNC_DEPTH = 32  # synchronous calls queued on one process worker: amortizes IPC, keeps load balanced
 RAY_ACTOR_CONCURRENCY = 64  # placement's max_concurrency of a reward actor
+MAX_ZOMBIES = 64  # exited orphans a worker may hold before it is recycled (tidal/rewards/limits.py, zombies)
 MAX_UNEXPLAINED = 3  # crashes a call may wait through with no call charged, before it ends reward_error
 
 
@@ -154,6 +155,7 @@ class _Slot:
         self.transport: Any = None
         self.calls = 0  # answered
         self.rss = 0  # bytes, as the worker last reported
+        self.zombies = 0  # exited orphans it holds, as it last reported (tidal/rewards/limits.py)
         self.retiring = False  # recycled: takes no new call, ends once its calls are answered
         self.reserved: int | None = None  # kept free for this solo call: takes no other
         self.solo: int | None = None  # the solo call in flight on it: it takes no other
@@ -450,12 +452,13 @@ class _PoolScorer:
         """Recycle a worker past reward.worker_max_calls calls or reward.worker_max_rss_mb: a
         replacement starts now, and the old one ends once its calls are answered."""
         if not slot.retiring and not self._closed and (
-                (self.max_calls and slot.calls >= self.max_calls) or (self.max_rss and slot.rss > self.max_rss)):
+                (self.max_calls and slot.calls >= self.max_calls) or (self.max_rss and slot.rss > self.max_rss)
+                or slot.zombies > MAX_ZOMBIES):
             slot.retiring = True
             self.recycled += 1
-            log.info("%s is recycled after %d calls at %.0f MB resident (reward.worker_max_calls=%d, "
-                     "reward.worker_max_rss_mb=%d)", slot, slot.calls, slot.rss / 2**20, self.max_calls,
-                     self.max_rss >> 20)
+            log.info("%s is recycled after %d calls at %.0f MB resident holding %d exited orphans "
+                     "(reward.worker_max_calls=%d, reward.worker_max_rss_mb=%d, at most %d orphans)", slot, slot.calls,
+                     slot.rss / 2**20, slot.zombies, self.max_calls, self.max_rss >> 20, MAX_ZOMBIES)
             self._retiring.append(slot)
             if self.slots[slot.index] is slot:
                 self.slots[slot.index] = self._new_slot(slot.index)

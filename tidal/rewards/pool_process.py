@@ -97,6 +97,7 @@ class _Proc:
                 break
             with self.pool._lock:
                 if "results" in msg:
+                    self.slot.zombies = msg.get("zombies", 0)
                     self.pool._on_results(self.slot, msg["results"], msg.get("rss"))
                 elif "ready" in msg:
                     self.pool._on_ready(self.slot, msg["ready"])

@@ -258,7 +258,7 @@ async def _serve(host: RewardHost, rx, send) -> None:
         batch = outbox[:]
         outbox.clear()
         if batch:
-            send({"results": batch, "rss": limits_rss()})
+            send({"results": batch, **limits_state()})
 
     async def one(call_id: int, spec: int, inputs: list[RewardInput]) -> None:
         try:
@@ -297,10 +297,11 @@ async def _serve(host: RewardHost, rx, send) -> None:
     _exit()
 
 
-def limits_rss() -> int:
-    from tidal.rewards.limits import rss_bytes
+def limits_state() -> dict:
+    """What the driver recycles a worker by: its resident memory and the orphans it holds."""
+    from tidal.rewards.limits import rss_bytes, zombies
 
-    return rss_bytes()
+    return {"rss": rss_bytes(), "zombies": zombies()}
 
 
 def _exit() -> None:
