@@ -105,8 +105,17 @@ def _readable_by(path: str, uid: int) -> bool:
     return True
 
 
+def uid_pool_in_use(config: SandboxConfig) -> bool:
+    """Whether each sandbox gets a uid of its own (`uids`): as root, with a pool configured."""
+    return config.isolation == "bwrap" and _runs_as_root() and config.uid_pool_size > 0
+
+
 def sandbox_uid(config: SandboxConfig) -> int:
-    return config.sandbox_uid if _runs_as_root() else os.geteuid()
+    """The uid sandboxes run as (with a uid pool: its first, which stands for all of them in
+    permission checks: no host file belongs to a pool uid)."""
+    if not _runs_as_root():
+        return os.geteuid()
+    return config.uid_pool_start if uid_pool_in_use(config) else config.sandbox_uid
 
 
 @functools.lru_cache(maxsize=8)
@@ -191,12 +200,20 @@ def _sandbox_env(config: SandboxConfig, workspace: str, tmp: str) -> dict[str, s
 
 
 def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, status_fd: int,
-                 bwrap_fds: dict[str, int] | None = None) -> Launch:
+                 bwrap_fds: dict[str, int] | None = None, uid: int | None = None) -> Launch:
     """The command that starts one runner, reading its request from `request_fd` and
     reporting set-up on `status_fd` (both inherited at the same numbers). `bwrap_fds` are
-    bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`)."""
-    head, tail, runner_frame, run_as, native = _command(config.model_dump_json(), limits.tmp_bytes,
+    bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`); `uid`
+    the host uid this sandbox runs as, when tidal runs as root (default: `sandbox_uid`)."""
+    head, tail, runner_frame, switch, native = _command(config.model_dump_json(), limits.tmp_bytes,
                                                         limits.workspace_bytes)
+    run_as = None
+    if switch is not None:
+        uid = config.sandbox_uid if uid is None else uid
+        if switch == "thread":
+            run_as = (uid, uid)
+        else:  # the path of setpriv
+            head = (switch, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *head)
     # Make the supervisor non-dumpable (proof against ptrace), needed only where no syscall
     # filter denies ptrace; the runner's last argument: whether it forks its own supervisor.
     undumpable = "1" if config.isolation == "bwrap" and not config.seccomp else "0"
@@ -216,11 +233,12 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
 
 @functools.lru_cache(maxsize=32)
 def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
-             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, tuple[int, int] | None, str | None]:
+             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, str | None, str | None]:
     """The command line, split where bubblewrap's per-start options go, up to the runner's
     own arguments (the same for every sandbox of a config: built once, it spares each
-    start a few dozen stat calls), the user to start it as, if the starter thread
-    switches to it itself, and the native supervisor, if there is one (`supervisor`)."""
+    start a few dozen stat calls), how it changes user when tidal runs as root ("thread":
+    the starter thread switches itself; else the path of `setpriv`; None: it does not), and
+    the native supervisor, if there is one (`supervisor`)."""
     config = SandboxConfig.model_validate_json(config_json)
     python = resolve_python(config)
     runner = [python.executable, *python_flags(config.python_site_packages), "-c", BOOTSTRAP]
@@ -234,14 +252,16 @@ def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
     for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
         argv += ["--setenv", name, value]
     argv += ["--chdir", WORKSPACE]
-    run_as = None
+    if uid_pool_in_use(config):
+        # Inside, every sandbox is the same user whatever pool uid it runs as outside: what a
+        # program sees (`ls -l`, `id`) does not depend on which uid it was given.
+        argv += ["--uid", str(config.sandbox_uid), "--gid", str(config.sandbox_uid)]
+    switch = None
     if _runs_as_root() and thread_user.available():
-        run_as = (config.sandbox_uid, config.sandbox_uid)
+        switch = "thread"
     elif _runs_as_root():
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
+        switch = shutil.which("setpriv")
+        if switch is None:
             raise SandboxUnavailable("tidal runs as root and `setpriv` (util-linux) is missing: it is needed to start "
                                      "bubblewrap as an unprivileged uid")
-        uid = str(config.sandbox_uid)
-        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-    return tuple(argv), ("--", *runner), python.runner_frame, run_as, native
+    return tuple(argv), ("--", *runner), python.runner_frame, switch, native
