@@ -27,6 +27,9 @@ from tidal.sandbox.cgroup import SOCKET_SHARE, CgroupError, PoolCgroups, _read, 
 
 # The CFS period (the kernel's default): a run may use `cpus` times this in every period.
 CPU_PERIOD_US = 100_000
+# v1: bound TCP/UDP buffers (memory.kmem.tcp.limit_in_bytes). False only in the tests'
+# positive control, which shows what a run holds without it.
+ACCOUNT_SOCKETS_V1 = True
 
 
 class RunCgroup:
@@ -54,7 +57,7 @@ class RunCgroup:
         self._oom_file = str(self.memory_dir / ("memory.oom_control" if self.version == 1 else "memory.events"))
         self._usage_file = str(self.memory_dir / ("memory.usage_in_bytes" if self.version == 1 else "memory.current"))
         tcp = self.memory_dir / "memory.kmem.tcp.limit_in_bytes"
-        self._tcp_file = str(tcp) if self.version == 1 else None
+        self._tcp_file = str(tcp) if self.version == 1 and ACCOUNT_SOCKETS_V1 else None
         if self.freezer_dir is None:
             self._freeze_file = None
         else:

@@ -57,6 +57,12 @@ ETC_PATHS = ("/etc/ld.so.cache", "/etc/alternatives")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Where host services keep their unix sockets (and other users their files): wherever a bind
+# would show one of these, an empty read-only tmpfs covers it (`mask_host_sockets`).
+# Connecting to a socket needs write permission on its inode, not a writable mount, so a
+# read-only bind alone does not stop a run from talking to a host service.
+SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var/lib/docker", "/var/lib/containerd",
+               "/var/lib/kubelet", "/var/spool", "/home", "/root")
 
 
 def python_flags(site_packages: bool) -> list[str]:
@@ -168,6 +174,66 @@ def find_bwrap(config: SandboxConfig) -> str:
     return path
 
 
+# Kernel filesystems: no host socket lives there, and walking them takes long.
+NOT_SCANNED = ("/proc", "/sys", "/dev")
+
+
+def host_sockets(roots: list[str]) -> list[str]:
+    """Every unix socket under `roots` (symlinks not followed; /proc, /sys and /dev
+    skipped), through `find` where it is installed (three times faster than a Python walk
+    over /usr: it reads each entry's type from the directory, without a stat)."""
+    roots = [r for r in roots if os.path.lexists(r) and not any(r == n or r.startswith(n + "/") for n in NOT_SCANNED)]
+    if not roots:
+        return []
+    find = shutil.which("find")
+    if find is not None:
+        prune = [arg for n in NOT_SCANNED for arg in ("-path", n, "-o")][:-1]
+        out = subprocess.run([find, "-P", *roots, "(", *prune, ")", "-prune", "-o", "-type", "s", "-print0"],
+                             capture_output=True, timeout=300, check=False)
+        return sorted(p for p in out.stdout.decode(errors="surrogateescape").split("\0") if p)
+    found, stack = [], list(roots)
+    while stack:
+        path = stack.pop()
+        if _is_socket(path):
+            found.append(path)
+            continue
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        if entry.path not in NOT_SCANNED:
+                            stack.append(entry.path)
+                    elif not (entry.is_file(follow_symlinks=False) or entry.is_symlink()) and _is_socket(entry.path):
+                        found.append(entry.path)
+        except OSError:  # not a directory, not readable, gone
+            continue
+    return sorted(found)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _socket_masks(bound: list[str]) -> list[str]:
+    """bubblewrap arguments that hide the host's sockets under the bound paths: an empty
+    read-only tmpfs over each socket directory a bind would show, and /dev/null over every
+    other socket found there now (one created later, outside those directories, would be
+    reachable if its permissions let the sandbox uid write it: docs/sandbox.md)."""
+    args = []
+    roots = [os.path.realpath(p) for p in bound]
+    masked = sorted({d for d in SOCKET_DIRS for r in roots
+                     if (d == r or d.startswith(r.rstrip("/") + "/")) and os.path.isdir(d) and not os.path.islink(d)})
+    for directory in masked:
+        args += ["--tmpfs", directory, "--remount-ro", directory]
+    for sock in host_sockets(roots):
+        if not any(sock.startswith(d + "/") for d in masked):
+            args += ["--ro-bind", "/dev/null", sock]
+    return args
+
+
 def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLimits,
                 native_supervisor: str | None) -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
@@ -180,8 +246,11 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
     for path in [*ETC_PATHS, *site_config]:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
-    for path in [*python.prefixes, *config.extra_ro_binds, *([native_supervisor] if native_supervisor else [])]:
+    binds = [*python.prefixes, *config.extra_ro_binds, *([native_supervisor] if native_supervisor else [])]
+    for path in binds:
         args += ["--ro-bind", path, path]
+    if config.mask_host_sockets:
+        args += _socket_masks(["/usr", *ETC_PATHS, *site_config, *binds])
     for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
         args += ["--dev-bind", device, device]
     # /proc/1 is the supervisor, which reports the run's result: an empty read-only
