@@ -217,7 +217,8 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def _socket_masks(bound: list[str]) -> list[str]:
+@functools.lru_cache(maxsize=16)
+def _socket_masks(bound: tuple[str, ...]) -> tuple[str, ...]:
     """bubblewrap arguments that hide the host's sockets under the bound paths: an empty
     read-only tmpfs over each socket directory a bind would show, and /dev/null over every
     other socket found there now (one created later, outside those directories, would be
@@ -231,7 +232,7 @@ def _socket_masks(bound: list[str]) -> list[str]:
     for sock in host_sockets(roots):
         if not any(sock.startswith(d + "/") for d in masked):
             args += ["--ro-bind", "/dev/null", sock]
-    return args
+    return tuple(args)
 
 
 def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLimits,
@@ -250,7 +251,7 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
     for path in binds:
         args += ["--ro-bind", path, path]
     if config.mask_host_sockets:
-        args += _socket_masks(["/usr", *ETC_PATHS, *site_config, *binds])
+        args += _socket_masks(("/usr", *ETC_PATHS, *site_config, *binds))
     for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
         args += ["--dev-bind", device, device]
     # /proc/1 is the supervisor, which reports the run's result: an empty read-only
@@ -266,6 +267,14 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
 
 def _sandbox_env(config: SandboxConfig, workspace: str, tmp: str) -> dict[str, str]:
     return {"PATH": SANDBOX_PATH, "HOME": workspace, "TMPDIR": tmp, "LANG": "C.UTF-8", **config.env}
+
+
+def prepare(config: SandboxConfig) -> None:
+    """Build (and cache) the command line of the config's default limits now: the first
+    build walks the bound paths for host sockets (about a second over /usr), which a pool
+    does when it starts rather than in its first run."""
+    if config.isolation == "bwrap":
+        _command(config.model_dump_json(), config.limits.tmp_bytes, config.limits.workspace_bytes)
 
 
 def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, status_fd: int,

@@ -23,7 +23,7 @@ from typing import Any
 
 from tidal.sandbox import cgroup, seccomp, uids
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
-from tidal.sandbox.launch import find_bwrap, resolve_python, uid_pool_in_use
+from tidal.sandbox.launch import find_bwrap, prepare, resolve_python, uid_pool_in_use
 from tidal.sandbox.process import KILL_GRACE_S, SandboxProcess
 from tidal.sandbox.result import SandboxResult, SandboxStatus, SandboxUnavailable
 from tidal.sandbox.session import PythonSession, ShellSession
@@ -132,6 +132,7 @@ class SandboxPool:
             _PROBED.add(probe_key)
         else:
             resolve_python(self.config)
+        await asyncio.get_running_loop().run_in_executor(self._starter, prepare, self.config)
         self._checked = True
         self._fill_warm()
 

@@ -53,6 +53,7 @@ class _Session:
         self.ended: str | None = None  # why the session is over
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_end: asyncio.Task | None = None
+        self._closing: asyncio.Future | None = None
 
     async def open(self, files: dict[str, bytes], runner_limits: dict[str, int]) -> None:
         self._registry.add(self)
@@ -91,13 +92,17 @@ class _Session:
         await self.close()
 
     async def close(self) -> None:
-        """End the session and its sandbox (at the episode's end)."""
+        """End the session and its sandbox (at the episode's end). Every caller returns once
+        the sandbox is gone (the pool's close waits for a session the host's idle clock
+        is ending): the session leaves the pool's registry only then."""
         if self.ended is None:
             self.ended = "closed"
         if self._idle_timer is not None:
             self._idle_timer.cancel()
-        self._registry.discard(self)
-        await self.process.close()
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.process.close())
+            self._closing.add_done_callback(lambda _: self._registry.discard(self))
+        await asyncio.shield(self._closing)
 
     async def _end(self, reason: str) -> None:
         self.ended = reason
