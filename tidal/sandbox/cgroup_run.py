@@ -69,6 +69,8 @@ class RunCgroup:
                 made.append(d)
             if self._tcp_file is not None and not tcp.exists():
                 self._tcp_file = None  # a kernel without socket accounting on v1 (the pool warned)
+            if self._freeze_file is not None and not os.path.exists(self._freeze_file):
+                self._freeze_file = None  # v2 before Linux 5.2: no cgroup.freeze (the pool warned)
             if self.version == 2 and (self.memory_dir / "memory.swap.max").exists():
                 _write(self.memory_dir / "memory.swap.max", "0")
             self.set_limits(memory_bytes, max_processes, cpus)
@@ -101,7 +103,7 @@ class RunCgroup:
                 for path in order:
                     _write(path, str(memory_bytes))
                 if self._tcp_file is not None:
-                    _write(self._tcp_file, str(memory_bytes // SOCKET_SHARE))
+                    self._bound_sockets_v1(memory_bytes // SOCKET_SHARE)
                 _write(self.pids_dir / "pids.max", str(max_processes + 1))
                 if self.cpu_dir is not None:
                     _write(self.cpu_dir / "cpu.cfs_period_us", str(CPU_PERIOD_US))
@@ -114,6 +116,17 @@ class RunCgroup:
         except OSError as e:
             raise CgroupError(f"cannot set the limits of {self.memory_dir} ({e})") from e
         self.limits = (memory_bytes, max_processes, cpus)
+
+    def _bound_sockets_v1(self, limit: int) -> None:
+        """The v1 TCP/UDP buffer limit; a kernel that refuses it (socket accounting off, e.g.
+        booted with cgroup.memory=nosocket) gets a warning, once, and runs go on without it."""
+        try:
+            _write(self._tcp_file, str(limit))
+        except OSError as e:
+            from tidal.sandbox.cgroup import warn_missing_once
+
+            warn_missing_once({"socket memory": f"cannot write {self._tcp_file}: {e.strerror}"})
+            self._tcp_file = None
 
     def add(self, pid: int) -> None:
         """Move a process (not yet running untrusted code) into this cgroup."""

@@ -143,7 +143,7 @@ class SandboxPool:
                                      f"cannot be used: {'; '.join(layout.missing.values())}")
         if layout is not None:
             try:
-                self._cgroups = cgroup.PoolCgroups(layout)
+                self._cgroups = cgroup.PoolCgroups(layout, self.config.max_concurrency + self.config.warm)
                 cgroup.warn_missing_once(layout.missing)
                 return
             except cgroup.CgroupError as e:
