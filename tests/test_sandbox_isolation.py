@@ -472,3 +472,38 @@ def test_the_precise_page_cache_probes_are_refused(seccomp):
         assert seen["nowait"] == errno.errorcode[errno.EOPNOTSUPP] and _cached_on_host(PROBED_FILE), seen
     else:  # the probe answers, and the sandbox evicted the host's pages
         assert seen["nowait"] == "cached" and not _cached_on_host(PROBED_FILE), seen
+
+
+# -- 7. IPC objects die with the run ------------------------------------------------------
+
+IPC_CREATE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.mq_open(NAME.encode(), os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
+assert libc.msgget(KEY, 0o1000 | 0o600) >= 0, ctypes.get_errno()  # IPC_CREAT
+"""
+IPC_FIND = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+found = []
+if libc.mq_open(NAME.encode(), os.O_RDWR, 0o600, None) >= 0:
+    found.append("message queue")
+    libc.mq_unlink(NAME.encode())
+queue = libc.msgget(KEY, 0)
+if queue >= 0:
+    found.append("SysV queue")
+    libc.msgctl(queue, 0, None)  # IPC_RMID
+print(found)
+"""
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "unsafe_host"], ids=["sandbox", "control"])
+def test_ipc_objects_do_not_reach_the_next_run(isolation):
+    head = f"NAME = '/{MARKER}'\nKEY = {int(MARKER[-8:], 16) & 0x7FFFFFFF}\n"
+    config = SandboxConfig(warm=0, isolation=isolation)
+    created = run_python(head + IPC_CREATE, config=config)
+    assert (created.status, created.exit_code) == (OK, 0), created.stderr
+    found = run_python(head + IPC_FIND, config=config)  # also removes what it found (the control's)
+    assert (found.status, found.exit_code) == (OK, 0), found.stderr
+    expected = "[]" if isolation == "bwrap" else "['message queue', 'SysV queue']"
+    assert found.stdout.strip() == expected
