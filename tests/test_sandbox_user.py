@@ -132,3 +132,22 @@ def test_only_the_switching_thread_changes_user_and_it_switches_back():
     assert main_thread == ((0, 0, 0), (0, 0, 0))
     assert seen["after"] == ((0, 0, 0), (0, 0, 0))
     _assert_host_unchanged(dumpable)
+
+
+def test_the_uid_pool_hands_each_uid_to_one_holder_at_a_time():
+    """Two pools (as two tidal processes would: each its own lock descriptors) over one
+    small range: no uid is handed out twice while held, an exhausted range says so, and
+    a returned uid can be taken again."""
+    from tidal.sandbox.uids import UidPool, UidPoolExhausted
+
+    start = SandboxConfig().uid_pool_start + SandboxConfig().uid_pool_size  # past the default range
+    first, second = UidPool(start, 3), UidPool(start, 3)
+    taken = [first.acquire(), second.acquire(), first.acquire()]
+    assert sorted(taken) == [start, start + 1, start + 2]
+    with pytest.raises(UidPoolExhausted, match="all 3 sandbox uids"):
+        second.acquire()
+    first.release(taken[0])
+    assert second.acquire() == taken[0]
+    for pool in (first, second):
+        for uid in pool.held():
+            pool.release(uid)
