@@ -329,7 +329,8 @@ class MathReward:
             result = self._compare(ref, side)
             parsed_any = parsed_any or result.parsed
             if not result.equal:
-                return Check(False, parsed_any, result.refused)
+                # A chain (`5 = 6`) names each side as an answer: one side unequal, the chain is a hedge.
+                return Check(False, parsed_any, result.refused or ("relation_chain" if len(sides) > 1 else ""))
         return Check(True, True)
 
     def _compare(self, ref: Reference, text: str) -> Check:

@@ -89,6 +89,23 @@ _NAME = re.compile(r"\s*(?:m\s*)?(?:\\angle\s*[A-Z]{1,3}|[A-Z]{2,3}|(?:[A-Za-z]|
                    r"'*(?:\^\{?\\prime\}?)?(?:\s*\([^()]*\))?)\s*")
 
 
+# The commands an answer may use. math-verify drops a command it does not know and keeps what
+# follows (`2 \\uparrow\\uparrow 5` reads as 5): an unknown command is refused instead.
+KNOWN_COMMANDS = frozenset(re.findall(r"\w+", """
+frac dfrac tfrac cfrac sqrt cdot times div pm mp pi infty le leq ge geq ne neq approx left right boxed text textrm
+textbf textit mbox mathrm mathbf mathit operatorname sin cos tan cot sec csc arcsin arccos arctan sinh cosh tanh log
+ln lg exp lim sum prod binom dbinom tbinom choose circ degree cup cap emptyset varnothing in notin subset subseteq
+mathbb lfloor rfloor lceil rceil displaystyle textstyle quad qquad lvert rvert vert mid cdots ldots dots angle prime
+begin end pmatrix bmatrix matrix vmatrix cases lt gt equiv sim simeq propto cong parallel perp triangle overline
+overrightarrow vec hat bar dot ddot tilde widehat max min gcd lcm deg det dim mod bmod pmod neg lor vee land wedge
+Rightarrow Longrightarrow implies rightarrow longrightarrow to iff Leftrightarrow therefore because setminus
+alpha beta gamma delta epsilon varepsilon zeta eta theta vartheta iota kappa lambda mu nu xi omicron rho varrho sigma
+tau upsilon phi varphi chi psi omega Gamma Delta Theta Lambda Xi Pi Sigma Upsilon Phi Psi Omega ell hbar imath
+jmath i e big Big bigg Bigg bigl bigr Bigl Bigr biggl biggr Biggl Biggr mathcal mathrm dfrac tfrac
+"""))
+_COMMAND = re.compile(r"\\([A-Za-z]+)")
+
+
 @dataclass(frozen=True)
 class Split:
     """A box read as candidates: `pieces` (each a list of relation sides, the name on the left
@@ -159,6 +176,9 @@ def candidates(text: str, *, list_reference: bool, equation_reference: bool, pm_
     why = text_hedge(text)
     if why:
         return Split([], why)
+    unknown = sorted({c for c in _COMMAND.findall(_TEXT.sub(" ", text)) if c not in KNOWN_COMMANDS})
+    if unknown:
+        return Split([], f"unknown_command: \\{unknown[0]} (math-verify would drop it)")
     if not pm_reference and re.search(r"\\(?:pm|mp)\b", text) and not list_reference:
         return Split([], "plus_minus")
     parts = _split_top(text, _SPLIT)
