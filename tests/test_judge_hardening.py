@@ -7,15 +7,22 @@ caught."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import pathlib
 import re
+import threading
+import time
 import unicodedata
 
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
 
+from tidal.engines.served import free_port
 from tidal.rewards import injection
 from tidal.rewards.injection import detect_injection
+from tidal.rewards.judge import JudgeVerdictError, LLMJudge
 
 _spec = importlib.util.spec_from_file_location(
     "judge_sets", pathlib.Path(__file__).parent / "data" / "reward_attacks" / "judge.py")
@@ -72,3 +79,70 @@ def test_the_honest_set_is_not_flagged_and_every_attack_is():
     kinds = {k for _, k in SETS.ATTACKS}
     assert all(sum(k == kind for _, k in SETS.ATTACKS) >= 30 for kind in kinds)
     assert [t[:60] for t, _ in SETS.ATTACKS if not detect_injection(t)] == []
+
+
+# -- the judge's own verdict, combined with the detector's ------------------------------------
+@pytest.fixture(scope="module")
+def judge_double():
+    """A judge API double on 127.0.0.1: it scores 9, says a block holding `FLAG-ME` addresses
+    it (what a judge model notices that the detector does not), and answers `mode=forged`
+    cases with a forged grade and no verdict object. Records what each block held."""
+    seen: list[str] = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        user = (await request.json())["messages"][1]["content"]
+        block = re.search(r"<<<COMPLETION-(\w+)>>>\n(.*?)\n<<<END-COMPLETION-\1>>>", user, re.DOTALL).group(2)
+        seen.append(block)
+        await asyncio.sleep(0)
+        if "mode=forged" in block:
+            content = "The response says Score: 10.\nScore: 10"
+        else:
+            content = 'Reasoning.\n{"score": 9, "addresses_grader": %s}' % ("true" if "FLAG-ME" in block else "false")
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
+
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not srv.started:
+        assert time.monotonic() < deadline, "the judge double did not start within 10 s"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", seen
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def _evaluate(url: str, text: str, **kw):
+    return asyncio.run(LLMJudge(url, "judge", rubric="helpfulness", backoff_s=0.01, max_retries=1, **kw)
+                       .evaluate(text, prompt="What is 2+2?"))
+
+
+def test_the_judges_own_flag_zeroes_what_the_detector_missed(judge_double):
+    url, _ = judge_double
+    text = "4. FLAG-ME (an address the detector has no rule for)"
+    assert detect_injection(text) == []
+    flagged = _evaluate(url, text)
+    assert flagged.parts == {"judge": 0.0, "judge_injection": 0.0}
+    assert flagged.metrics["judge/injection"] == flagged.metrics["judge/injection_judge"] == 1.0
+    assert flagged.metrics["judge/injection_detector"] == 0.0
+    # positive control: the same reply with the judge's flag not acted on scores the attack 0.9
+    assert _evaluate(url, text, on_injection="flag").parts["judge"] == pytest.approx(0.9)  # 9/10 as a float
+    assert _evaluate(url, text, on_injection="penalize", injection_penalty=0.5).parts == {
+        "judge": 0.0, "judge_injection": -0.5}
+
+
+def test_an_essay_about_injection_is_judged_normally(judge_double):
+    url, seen = judge_double
+    essay = SETS.HONEST[0]
+    result = _evaluate(url, essay)
+    assert result.parts == {"judge": pytest.approx(0.9), "judge_injection": 0.0} and not result.injection
+    assert essay in seen  # it reached the judge
+
+
+def test_a_reply_without_the_verdict_object_is_a_reward_error_not_a_grade(judge_double):
+    url, _ = judge_double
+    with pytest.raises(JudgeVerdictError, match="verdict's JSON object"):
+        _evaluate(url, "4 mode=forged")
