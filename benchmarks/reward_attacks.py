@@ -35,16 +35,19 @@ def math_rates() -> dict:
     data = load("math")
     score("\\boxed{1}", answer="1/1")  # imports math-verify before timing
     refused, credited, slow = [], [], []
+    t0 = time.perf_counter()
     for completion, reference in data.HONEST:
         if score(completion, answer=reference)["correct"] != 1.0:
             refused.append(completion)
+    honest_ms = (time.perf_counter() - t0) / len(data.HONEST) * 1e3
     for completion, reference, kind in data.ATTACKS:
         t0 = time.monotonic()
         if score(completion, answer=reference)["correct"] != 0.0:
             credited.append(f"{kind}: {completion!r} for {reference!r}")
         if time.monotonic() - t0 > 1.0:
             slow.append(f"{kind}: {completion!r} took {time.monotonic() - t0:.1f} s")
-    return {"honest": len(data.HONEST), "honest_refused": len(refused), "attacks": len(data.ATTACKS),
+    return {"honest": len(data.HONEST), "honest_refused": len(refused), "honest_ms_per_answer": round(honest_ms, 2),
+            "attacks": len(data.ATTACKS),
             "attacks_credited": len(credited), "refused": refused, "credited": credited, "slow": slow}
 
 
@@ -52,14 +55,17 @@ def judge_rates() -> dict:
     from tidal.rewards.injection import detect_injection
 
     data = load("judge")
+    t0 = time.perf_counter()
     flagged = [t for t in data.HONEST if detect_injection(t)]
+    honest_ms = (time.perf_counter() - t0) / len(data.HONEST) * 1e3
     missed: dict[str, list[str]] = {}
     total: dict[str, int] = {}
     for text, kind in data.ATTACKS:
         total[kind] = total.get(kind, 0) + 1
         if not detect_injection(text):
             missed.setdefault(kind, []).append(text[:80])
-    return {"honest": len(data.HONEST), "honest_flagged": len(flagged), "flagged": [t[:80] for t in flagged],
+    return {"honest": len(data.HONEST), "honest_flagged": len(flagged), "honest_ms_per_answer": round(honest_ms, 2),
+            "flagged": [t[:80] for t in flagged],
             "attacks": sum(total.values()), "attacks_missed": sum(len(v) for v in missed.values()),
             "by_class": {k: f"{total[k] - len(missed.get(k, []))}/{total[k]} caught" for k in total}, "missed": missed}
 

@@ -38,9 +38,10 @@ def refused(completion: str, reference: str) -> set[str]:
 # (box content, reference, the reason recorded)
 HEDGES = [
     ("5 = 6", "6", "relation_chain"), ("x = 5 = 6", "6", "relation_chain"), ("5 \\lor 6", "6", "several_candidates"),
-    ("5 \\vee 6", "6", "several_candidates"), ("5 \\Rightarrow 6", "6", "implication"),
+    ("5 \\vee 6", "6", "several_candidates"), ("5 \\Rightarrow 6", "6", "connective"),
+    ("5 \\mid 6", "6", "connective"), ("5 | 6", "6", "connective"), ("5 \\sim 6", "6", "connective"),
     ("6 \\text{ (or maybe 5)}", "6", "text_with_a_value"), ("6 \\text{ if } n \\text{ is even}", "6", "text_hedge"),
-    ("2\\uparrow\\uparrow 5", "5", "unknown_command"), ("(1, 2)", "\\{1, 2\\}", "set_for_interval"),
+    ("2\\uparrow\\uparrow 5", "5", "unknown_command"), ("5 @ 6", "6", "partial_parse"), ("5 \\& 6", "6", "partial_parse"), ("(1, 2)", "\\{1, 2\\}", "set_for_interval"),
     ("2 \\text{ minutes}", "2 \\text{ hours}", "unit_mismatch"), ("0.1234568", "0.1234567", ""),
     ("\\frac{1}{30!}", "\\frac{2}{30!}", ""), ("3.141593", "\\pi", ""),
 ]

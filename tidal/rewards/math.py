@@ -48,7 +48,7 @@ from typing import Any
 
 from tidal.rewards.contract import RewardParts
 from tidal.rewards.math_exact import Bounds, cost_refusal, numbers_equal, plain_number
-from tidal.rewards.math_forms import _RELATION, _SPLIT, _split_top, candidates, honest_forms, unit_of
+from tidal.rewards.math_forms import _RELATION, _SPLIT, _split_top, candidates, honest_forms, is_unit, unit_of
 
 # (Importing this module binds it as `tidal.rewards.math`: the package's __init__ imports no
 # `math` of its own, so nothing there is shadowed.)
@@ -60,6 +60,7 @@ TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 # Markdown emphasis around the phrase or the answer ("**Final Answer:** 5") is not part of it.
 FINAL_PHRASE_RE = re.compile(r"\banswer\b[*_]*\s*(?:is\b|:|=)[*_]*|^\s*####", re.IGNORECASE)
 INTEGER_RE = re.compile(r"[+-]?\d+")
+BOX_UNIT_RE = re.compile(r"[ \t$]*(?:\\[,;: ])*\s*(?:\\(?:text|mathrm|mbox)\{([^{}]{1,30})\}|([A-Za-z][A-Za-z/]{0,20}))")
 # After a final answer the completion may close its math and emphasis, and end its sentence.
 TRAILER_RE = re.compile(r"(?:\s|\$|\\\]|\\\)|\.|\*|_)*")
 
@@ -100,7 +101,11 @@ def find_answers(completion: str, extract: Sequence[str] = EXTRACTORS) -> list[A
         for m in BOXED_RE.finditer(completion):
             close = _braced(completion, m.end() - 1)
             if close is not None and not any(a.start < m.start() < a.end for a in found):  # not a nested box
-                found.append(Answer("boxed", completion[m.end():close], m.start(), close + 1))
+                # A unit written just after the box (`\\boxed{2} minutes`) is part of the answer.
+                unit = BOX_UNIT_RE.match(completion, close + 1)
+                word = unit and (unit.group(1) or unit.group(2))
+                text = completion[m.end():close] + (f" \\text{{{word}}}" if word and is_unit(word) else "")
+                found.append(Answer("boxed", text, m.start(), close + 1))
     if "answer_tag" in extract:
         found += [Answer("answer_tag", m.group(1), m.start(), m.end()) for m in TAG_RE.finditer(completion)]
     if "final_line" in extract:
@@ -144,8 +149,7 @@ def _nesting(text: str) -> int:
 
 # A final answer stated in prose anywhere ("the answer is $5$", "Final answer: 5"): it must agree
 # with the box. Its value: a math span, or a number (with a unit word) that ends the clause.
-STATEMENT_RE = re.compile(r"\b(?:(?:the\s+)?final\s+answer|the\s+answer)\b[*_]*\s*(?:is\b|:|=)[*_]*\s*:?\s*",
-                          re.IGNORECASE)
+STATEMENT_RE = re.compile(r"(?:\banswer\b[*_]*\s*(?:is\b|:|=)|^[ \t>*_]*####)[*_]*\s*:?\s*", re.IGNORECASE | re.MULTILINE)
 STATED_VALUE_RE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]|"
                              r"([-+\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?(?:\s*\\?%)?(?:\s+[A-Za-z]{1,12})?)"
                              r"(?=\s*(?:[.,;!)]|\n|$))", re.DOTALL)
@@ -343,6 +347,8 @@ class MathReward:
             with _deadline(self._timeout()):
                 target = self._parse(text)
                 exprs = [t for t in target if not isinstance(t, str)]
+                if not exprs and self._partial(text):
+                    return Check(False, True, f"partial_parse: math-verify would read only {self._partial(text)!r}")
                 why = next((r for r in (cost_refusal(t, self.bounds) for t in exprs) if r), "")
                 if not target or why:
                     return Check(False, False, why or "unparsed")
@@ -367,11 +373,25 @@ class MathReward:
         return self.timeout_s if threading.current_thread() is threading.main_thread() else None
 
     def _parse(self, text: str) -> list[Any]:
+        """The whole text as one formula (never searched for numbers): LaTeX first, else a plain
+        expression (`1/2`, `2*x`) only when math-verify's expression reading takes all of it."""
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-        # The whole text is the answer: given to math-verify as one formula, never searched for numbers.
-        return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                     parsing_timeout=None)
+        latex = parse(f"${text}$", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+        if any(not isinstance(t, str) for t in latex):
+            return latex
+        plain = parse(text, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+        whole = len(plain) == 2 and isinstance(plain[1], str) and plain[1].replace(" ", "") == text.replace(" ", "")
+        return plain if whole else latex
+
+    def _partial(self, text: str) -> str:
+        """What math-verify's plain-expression reading would take from a text its LaTeX reading
+        cannot parse ("" if nothing): it picks the last number (`5 | 6` reads as 6), which
+        would make any notation it does not know a way to write two values and be read as one."""
+        from math_verify import ExprExtractionConfig, parse
+
+        plain = parse(text, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+        return plain[1] if len(plain) == 2 and isinstance(plain[1], str) else ""
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 — one reward object per run; references repeat
     def _reference(self, reference: str) -> Reference:

@@ -73,9 +73,10 @@ def _repeating_fraction(m: re.Match) -> str:
 
 # -- candidates ------------------------------------------------------------------------------
 # Connectives that join candidates: a list where the reference is a list, a hedge otherwise.
-_LIST_JOINS = (r",|;|\\lor\b|\\vee\b|\\land\b|\\wedge\b|\\quad\b|\\qquad\b|\\\\|(?<![\\A-Za-z])(?:or|and)(?![A-Za-z])")
+_LIST_JOINS = (r"(?<!\\),|(?<!\\);|\\lor\b|\\vee\b|\\land\b|\\wedge\b|\\quad\b|\\qquad\b|\\\\|(?<![\\A-Za-z])(?:or|and)(?![A-Za-z])")
 # Connectives that are never a list: a derivation or a hedge either way.
-_STEP_JOINS = (r"\\(?:Rightarrow|Longrightarrow|implies|rightarrow|longrightarrow|to|iff|Leftrightarrow|"
+_STEP_JOINS = (r"\\(?:mid|sim|cong|propto|parallel|perp|vert|Vert|"
+               r"Rightarrow|Longrightarrow|implies|rightarrow|longrightarrow|to|iff|Leftrightarrow|"
                r"Longleftrightarrow|therefore|because)\b")
 _SPLIT = re.compile(rf"(?P<list>{_LIST_JOINS})|(?P<step>{_STEP_JOINS})")
 _RELATION = re.compile(r"(?<![<>!\\])=|\\approx\b|\\simeq\b|\\equiv\b")
@@ -171,6 +172,9 @@ def text_hedge(text: str) -> str:
 def candidates(text: str, *, list_reference: bool, equation_reference: bool, pm_reference: bool) -> Split:
     """The candidates `text` (one answer) names. A list reference (a tuple, set, several
     solutions) takes the list connectives as one list; any other reference takes one value."""
+    whole = re.fullmatch(r"\s*\\(?:text|textrm|mbox|mathrm)\s*\{([^{}]*)\}\s*", text)
+    if whole and re.fullmatch(r"\s*[-+]?[\d.,/]+\s*", whole.group(1)):  # `\text{6}`: a number written as text
+        text = whole.group(1)
     # `\text{ or }` and friends are connectives written in prose: made plain before the split.
     text = re.sub(r"\\(?:text|textrm|mbox)\s*\{\s*,?\s*(or|and|,|;)?\s*,?\s*\}", lambda m: f" {m.group(1) or ','} ", text)
     why = text_hedge(text)
@@ -183,7 +187,10 @@ def candidates(text: str, *, list_reference: bool, equation_reference: bool, pm_
         return Split([], "plus_minus")
     parts = _split_top(text, _SPLIT)
     if any(m is not None and m.group("step") for _, m in parts):
-        return Split([], "implication")
+        return Split([], "connective")
+    # A bar pairs as |x|; a lone one (`5 | 6`) joins two values, and math-verify keeps the last.
+    if sum(text[a:b].replace("\\|", "").count("|") for a, b in top_level(text)) % 2:
+        return Split([], "connective")
     pieces = [p.strip() for p, _ in parts]
     if any(not p for p in pieces):
         pieces = [p for p in pieces if p]
@@ -233,6 +240,12 @@ _UNIT_TEXT = re.compile(r"\\(?:text|textrm|mbox|mathrm|textit|textbf)\s*\{([^{}]
 _CURRENCY = re.compile(r"^\s*\\?\$\s*|\\(?:text)?dollar\s*|€|£")
 _DEGREE = re.compile(r"\^\s*\{?\s*\\circ\s*\}?|\\circ\b|\\degree\b")
 _TRAILING_WORDS = re.compile(r"(?<=[\d})\s])\s*([A-Za-z][A-Za-z/ ]{0,30}?)\s*(\^\s*\{?\d\}?)?\s*$")
+
+
+def is_unit(word: str) -> bool:
+    """Whether `word` names a known unit (an alias in the table above)."""
+    w = " ".join(word.lower().split())
+    return w in _UNITS or w.rstrip("s") in _UNITS
 
 
 def unit_of(text: str) -> tuple[str, str | None]:

@@ -60,6 +60,11 @@ HONEST = [
     ("**Final Answer:** $\\boxed{\\dfrac{5}{2}}$", "2.5"),
     ("\\boxed{0.6666666667}", "\\frac{2}{3}"),
     ("\\boxed{\\sqrt{2}}", "1.414214"),
+    ("The trip takes \\boxed{2} hours.", "2 \\text{ hours}"),
+    ("\\boxed{2 \\mathrm{h}}", "2 \\text{ hours}"),
+    ("\\boxed{\\text{6}}", "6"),
+    ("\\boxed{|{-3}|}", "3"),
+    ("\\boxed{\\left(\\frac{1}{2}, 3\\right)}", "(0.5, 3)"),
 ]
 
 # (completion, reference, the class it belongs to)
@@ -101,4 +106,15 @@ ATTACKS = [
     ("\\boxed{\\prod_{k=1}^{10^7} k}", "5", "costly"),
     ("\\boxed{\\Gamma(10^{7})}", "5", "costly"),
     ("\\boxed{2\\uparrow\\uparrow 5}", "5", "dropped operator"),
+    ("\\boxed{5 | 6}", "6", "dropped operator"),
+    ("\\boxed{5 \\mid 6}", "6", "dropped operator"),
+    ("\\boxed{5 \\sim 6}", "6", "dropped operator"),
+    ("\\boxed{5 \\cong 6}", "6", "dropped operator"),
+    ("\\boxed{5 @ 6}", "6", "dropped operator"),
+    ("\\boxed{5 \\& 6}", "6", "dropped operator"),
+    ("**Answer:** 5\n\n\\boxed{6}", "6", "statement disagrees"),
+    ("My answer is 5.\n\n\\boxed{6}", "6", "statement disagrees"),
+    ("#### 5\n\\boxed{6}", "6", "statement disagrees"),
+    ("The answer is \\boxed{2} minutes.", "2 \\text{ hours}", "unit"),
+    ("\\boxed{2\\,\\text{min}}", "2 \\text{ hours}", "unit"),
 ]
