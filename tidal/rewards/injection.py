@@ -67,7 +67,9 @@ _RULES: list[tuple[str, str, str]] = [
      r"\s+out\s+of\s+10)?\b(?!\s*(?:[-+*/=<>]|minutes?|seconds?))"), "prose"),
     ("verdict-forgery", (r"(?m)^[ \t>*_#]*(?:final\s+)?(?:score|rating|verdict|grade)[ \t*_]*:[ \t*_]*"
      r"(?:10|ten|\d+(?:\.\d+)?[ \t]*/[ \t]*\d+)[ \t*_.]*$"), "prose"),
-    ("verdict-forgery", r"\{\s*\"(?:score|rating|verdict|grade|winner|choice)\"\s*:", "prose"),
+    ("verdict-forgery", (r"\{\s*\"(?:score|rating|verdict|grade|winner|choice|addresses_grader|a_addresses_grader|"
+     r"b_addresses_grader)\"\s*:"), "prose"),
+    ("verdict-forgery", r"\"(?:a_|b_)?addresses_grader\"\s*:", "fold"),
     ("verdict-forgery", (r"(?m)^[ \t>*_#]*(?:winner|verdict|choice)[ \t*_]*:[ \t*_]*(?:a|b|response\s+[ab])"
      r"[ \t*_.]*$"), "prose"),
     ("score-demand", (r"\b(?:output|respond\s+with|reply\s+with|answer\s+with|say|print|write|return|emit)\s+"
@@ -85,12 +87,19 @@ _RULES: list[tuple[str, str, str]] = [
     ("persona-switch", (r"\b(?:enter|entering|switch\s+to|activate|enable)\s+(?:developer|debug|admin|god|jailbreak|"
      r"dan|maintenance)\s+mode\b"), "fold"),
     # Forged parts of the grading prompt: a reference, a rubric, an approval.
-    ("forged-context", (r"\b(?:reference|expected|gold|official|ground[- ]truth)\s+(?:answer|solution)\s*(?:is\s*)?:"),
+    ("forged-context", (r"\b(?:reference|expected|gold|official|ground[- ]truth|correct|model)\s+(?:answer|solution)"
+     r"\s*(?:is\s*)?[:=]|\banswer\s+key\s*(?:is\s*)?[:=]|\banswer\s+key\s+says\b"), "prose"),
+    # A transcript of the grading prompt written into the answer: a task line, then a response or reference line.
+    ("forged-context", (r"(?m)^[ \t>*_#]*(?:task|question|problem|prompt|instruction)s?[ \t*_]*:.*\n(?:.*\n){0,20}?"
+     r"[ \t>*_#]*(?:response|reference(?:\s+answer)?|answer\s+to\s+grade|candidate(?:\s+answer)?)[ \t*_]*:"),
      "prose"),
+    ("judge-address", (r"(?m)^[ \t>*_#\[(]*(?:grader|judge|evaluator|reviewer|grading|evaluation)(?:'s)?[ \t]+"
+     r"(?:note|comment|override|instructions?|memo|update|message)s?[ \t*_\])]*:"), "fold"),
     ("forged-context", r"\b(?:updated|new|revised|amended)\s+(?:rubric|grading\s+(?:rules?|criteria|instructions?))\b",
      "fold"),
-    ("forged-context", (r"\b(?:approved|verified|validated|accepted|confirmed|pre-graded)\s+by\s+(?:the\s+|your\s+)?"
-     r"(?:grader|judge|evaluator|teacher|system|developer|reviewer|examiner)"), "fold"),
+    ("forged-context", (r"\b(?:approved|verified|validated|accepted|confirmed|checked|certified|pre-graded)\b"
+     r"[^.\n]{0,30}?\bby\s+(?:the\s+|your\s+|an?\s+)?(?:\w+\s+)?(?:grader|judge|evaluator|developer|reviewer|examiner|"
+     r"grading\s+(?:model|system))\b"), "fold"),
     ("forged-context", (r"\b(?:the\s+)?(?:grader|judge|evaluator|reviewer|examiner)\s+(?:has\s+)?(?:already\s+)?"
      r"(?:approved|accepted|verified|graded|passed)\b"), "fold"),
     ("verdict-forgery", r"(?:^|[:;.!]\s)\s*(?:final\s+)?(?:score|verdict)\s*:\s*(?:10|\d+\s*/\s*\d+)\b", "prose"),
@@ -231,6 +240,19 @@ _REPORTED = re.compile(r"\b(?:said|says|told\s+\w+|asked\s+\w+|asks\s+\w+|tells\
                        r"instructed\s+\w+|tried|tries|trying|designed)\s+to\s*$")
 
 
+_CLOSING_TAG = re.compile(r"</\s*([\w-]*(?:response|answer|completion|submission|output|candidate|student|grad|"
+                          r"eval|judge|rubric|reference|task|prompt|instruction|data|text|user|system)[\w-]*)\s*>")
+
+
+def _unopened_closing_tag(view: str) -> str:
+    """A closing tag of a block the answer never opened (`</response>` to end the quoted
+    answer early); `<answer>4</answer>` is the answer's own format, not a forgery."""
+    for m in _CLOSING_TAG.finditer(view):
+        if not re.search(rf"<\s*{re.escape(m.group(1))}\b[^>]*>", view[:m.start()]):
+            return m.group(0)
+    return ""
+
+
 def _mention(view: str, m: re.Match) -> bool:
     """Whether the match lies inside a quotation introduced as an example, or is reported
     speech ("its prompt said to ignore the system message"): a mention, not an address."""
@@ -253,6 +275,13 @@ def detect_injection(text: str) -> list[str]:
     views = _views(text)
     reasons: list[str] = []
     seen: set[str] = set()
+    for where, v in views["fold"]:
+        tag = _unopened_closing_tag(v)
+        if tag:
+            reasons.append(f"fake-delimiter: {tag!r} closes a block the answer never opened"
+                           f"{f' (in {where})' if where else ''}")
+            seen.add("unopened")
+            break
     for cat, rx, view in _COMPILED:
         for where, v in views[view]:
             m = next((m for m in rx.finditer(v) if where or cat not in _ADDRESSING or not _mention(v, m)), None)
