@@ -165,6 +165,8 @@ def numbers_equal(gold: Any, given: Any, rel_tol: float, gold_decimals: int | No
         return bool(abs(a - b) <= rel_tol * max(abs(a), abs(b)))
     # Bounded by cost_refusal: at most max_digits digits, so evaluating exactly is cheap.
     gold, given = gold.doit(), given.doit()
+    if gold.is_finite is False or given.is_finite is False:  # oo, -oo, zoo: equal only as themselves
+        return bool(gold == given)
     if isinstance(gold, sympy.Rational) and isinstance(given, sympy.Rational):
         return bool(gold == given)
     # Irrational: the difference to 40 digits past the decimal point (or, below 1, 40 significant

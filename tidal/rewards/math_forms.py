@@ -37,7 +37,7 @@ _SYMBOLS = {"−": "-", "–": "-", "×": r"\times ", "÷": r"\div ", "·": r"\c
 _SQRT_RE = re.compile(r"√\s*(\d+(?:\.\d+)?|[a-zA-Z]|\([^()]*\)|\{[^{}]*\})")
 # A repeating decimal: 0.\overline{3}, 1.2\overline{45}, 0.1\dot{6} (one repeating digit).
 _REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\s*\\(?:overline|bar|dot)\s*\{\s*(\d+)\s*\}")
-_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:(?:,|\{,\}|\\,|\\ |\\!)\d{3})+(?![\d,]|\.\d)")
+_THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:(?:,|\{,\}|\\,|\\ |\\!)\d{3})+(?![\d,])")
 _THOUSANDS_EXPLICIT = re.compile(r"(?<=\d)(?:\{,\}|\\,|\\!)(?=\d{3})")
 
 
@@ -116,10 +116,25 @@ class Split:
     refused: str = ""
 
 
+_ENV = re.compile(r"\\(begin|end)\s*\{[^{}]*\}")
+
+
 def top_level(text: str) -> list[tuple[int, int]]:
     """Spans of `text` outside every bracket ((), [], {}, \\{ \\}, \\left ... \\right)."""
     spans, depth, start, i = [], 0, 0, 0
     while i < len(text):
+        env = _ENV.match(text, i)  # \begin{pmatrix} ... \end{pmatrix} holds its `\\` and `&`
+        if env:
+            if env.group(1) == "begin":
+                if depth == 0 and i > start:
+                    spans.append((start, i))
+                depth += 1
+            else:
+                depth = max(0, depth - 1)
+                if depth == 0:
+                    start = env.end()
+            i = env.end()
+            continue
         c = text[i]
         if c == "\\" and i + 1 < len(text) and text[i + 1] in "{}":
             c = text[i + 1]
@@ -267,7 +282,7 @@ def unit_of(text: str) -> tuple[str, str | None]:
         # `2x`, `3ab` are not units: a unit is a known one or a word of three letters or more after a space.
         if m and (word.lower() in _UNITS or (len(word) >= 3 and text[m.start(1) - 1:m.start(1)].isspace())):
             unit, text = _canonical(m.group(1), m.group(2)), text[:m.start()]
-    text = re.sub(r"\\[,;:! ]", " ", text).strip()
+    text = re.sub(r"(?<!\\)\\[,;:! ]", " ", text).strip()
     return text, unit
 
 

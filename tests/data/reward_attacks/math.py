@@ -65,6 +65,19 @@ HONEST = [
     ("\\boxed{\\text{6}}", "6"),
     ("\\boxed{|{-3}|}", "3"),
     ("\\boxed{\\left(\\frac{1}{2}, 3\\right)}", "(0.5, 3)"),
+    ("\\boxed{\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}}", "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}"),
+    ("\\boxed{(-\\infty, 1) \\cup (2, \\infty)}", "(-\\infty,1)\\cup(2,\\infty)"),
+    ("\\boxed{\\$1,234.50}", "1234.5"),
+    ("\\boxed{\\infty}", "\\infty"),
+    ("\\boxed{3 + 4i}", "3+4i"),
+    ("\\boxed{10\\%}", "0.1"),
+    ("\\boxed{45°}", "45^\\circ"),
+    ("\\boxed{\\textbf{(B)}\\ 12}", "12"),
+    ("\\boxed{x = \\pm 1}", "1, -1"),
+    ("\\boxed{\\{-1, 1\\}}", "\\pm 1"),
+    ("\\boxed{f(x) = x^2}", "x^2"),
+    ("\\boxed{\\binom{5}{2}}", "10"),
+    ("\\boxed{\\sqrt[3]{2}}", "2^{1/3}"),
 ]
 
 # (completion, reference, the class it belongs to)
@@ -117,4 +130,5 @@ ATTACKS = [
     ("#### 5\n\\boxed{6}", "6", "statement disagrees"),
     ("The answer is \\boxed{2} minutes.", "2 \\text{ hours}", "unit"),
     ("\\boxed{2\\,\\text{min}}", "2 \\text{ hours}", "unit"),
+    ("\\boxed{(0.1234568, 1)}", "(0.1234567, 1)", "tolerance"),
 ]
