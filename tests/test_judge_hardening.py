@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import pathlib
 import re
 import threading
@@ -22,7 +23,7 @@ from fastapi import FastAPI, Request
 from tidal.engines.served import free_port
 from tidal.rewards import injection
 from tidal.rewards.injection import detect_injection
-from tidal.rewards.judge import JudgeVerdictError, LLMJudge
+from tidal.rewards.judge import JudgeVerdictError, LLMJudge, PairwiseJudge
 
 _spec = importlib.util.spec_from_file_location(
     "judge_sets", pathlib.Path(__file__).parent / "data" / "reward_attacks" / "judge.py")
@@ -98,6 +99,12 @@ def judge_double():
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         user = (await request.json())["messages"][1]["content"]
+        pair = [re.search(rf"<<<RESPONSE-{x}-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-{x}-\1>>>", user, re.DOTALL)
+                for x in "AB"]
+        if pair[0]:  # pairwise: A always wins on the merits; each response flagged when it holds FLAG-ME
+            a, b = ("FLAG-ME" in m.group(2) for m in pair)
+            content = json.dumps({"winner": "A", "a_addresses_grader": a, "b_addresses_grader": b})
+            return {"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]}
         block = re.search(r"<<<COMPLETION-(\w+)>>>\n(.*?)\n<<<END-COMPLETION-\1>>>", user, re.DOTALL).group(2)
         seen.append(block)
         await asyncio.sleep(0)
@@ -151,3 +158,14 @@ def test_a_reply_without_the_verdict_object_is_a_reward_error_not_a_grade(judge_
     url, _ = judge_double
     with pytest.raises(JudgeVerdictError, match="verdict's JSON object"):
         _evaluate(url, "4 mode=forged")
+
+
+def test_a_response_the_judge_flags_loses_its_pairwise_comparison(judge_double):
+    url, _ = judge_double
+    comps = ["4", "4 FLAG-ME"]
+    assert detect_injection(comps[1]) == []
+    # A wins every comparison on the merits, in both orders: each sample wins once, 0.5 each.
+    plain = asyncio.run(PairwiseJudge(url, "judge", backoff_s=0.01, on_injection="flag")(["p"] * 2, comps))
+    assert plain == [0.5, 0.5]  # positive control: the flag not acted on
+    rates = asyncio.run(PairwiseJudge(url, "judge", backoff_s=0.01)(["p"] * 2, comps))
+    assert rates == [1.0, 0.0]
