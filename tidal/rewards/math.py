@@ -3,50 +3,51 @@
     task.reward: tidal.rewards.math:score
     task.rewards: [{fn: tidal.rewards.math:MathReward, args: {answer_column: solution_answer}}]
 
-The choice: the answer must be *given as an answer*, and every answer given must be right.
-The final answers are the completion's `\\boxed{...}` (and `\\fbox{...}`) contents, its
-`<answer>...</answer>` tags, and a final-answer phrase on its last non-empty line ("The
-answer is X", "Final answer: X", "Answer: X", "#### X"). Each is parsed by math-verify on
-its own, and compared with the reference by math-verify (so `\\frac{1}{2}`, `0.5` and `1/2`
-agree). No number is fished out of free text, which is what math-verify's own `parse` does
-with a whole completion (the last number wins): a completion that only scatters numbers
-through a ramble has no answer and scores 0. Several different final answers (two boxes,
-a box and a tag that differ) score 0, as do an empty answer and one that is too costly to
-check.
+The choice: the answer must be *given as an answer*, must name *one* value, and every answer
+given must be right. The final answers are the completion's `\\boxed{...}` (and `\\fbox{...}`)
+contents, its `<answer>...</answer>` tags, and a final-answer phrase on its last non-empty line
+("The answer is X", "Final answer: X", "Answer: X", "#### X"); a final answer *stated*
+anywhere else ("the answer is $5$") must agree with them. No number is fished out of free
+text, which is what math-verify's own `parse` does with a whole completion (the last number
+wins): a completion that only scatters numbers through a ramble has no answer and scores 0.
+
+math-verify is lenient by design, and a reward-maximizing policy turns leniency into hedges,
+so each answer goes through tidal's own steps around it, each refusal recorded in the
+metrics as `math/refused/<reason>`: split into candidates and units (math_forms.py: several
+values in one box, a relation chain, `\\pm`, prose in `\\text{...}`, a command math-verify
+would drop, a unit other than the reference's); parsed as a whole (a text math-verify reads
+only in part is refused); bounded in cost from the unevaluated parse (math_exact.py); compared
+exactly where both are numbers (math_exact.py), else by math-verify with a float rounding as
+tight as `rel_tol`. Several different final answers score 0, as do an empty answer and one that
+is too costly to check.
 
 Parts: `correct` (1 or 0) and `format` (`format_weight`, 0.1 by default, as the
 arithmetic task's exact-match reward gives: the comparison of the two on that task is
 fair): the completion has exactly one final answer, math-verify can parse it, and the
-completion ends with it. Metrics
-(not reward): `math/no_answer`, `math/several_answers`.
+completion ends with it. Metrics (not reward): `math/no_answer`, `math/several_answers`,
+`math/refused/<reason>`.
 
-Timeouts: the parse and the comparison of an answer are bounded by SIGALRM (tidal's own,
-repeated until the block ends: math-verify's single alarm can be swallowed, `_deadline`),
-which works only in a process's main thread. There `timeout_s` applies (an answer that runs
-out of it is wrong). In another thread (tidal's reward workers run synchronous rewards in a
-thread of their own), math-verify cannot be interrupted, and the reward pool's hard per-call timeout
-(`reward.timeout_s`, which kills the worker) is the guard. Cheap checks keep the known
-pathological answers from reaching it, in every thread: an answer longer than
-`max_answer_chars`, or nesting brackets deeper than `max_nesting` (the LaTeX parser's time
-grows steeply with depth: seconds at depth 10, tens of seconds at 40), is wrong unparsed; one
-whose parsed expression holds a huge power or factorial (a tower like `9^{9^{9^9}}`,
-`(10^{100})!`) is wrong before the comparison, the step that hangs on them.
+Bounds, before each step runs: an answer longer than `max_answer_chars` or nesting brackets
+deeper than `max_nesting` (the LaTeX parser's time grows steeply with depth) is wrong
+unparsed; a parsed answer over the cost bounds is wrong before any evaluation. In a process's
+main thread the parse and comparison are also bounded by `timeout_s` (math_deadline.py); in
+another thread (tidal's reward workers run synchronous rewards in a thread of their own)
+math-verify cannot be interrupted, and the bounds, then the reward pool's hard per-call
+timeout (`reward.timeout_s`), are the guard.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import re
-import signal
-import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tidal.rewards.contract import RewardParts
+from tidal.rewards.math_deadline import _deadline, _OutOfTime
 from tidal.rewards.math_exact import Bounds, cost_refusal, numbers_equal, plain_number
 from tidal.rewards.math_forms import _RELATION, _SPLIT, _split_top, candidates, honest_forms, is_unit, unit_of
 
@@ -430,62 +431,3 @@ def _set_vs_interval(gold: Any, given: Any) -> bool:
 
 
 score = MathReward()
-
-
-class _OutOfTime(BaseException):
-    """Raised by the deadline's alarm. A BaseException, so that no `except Exception` inside
-    math-verify or sympy turns it into a result."""
-
-
-REFIRE_S = 0.05  # the alarm repeats until the deadline is cleared
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int | None) -> Iterator[None]:
-    """Raise _OutOfTime in the block after `seconds` (None: no deadline). math-verify's own
-    timeout is one SIGALRM whose exception can land where Python ignores it (a weakref
-    callback during garbage collection: seen in CI, the parse then ran to completion and the
-    answer counted as correct); this alarm fires again every REFIRE_S until the block ends,
-    so a swallowed one is followed by another.
-
-    A swallowed alarm goes to `sys.unraisablehook`. For the block's length a hook drops it
-    (it is expected, and the next alarm ends the block) and hands any other unraisable
-    exception to the hook that was there, with the alarm held off meanwhile: a repeat that
-    landed inside that hook (reading source lines to format a traceback: seen in CI) would
-    break it."""
-    if seconds is None:
-        yield
-        return
-    armed, in_hook = [True], [False]
-
-    def fire(signum: int, frame: Any) -> None:
-        if armed[0] and not in_hook[0]:
-            raise _OutOfTime
-
-    previous_hook = sys.unraisablehook
-
-    def unraisable(args: Any) -> None:
-        if issubclass(args.exc_type, _OutOfTime):
-            return
-        in_hook[0] = True
-        try:
-            previous_hook(args)
-        finally:
-            in_hook[0] = False
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    sys.unraisablehook = unraisable
-    try:
-        signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
-        yield
-    finally:
-        while True:  # an alarm may still land here, before `armed` is cleared: clear it again
-            try:
-                armed[0] = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
-                if sys.unraisablehook is unraisable:  # unless something in the block replaced it
-                    sys.unraisablehook = previous_hook
-                break
-            except _OutOfTime:
-                continue
