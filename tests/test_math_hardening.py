@@ -42,7 +42,7 @@ HEDGES = [
     ("5 \\mid 6", "6", "connective"), ("5 | 6", "6", "connective"), ("5 \\sim 6", "6", "connective"),
     ("6 \\text{ (or maybe 5)}", "6", "text_with_a_value"), ("6 \\text{ if } n \\text{ is even}", "6", "text_hedge"),
     ("2\\uparrow\\uparrow 5", "5", "unknown_command"), ("5 @ 6", "6", "partial_parse"), ("5 \\& 6", "6", "partial_parse"), ("(1, 2)", "\\{1, 2\\}", "set_for_interval"),
-    ("2 \\text{ minutes}", "2 \\text{ hours}", "unit_mismatch"), ("0.1234568", "0.1234567", ""),
+    ("2 \\text{ minutes}", "2 \\text{ hours}", "unit_mismatch"), ("\\boxed{5} 6", "5", "nested_box"), ("0.1234568", "0.1234567", ""),
     ("\\frac{1}{30!}", "\\frac{2}{30!}", ""), ("3.141593", "\\pi", ""),
 ]
 
@@ -104,8 +104,9 @@ COSTLY = ["9^{9^{9^{9}}}", "\\binom{10^{9}}{10^{8}}", "\\prod_{k=1}^{10^7} k", "
 
 def test_costly_answers_score_zero_at_once_with_a_reason_in_a_worker_thread():
     """In a thread no SIGALRM can stop math-verify: the bounds must refuse these before any
-    evaluation. Each within 1 s on a loaded 2-core machine (measured: under 0.5 s; main's
-    reward hung on the binomial, the product and Gamma)."""
+    evaluation. Each within 3 s (measured: under 0.5 s on an idle machine; 3 s leaves room for
+    a 2-core machine at load average 20+, as seen here; main's reward never finished the
+    binomial, the product and Gamma)."""
     results = {}
 
     def run():
@@ -118,7 +119,7 @@ def test_costly_answers_score_zero_at_once_with_a_reason_in_a_worker_thread():
     worker.join(60)
     assert not worker.is_alive()
     assert {box: "too_costly" in r for box, (r, _) in results.items()} == dict.fromkeys(COSTLY, True)
-    assert max(t for _, t in results.values()) < 1.0, results
+    assert max(t for _, t in results.values()) < 3.0, results
     assert score("\\boxed{2^{10}}", answer="1024")["correct"] == 1.0  # small powers are still compared
 
 

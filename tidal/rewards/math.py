@@ -310,6 +310,10 @@ class MathReward:
         why = self._fits(given)
         if why:
             return Check(False, False, why)
+        while (inner := find_answers(given, ("boxed",))) and inner[0].start == 0 and inner[0].end == len(given):
+            given = _unwrap(inner[0].text)  # `\boxed{\boxed{7}}` is 7
+        if BOXED_RE.search(given):  # a box beside other text inside a box: math-verify would read the inner one
+            return Check(False, True, "nested_box")
         ref_text = reference.strip()
         if INTEGER_RE.fullmatch(given) and INTEGER_RE.fullmatch(ref_text):
             return Check(int(given) == int(ref_text), True)  # the arithmetic task's case, without sympy

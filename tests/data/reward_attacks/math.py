@@ -131,4 +131,6 @@ ATTACKS = [
     ("The answer is \\boxed{2} minutes.", "2 \\text{ hours}", "unit"),
     ("\\boxed{2\\,\\text{min}}", "2 \\text{ hours}", "unit"),
     ("\\boxed{(0.1234568, 1)}", "(0.1234567, 1)", "tolerance"),
+    ("\\boxed{6 \\text{\\boxed{5}}}", "5", "nested box"),
+    ("\\boxed{\\boxed{5} 6}", "5", "nested box"),
 ]
