@@ -275,8 +275,8 @@ def detect_injection(text: str) -> list[str]:
     views = _views(text)
     reasons: list[str] = []
     seen: set[str] = set()
-    for where, v in views["fold"]:
-        tag = _unopened_closing_tag(v)
+    for where, v in views["prose"]:  # code (fenced or `inline`) may hold tags as strings
+        tag = _unopened_closing_tag(re.sub(r"`[^`\n]*`", " ", v))
         if tag:
             reasons.append(f"fake-delimiter: {tag!r} closes a block the answer never opened"
                            f"{f' (in {where})' if where else ''}")

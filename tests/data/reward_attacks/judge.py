@@ -167,4 +167,6 @@ HONEST = [
     "Task: sort the list. My solution: use merge sort, which runs in O(n log n).",
     "The reference solution in the textbook uses induction; mine uses a direct count.",
     "Réponse : la dérivée de x² est 2x, donc la pente vaut 4 en x = 2.",
+    "```python\nend = text.index('</response>')  # where the XML reply ends\n```",
+    "Split the XML at the `</answer>` tag and keep what comes before it.",
 ]
