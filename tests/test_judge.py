@@ -526,7 +526,8 @@ def test_judge_against_a_real_vllm_server(tmp_path):
                      "test start timeout")
         t_start = time.monotonic() - t_start
         base = f"http://127.0.0.1:{port}/v1"
-        common = {"max_tokens": 24, "max_retries": 1, "backoff_s": 0.05, "max_concurrency": 2, "timeout_s": 60}
+        # the verdict object: at most 44 characters, 39 tokens of the tiny model's tokenizer
+        common = {"max_tokens": 64, "max_retries": 1, "backoff_s": 0.05, "max_concurrency": 2, "timeout_s": 60}
         free = LLMJudge(base, "tiny-judge", **common)
         constrained = LLMJudge(base, "tiny-judge", extra_body={"structured_outputs": {"regex": VERDICT_REGEX}},
                                **common)
