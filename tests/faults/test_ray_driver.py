@@ -112,3 +112,27 @@ def test_a_finished_run_whose_gcs_died_closes_promptly_with_exit_0(tiny_model_di
     # Ray ends a process that waits 60 s on a dead GCS; closing without waiting on it takes a
     # few seconds (ray.shutdown of the local instance): 30 s leaves room on a loaded machine.
     assert took < 30, out.stdout
+
+
+@pytest.mark.slow  # a Ray run in a process of its own (~30 s here)
+def test_sigterm_while_ray_roles_start_stops_cleanly(tiny_model_dir, tmp_path):
+    """ray.init sets its own SIGTERM handler (sys.exit); the run's is put back after it, so a
+    SIGTERM while the actors start ends the run as any other (exit 143, one line)."""
+    run = tmp_path / "run"
+    driver = subprocess.Popen([*TIDAL, "train", f"model.path={tiny_model_dir}", f"run.dir={run}", "train.steps=400",
+                               *RAY, f"placement.ray_temp_dir=/tmp/rds{os.getpid()}"],
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        # The watchdog starts right after ray.init returns, before any actor: Ray is up, the roles are not.
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and driver.poll() is None and not any(
+                "ray_watchdog" in p for p in _alive(_descendants(driver.pid))):
+            time.sleep(0.01)
+        assert not (run / "metrics.jsonl").exists()
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM during start-up, before any step; nothing was trained" in err, err[-3000:]

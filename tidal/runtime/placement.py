@@ -84,8 +84,9 @@ def start_ray(cfg: TidalConfig, needed_cpus: float) -> tuple[bool, object]:
 
 @contextlib.contextmanager
 def _keeping_sigterm():
-    """ray.init replaces the driver's SIGTERM handler with its own `sys.exit(15)`; the program's
-    (tidal train's: stop cleanly naming the last checkpoint, exit 143) is put back after it."""
+    """ray.init replaces the driver's SIGTERM handler with its own `sys.exit(15)`; a handler the
+    program set itself (tidal train's: stop cleanly naming the last checkpoint, exit 143) is put
+    back after it. A program that set none keeps Ray's."""
     import signal
     import threading
 
@@ -94,7 +95,7 @@ def _keeping_sigterm():
     try:
         yield
     finally:
-        if main and previous is not None:
+        if callable(previous):
             signal.signal(signal.SIGTERM, previous)
 
 
