@@ -145,3 +145,10 @@ def test_an_append_is_a_whole_line_or_nothing_on_a_real_short_write(tmp_path, mo
         assert path.read_text() == '{"step": 1}\n'
     else:
         assert path.read_text().startswith('{"step": 1}\n{"step": 2') and not path.read_text().endswith("\n")
+
+
+def test_the_lock_file_masks_secret_looking_overrides(monkeypatch):
+    from tidal.runtime.run_lock import _command
+
+    monkeypatch.setattr(sys, "argv", ["tidal", "train", "gateway.token=s3cr3t", "run.seed=1", "MY_API_KEY=abc"])
+    assert _command() == "tidal train gateway.token=*** run.seed=1 MY_API_KEY=***"

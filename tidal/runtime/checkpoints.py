@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from tidal.durable import disk_error
+from tidal.durable import disk_error, write_atomic
 
 log = logging.getLogger("tidal")
 
@@ -134,9 +134,7 @@ def read_best(root: Path) -> dict | None:
 
 
 def write_best(root: Path, record: dict) -> None:
-    tmp = root / "best.json.tmp"
-    tmp.write_text(json.dumps(record, indent=1) + "\n")
-    tmp.replace(root / "best.json")
+    write_atomic(root / "best.json", json.dumps(record, indent=1) + "\n")
 
 
 def file_system_error(e: BaseException) -> OSError | None:

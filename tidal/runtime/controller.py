@@ -25,7 +25,7 @@ import torch
 
 from tidal.algorithms import AdaptiveKLController
 from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
-from tidal.durable import append_lines, write_atomic
+from tidal.durable import append_lines, disk_error, write_atomic
 from tidal.engines.factory import choose_engine_kind
 from tidal.envs import loop_scoped
 from tidal.envs.dataset import DatasetError, PromptSource, load_prompts
@@ -221,7 +221,7 @@ class Controller:
         """The DiskError a step's failure `e` stops the run with, when it is a disk error (the
         episodes of the steps in flight are then removed: nothing of them is half kept); None
         when it is not (or is one already: save() names its checkpoint itself)."""
-        if disk_failure(e, self.paths.root, 0, None) is not None and self.run_log.error is not None:
+        if disk_error(e) is not None and self.run_log.error is not None:
             e = self.run_log.error  # train.log met the full disk first (it does not raise): name it
         failure = None if isinstance(e, DiskError) else disk_failure(
             e, self.paths.root, self._learning or self.step + 1, self.paths.latest_checkpoint())

@@ -22,6 +22,7 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.engines.router import Router
 from tidal.net import is_loopback
+from tidal.runtime import ray_watchdog
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher, choose_transport
 from tidal.runtime.trainer_group import TrainerGroup
@@ -49,14 +50,15 @@ def keep_on_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
+def start_ray(cfg: TidalConfig, needed_cpus: float) -> tuple[bool, object]:
     """Join `placement.address`, or start a local Ray instance bound to `placement.host`.
-    Returns whether this call started Ray (and so must shut it down)."""
+    Returns whether this call started Ray (and so must shut it down), and the watchdog that
+    ends its processes should this process die without doing so (tidal/runtime/ray_watchdog.py)."""
     import ray
 
     pl = cfg.placement
     if ray.is_initialized():
-        return False
+        return False, None
     host = pl.address.rsplit(":", 1)[0] if pl.address and pl.address != "auto" else pl.host
     if is_loopback(host):
         keep_on_loopback()
@@ -64,7 +66,7 @@ def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
     if pl.address:
         with _keeping_sigterm():
             ray.init(address=pl.address, logging_level=logging.WARNING, log_to_driver=True)
-        return True
+        return True, None  # a cluster of its own: not this run's to end
     cpus = max(float(os.cpu_count() or 1), needed_cpus)
     if needed_cpus > (os.cpu_count() or 1):
         log.warning("placement: the roles reserve %.1f CPUs and this machine has %d: the local Ray instance offers %.1f "
@@ -72,13 +74,19 @@ def start_ray(cfg: TidalConfig, needed_cpus: float) -> bool:
     with _keeping_sigterm():
         ray.init(_node_ip_address=pl.host, include_dashboard=False, num_cpus=int(-(-cpus // 1)),
                  _temp_dir=pl.ray_temp_dir, logging_level=logging.WARNING, log_to_driver=True)
-    return True
+    try:
+        raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    except (AttributeError, KeyError, IndexError) as e:  # Ray's internals moved: run without the watchdog
+        log.warning("placement: no watchdog for the local Ray instance (its raylet was not found: %r)", e)
+        return True, None
+    return True, ray_watchdog.start(raylet)
 
 
 @contextlib.contextmanager
 def _keeping_sigterm():
-    """ray.init replaces the driver's SIGTERM handler with its own `sys.exit(15)`; the program's
-    (tidal train's: stop cleanly naming the last checkpoint, exit 143) is put back after it."""
+    """ray.init replaces the driver's SIGTERM handler with its own `sys.exit(15)`; a handler the
+    program set itself (tidal train's: stop cleanly naming the last checkpoint, exit 143) is put
+    back after it. A program that set none keeps Ray's."""
     import signal
     import threading
 
@@ -87,7 +95,7 @@ def _keeping_sigterm():
     try:
         yield
     finally:
-        if main and previous is not None:
+        if callable(previous):
             signal.signal(signal.SIGTERM, previous)
 
 
@@ -102,8 +110,23 @@ class Roles:
     reward_handles: RewardActors | None = None
     env_handles: list[Handle] = field(default_factory=list)
     envs: object = None  # RemoteEnvs: environments on the env workers; None: in the driver
+    watchdog: object = None  # the local Ray instance's watchdog (tidal/runtime/ray_watchdog.py), if started
 
     def close(self) -> None:
+        try:
+            self._close()
+        finally:
+            ray_watchdog.stop(self.watchdog)  # Ray closed (or closing raised): nothing for it to end
+
+    def _close(self) -> None:
+        if self.placement_group is not None and not gcs_answers():
+            # Ray's GCS died (its node went down, `ray stop`): every call below would wait on it
+            # and Ray ends the process after 60 s of that. The actors go with their raylets:
+            # ray.shutdown() stops what this run started, and the run's own outcome stands.
+            log.warning("placement: Ray's GCS does not answer; the actors are not killed one by one")
+            if self.started_ray:
+                ray_shutdown_quietly()
+            return
         for engine in getattr(self.engine, "replicas", [self.engine]):
             if hasattr(engine, "close"):
                 engine.close()
@@ -119,6 +142,26 @@ class Roles:
         ray.util.remove_placement_group(self.placement_group)
         if self.started_ray:
             ray.shutdown()
+
+
+def gcs_answers(timeout_s: float = 2.0) -> bool:
+    """Whether Ray's GCS answers a trivial call within `timeout_s`."""
+    import ray
+
+    try:
+        ray._private.worker.global_worker.gcs_client.internal_kv_exists(b"tidal-ping", b"tidal", timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - any failure to answer is the answer
+        return False
+    return True
+
+
+def ray_shutdown_quietly() -> None:
+    import ray
+
+    try:
+        ray.shutdown()
+    except Exception as e:  # noqa: BLE001 - the cluster is already gone
+        log.warning("placement: ray.shutdown() raised %s: %s", type(e).__name__, e)
 
 
 def build_roles(cfg: TidalConfig, model_dir: Path, pad_token_id: int, engine_kind: str, run_dir: Path) -> Roles:
@@ -164,7 +207,7 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     bundles += [_bundle(pl.reward) for _ in range(pl.reward_workers)]
     first_env = len(bundles)
     bundles += [_bundle(pl.env) for _ in range(pl.env_workers)]
-    started = start_ray(cfg, sum(b.get("CPU", 0.0) for b in bundles))
+    started, watchdog = start_ray(cfg, sum(b.get("CPU", 0.0) for b in bundles))
     pg = placement_group(bundles, strategy=pl.strategy, name="")
     ready, _ = ray.wait([pg.ready()], timeout=pl.start_timeout_s)
     if not ready:
@@ -226,7 +269,7 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
-    return Roles(trainer, engine, pusher, started_ray=started, placement_group=pg,
+    return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
                  reward_handles=rewards, env_handles=envs,
                  envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s, agent=cfg.task.agent,
                                  respawn=respawn_env, max_restarts=cfg.run.max_restarts,

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tidal.durable import append_lines
 from tidal.runtime.handles import RoleError
 from tidal.runtime.run_dir import RunFailed
 
@@ -111,5 +112,4 @@ def role_restarts(roles, step: int) -> list[dict]:
 
 
 def _event(root: Path, event: dict) -> None:
-    with (root / "events.jsonl").open("a") as f:
-        f.write(json.dumps({**event, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    append_lines(root / "events.jsonl", [json.dumps({**event, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"])

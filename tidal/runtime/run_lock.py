@@ -21,6 +21,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -49,6 +50,16 @@ def describe(info: dict) -> str:
         return "a process that left no record in the lock file"
     cmd = f" ({info['command']})" if info.get("command") else ""
     return f"pid {info.get('pid', '?')} on host {info.get('host', '?')}, started {info.get('started', '?')}{cmd}"
+
+
+_SECRET = re.compile(r"(token|key|secret|password)", re.IGNORECASE)
+
+
+def _command() -> str:
+    """This process's command line, values of secret-looking overrides masked (the lock file is
+    readable by others, and its content goes into another run's error message)."""
+    args = [a.split("=", 1)[0] + "=***" if "=" in a and _SECRET.search(a.split("=", 1)[0]) else a for a in sys.argv]
+    return " ".join(args)[:300]
 
 
 class RunLock:
@@ -80,7 +91,7 @@ class RunLock:
             log.warning("run directory %s: a stale lock of %s (it ended without releasing it) was taken over",
                         self.path.parent, describe(previous))
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "command": " ".join(sys.argv)[:300]}
+              "command": _command()}
         f.seek(0)
         f.truncate()
         f.write(json.dumps(me) + "\n")
