@@ -212,7 +212,8 @@ class WorkerCgroups:
         from tidal.sandbox.cgroup import CgroupError
 
         try:
-            cg = self.pool.new_run(self.memory_bytes, self.max_processes)
+            # Every core: a reward worker's CPU is not bounded here (the sandbox's quota is for its runs).
+            cg = self.pool.new_run(self.memory_bytes, self.max_processes, float(os.cpu_count() or 1))
             cg.add(pid)
             return cg
         except (CgroupError, OSError) as e:
