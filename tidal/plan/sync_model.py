@@ -11,7 +11,7 @@ Transports (every time is one sync; `engine pause` is what the engines stop gene
 - delta: the changed bytes only, `delta_density` of the weights, each changed value sent with a 4-byte
   index (so 3x its 2 bytes), over the broadcast path.
 - disk: written once to shared storage, read by every node.
-- inprocess: colocated; the engine copies from the trainer's memory after an all-gather over NVLink.
+- inprocess: colocated; each GPU gathers its engine's slice from the trainer shards over NVLink and copies it.
 Each adds `sync_overhead_s` (pausing the engines, reloading, control messages).
 """
 
@@ -54,14 +54,17 @@ def sync_cost(m: ModelSpec, hw: Accelerator, eff: Efficiency, cluster: ClusterSp
     nbytes = sync_bytes(m, t, delta_density)
     n_train = p.trainer_gpus
     g = p.engine_gpus_per_replica
-    cross = node_link_bw(hw, cluster) * eff.link
+    receivers = replicas(p, cluster) * g
+    # NVLink when the trainer and every engine GPU sit in one node, else the network
+    cross = (hw.nvlink_bw if n_train + receivers <= cluster.gpus_per_node else node_link_bw(hw, cluster)) * eff.link
     # gather the full tensors on the trainer's side: an all-gather of the shards (broadcast, delta, disk)
     gather = nbytes * (n_train - 1) / n_train / (group_bw(hw, cluster, n_train) * eff.link) if n_train > 1 else 0.0
-    if t == "inprocess":
-        return SyncCost(nbytes, gather, nbytes / g / (hw.hbm_bw * eff.hbm), eff.sync_overhead_s)
+    if t == "inprocess":  # each GPU gathers only its engine's slice from its node's peers, then copies it
+        return SyncCost(nbytes, nbytes / g / (hw.nvlink_bw * eff.link), nbytes / g / (hw.hbm_bw * eff.hbm),
+                        eff.sync_overhead_s)
     if t in ("broadcast", "delta"):
         # one pipelined broadcast tree to every engine GPU, fed by trainer rank 0's NIC
-        fill = BUCKET_BYTES / cross * max(0, (replicas(p, cluster) * g).bit_length() - 1)
+        fill = BUCKET_BYTES / cross * max(0, receivers.bit_length() - 1)
         return SyncCost(nbytes, gather, nbytes / cross + fill, eff.sync_overhead_s)
     if t == "disk":
         storage = cluster.storage_bw_gbs * 1e9
