@@ -67,10 +67,16 @@ def predict(calib: dict, cfg: dict, devices: dict, steps: int) -> dict:
             "sync_s": s.sync_s}
 
 
+def save(out: dict, path: str) -> None:
+    """Written after every run, so a stopped benchmark keeps what it measured."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(out, indent=1, default=float))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=7, help="steps of each async run (2 warm-up)")
-    p.add_argument("--default-steps", type=int, default=20)
+    p.add_argument("--default-steps", type=int, default=12)
     p.add_argument("--max-load", type=float, default=1.5)
     p.add_argument("--wait-s", type=float, default=600.0)
     p.add_argument("--out", default="benchmarks/results/plan.json")
@@ -94,6 +100,7 @@ def main() -> None:
             print(f"async k={k} (load {os.getloadavg()[0]:.1f})", flush=True)
             train(ov)
             out["async"][k] = {"measured": measured(run, warm)}
+            save(out, ns.out)
         calib = calibrate(tmp / "async-k0")
         out["async_calibration"] = {"fit": calib["fit"], "accelerator": calib["accelerator"]}
         cfg = yaml.safe_load((tmp / "async-k0" / "config.yaml").read_text())
@@ -106,6 +113,7 @@ def main() -> None:
             train([f"run.dir={run}", f"train.steps={ns.default_steps}", "run.progress=false", "run.eval_every=0",
                    "run.save_every=0"], conf)
             out["default"][name] = {"measured": measured(run, warm)}
+            save(out, ns.out)
         calib_local = calibrate(tmp / "default-local")
         out["default_calibration"] = {"fit": calib_local["fit"]}
         cfg_local = yaml.safe_load((tmp / "default-local" / "config.yaml").read_text())
@@ -114,8 +122,7 @@ def main() -> None:
         out["default"]["ray"]["predicted"] = predict(calib_local, cfg_local, ray_dev, 20)
         out["default"]["local"]["predicted"] = predict(calib, cfg_local, local_dev, 20)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
-    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(ns.out).write_text(json.dumps(out, indent=1, default=float))
+    save(out, ns.out)
     a = out["async"]
     print("\n| run | measured samples/s | × k=0 measured | predicted samples/s | × k=0 predicted | error of the ratio |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -47,7 +47,8 @@ def assign_replicas(group: np.ndarray, n_rep: int) -> np.ndarray:
 
 
 def simulate_rollout(work: StepWork, n_rep: int, m: ModelSpec, hw: Accelerator, eff: Efficiency, tp: int, ep: int,
-                     max_batch: int, env_slots: int, prefix_sharing: bool, chunks: int = 64) -> RolloutResult:
+                     max_batch: int, env_slots: int, prefix_sharing: bool, chunks: int = 64,
+                     exact_single_turn: bool = True) -> RolloutResult:
     E, T = work.lengths.shape
     R, g = n_rep, tp * ep
     rep = assign_replicas(work.group, R)
@@ -58,7 +59,7 @@ def simulate_rollout(work: StepWork, n_rep: int, m: ModelSpec, hw: Accelerator, 
     else:
         prompts = np.bincount(rep, minlength=R) * work.prompt_tokens
     clock = prefill_s(prompts, m, hw, eff, g)
-    if T == 1 and np.bincount(rep, minlength=R).max() <= max_batch:
+    if exact_single_turn and T == 1 and np.bincount(rep, minlength=R).max() <= max_batch:
         return _single_turn(work.lengths[:, 0], rep, R, clock, work.prompt_tokens, m, hw, eff, tp, ep)
     busy = clock.copy()
     env_factor = max(1.0, E / env_slots) if work.env_latency.any() else 1.0
