@@ -83,7 +83,7 @@ def _simulate(spec, out: Path, steps: int | None) -> int:
 
 def _search(spec, out: Path, ns) -> int:
     from tidal.plan.output import write_config, write_plans, write_plot
-    from tidal.plan.search import explain, search
+    from tidal.plan.search import distinct, explain, search
 
     plans, rejected = search(spec, progress=not ns.no_progress)
     if not plans:
@@ -91,15 +91,20 @@ def _search(spec, out: Path, ns) -> int:
         print("tidal plan: no placement fits: " + "; ".join(reasons), file=sys.stderr)
         return 2
     print(f"{len(plans)} plans simulated ({spec.search.steps} steps each), {len(rejected)} rejected; the best:")
-    for i, x in enumerate(plans[: spec.search.top], 1):
-        print(f"{i}. {x.name}")
+    groups = distinct(plans)
+    for i, (x, same) in enumerate(groups[: spec.search.top], 1):
+        print(f"{i}. {x.name}" + (f" (the same with k={', '.join(str(y.placement.max_staleness) for y in same)})"
+                                  if same else ""))
         _print_summary(x.summary)
     cfg = write_config(spec, plans[0], out / "plan.yaml")
     png = write_plot(plans, out / "plan.png")
     js = write_plans(plans, rejected, out / "plans.json")
     print(f"wrote {cfg}, {js}" + (f", {png}" if png else " (no plot: matplotlib is not installed)"))
-    if ns.explain and len(plans) > 1:
-        print("\n" + explain(plans[0], plans[1]))
+    if ns.explain and len(groups) > 1:
+        print("\n" + explain(groups[0][0], groups[1][0]))
+        other = next((x for x, _ in groups if x.placement.colocate != plans[0].placement.colocate), None)
+        if other is not None and other is not groups[1][0]:
+            print("\n" + explain(groups[0][0], other))
     return 0
 
 

@@ -159,7 +159,7 @@ class Simulator:
         self.records: dict[int, StepRecord] = {}
         self.failures, self.lost_s = 0, 0.0
         state = {"published": 0, "event": env.event(), "rollout": None, "ckpt_step": 0, "ckpt_t": 0.0,
-                 "prod": None, "gpus": None}
+                 "prod": None, "gpus": None, "unlearned": 0}
 
         def publish(v: int) -> None:
             state["published"] = v
@@ -172,8 +172,12 @@ class Simulator:
                 while state["published"] < s - 1 - k:
                     yield state["event"]
                 gpus = state["gpus"]
-                req = gpus.request(priority=1) if gpus else None
-                if req is not None:
+                req = None
+                if gpus is not None:
+                    # colocated: a handed-over step is trained before the next rollout takes the GPUs
+                    while state["unlearned"]:
+                        yield state["event"]
+                    req = gpus.request(priority=1)
                     yield req
                 rec, curves = self._rollout(s)
                 rec.admission_wait, rec.rollout_start = env.now - t0, env.now
@@ -209,6 +213,7 @@ class Simulator:
                 rec.staleness_max = lag0
                 rec.staleness_mean = float(sum(a * b for a, b in zip(shares, lags)))
                 self.records[s] = rec
+                state["unlearned"] += 1
                 yield store.put(rec)
 
         def learner(start: int, store: simpy.Store):
@@ -233,6 +238,7 @@ class Simulator:
                 rec.sync_end = env.now
                 if req is not None:
                     gpus.release(req)
+                state["unlearned"] -= 1
                 publish(s)
                 if s % spec.failures.save_every == 0 or s == self.steps:
                     yield env.timeout(self.ckpt_s)
@@ -244,7 +250,7 @@ class Simulator:
             nodes = max(1, math.ceil(spec.cluster.gpus / spec.cluster.gpus_per_node))
             while True:
                 store = simpy.Store(env, capacity=k + 1)
-                state["published"] = start - 1
+                state["published"], state["unlearned"] = start - 1, 0
                 # a fresh GPU resource per (re)start: a killed process's request must not hold it
                 state["gpus"] = simpy.PriorityResource(env, capacity=1) if p.colocate else None
                 prod = state["prod"] = env.process(producer(start, store))

@@ -86,8 +86,27 @@ def search(spec: PlanSpec, progress: bool = True) -> tuple[list[Plan], list[tupl
             continue
         trial = spec.model_copy(update={"placement": p})
         plans.append(Plan(p, summarize(simulate(trial, spec.search.steps))))
-    plans.sort(key=lambda x: -x.summary.samples_per_s)
+    # ties (within 0.1%: k beyond what the stages need changes nothing) go to the plan with less
+    # staleness, then fewer GPUs per engine replica
+    plans.sort(key=lambda x: (-round(x.summary.samples_per_s, 3 - len(str(int(x.summary.samples_per_s)))),
+                              x.summary.staleness_mean, x.placement.engine_tp))
     return plans, rejected
+
+
+def distinct(plans: list[Plan], rel: float = 1e-3) -> list[tuple[Plan, list[Plan]]]:
+    """Plans with their equals: a plan that differs from an earlier one only in k and predicts the
+    same samples/s (within `rel`) is listed under it, not as a plan of its own."""
+    out: list[tuple[Plan, list[Plan]]] = []
+    for x in plans:
+        for head, same in out:
+            hp, xp = head.placement.model_dump(), x.placement.model_dump()
+            hp.pop("max_staleness"), xp.pop("max_staleness")
+            if hp == xp and abs(x.summary.samples_per_s / head.summary.samples_per_s - 1) <= rel:
+                same.append(x)
+                break
+        else:
+            out.append((x, []))
+    return out
 
 
 def explain(a: Plan, b: Plan) -> str:
