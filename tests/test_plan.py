@@ -210,3 +210,25 @@ def test_colocated_roles_take_turns():
     assert max(x.staleness_max for x in r1.records) == 0
     for a, b in zip(r1.records, r1.records[1:]):
         assert b.rollout_start >= a.sync_end  # the next rollout starts after this step's training and sync
+
+
+def test_the_command_searches_writes_and_simulates(tmp_path, capsys):
+    import yaml
+
+    from tidal.cli import main
+
+    data = {"model": MODEL, "cluster": {"gpu": "H100", "gpus": 16},
+            "workload": {"prompts_per_step": 8, "samples_per_prompt": 4, "lengths": {"mean": 256, "max": 1024}},
+            "placement": {"trainer_gpus": 8, "engine_gpus": 8, "max_staleness": 1},
+            "sim": {"steps": 6},
+            "search": {"max_staleness": [0, 1], "trainer_fractions": [0.5], "engine_tp": [1], "train_tp": [1],
+                       "sync": ["broadcast"], "steps": 4}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["plan", str(path), "--out", str(tmp_path / "out"), "--explain", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "1. " in out and "samples/s" in out and "A: " in out  # the best plans, and why one beats another
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"plan.yaml", "plan.png", "plans.json"}
+    assert main(["plan", str(path), "--simulate", "--out", str(tmp_path / "sim")]) == 0
+    trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
+    assert sum(e["name"] == "train" for e in trace["traceEvents"]) == 6
