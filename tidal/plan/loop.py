@@ -210,6 +210,8 @@ class Simulator:
                     prev = frac
                     lags.append((s - 1) - v)
                 shares.append(1.0 - prev)
+                if lag0 > k:  # the admission rule above makes this impossible; a broken model must not report
+                    raise RuntimeError(f"step {s} started at version {rec.version_start}: staleness {lag0} > k={k}")
                 rec.staleness_max = lag0
                 rec.staleness_mean = float(sum(a * b for a, b in zip(shares, lags)))
                 self.records[s] = rec
