@@ -98,7 +98,7 @@ class Simulator:
             work = step_work(w, self.sampler, want, self.rng)
             if p.rollout_mode == "stream":
                 d, busy = stream_rollout_s(work, self.R, spec.model, self.hw, spec.efficiency, p.engine_tp,
-                                           p.engine_ep, self.max_batch)
+                                           p.engine_ep, self.max_batch, p.max_staleness + 1)
                 finish = np.full(work.episodes, d)
                 res = None
             else:

@@ -70,8 +70,8 @@ def summarize(r: SimResult) -> Summary:
         tokens_per_s_per_gpu=sum(x.gen_tokens for x in window) / wall / gpus,
         step_s=wall / max(n, 1), rollout_s=rollout_s, train_s=train_s, sync_s=sync_s,
         staleness_mean=mean(lambda x: x.staleness_mean), staleness_max=max((x.staleness_max for x in recs), default=0),
-        idle={"engines": max(0.0, 1 - engine_busy), "trainer": max(0.0, 1 - train_busy),
-              "env": max(0.0, 1 - env_busy), "reward": max(0.0, 1 - reward_busy)},
+        idle={"engines": float(max(0.0, 1 - engine_busy)), "trainer": float(max(0.0, 1 - train_busy)),
+              "env": float(max(0.0, 1 - env_busy)), "reward": float(max(0.0, 1 - reward_busy))},
         bottleneck=bottleneck, trainer_wait_s=trainer_wait, engine_wait_s=engine_wait,
         failures=r.failures, lost_s=r.lost_s, gpus=gpus if engine_gpus else p.trainer_gpus)
 

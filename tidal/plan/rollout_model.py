@@ -159,14 +159,15 @@ def _single_turn(lengths: np.ndarray, rep: np.ndarray, R: int, start: np.ndarray
 
 
 def stream_rollout_s(work: StepWork, n_rep: int, m: ModelSpec, hw: Accelerator, eff: Efficiency, tp: int, ep: int,
-                     max_batch: int) -> tuple[float, np.ndarray]:
-    """The what-if of a streaming loop (AReaL): engines never wait for a step's tail, the next step's
-    requests keep every replica's batch full, so a step costs its tokens at the full batch's rate.
+                     max_batch: int, steps_in_flight: int = 1) -> tuple[float, np.ndarray]:
+    """The what-if of a streaming loop (AReaL): engines never wait for a step's tail, the next steps'
+    requests keep every replica's batch as full as the staleness bound allows (`steps_in_flight` =
+    k+1 steps of episodes at most), so a step costs its tokens at that batch's rate.
     Returns (seconds, busy seconds per replica)."""
     tokens = work.lengths.sum()
     per_rep = tokens / n_rep
     mean_ctx = work.prompt_tokens + work.lengths.sum(axis=1).mean() / 2
-    b = float(max_batch)
+    b = float(min(max_batch, steps_in_flight * work.episodes / n_rep))
     it = float(decode_iter_s(np.array([b]), np.array([b * mean_ctx]), m, hw, eff, tp, ep)[0])
     pre = float(prefill_s(np.array([work.episodes * work.prompt_tokens / n_rep]), m, hw, eff, tp * ep)[0])
     t = per_rep / b * it + pre
