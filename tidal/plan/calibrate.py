@@ -9,8 +9,8 @@ iterations and tokens of each step) and its model directory (parameter count and
 - training: train_s = c0 + c1·tokens: c1 is 6·N / (FLOP/s · mfu_train), c0 a fixed step cost;
 - sync: bytes / time_s of the weight sync.
 
-The choice: the result is an accelerator (peak FLOP/s as measured, efficiency 1 for decode and the
-measured ratio for training) plus efficiency overrides, the same form as a GPU's table entry and
+The choice: the result is an accelerator (peak FLOP/s: the faster of the rates a decode token and a
+trained token reached; the other as its efficiency) plus efficiency overrides, the same form as a GPU's table entry and
 stated factors, so one simulator serves both. The run's trace.json, when present, only adds a check:
 its `train` and `sync` spans must agree with the metrics (they are the same timers).
 """
@@ -111,8 +111,10 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     sync = float(np.median([s["metrics"].get("time/weight_sync_s", 0.0) for s in steps]))
     P = shape["params"]
     per_token = gen[1] if gen[1] > 0 else float(np.sum(rollout) / np.sum(tokens))
-    flops = 2.0 * P / per_token
-    mfu_train = min(1.0, 6.0 * P / (tr[0] * flops)) if tr[0] > 0 else 1.0
+    decode_rate = 2.0 * P / per_token  # FLOP/s a decode token reached
+    train_rate = 6.0 * P / tr[0] if tr[0] > 0 else decode_rate  # and a trained token
+    flops = max(decode_rate, train_rate)  # the device's peak: the faster of the two, each an efficiency of it
+    mfu_decode, mfu_train = decode_rate / flops, train_rate / flops
     sync_bw = shape["bytes"] / sync if sync > 0 else 1e12
     predicted = gen[0] * iters + gen[1] * tokens + gen[2]
     return {
@@ -127,7 +129,8 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
         # per-iteration overhead (hbm_bw set high), links at the sync's measured rate
         "accelerator": {"bf16_flops": flops, "hbm_bw": 1e15, "hbm_bytes": 64e9, "nvlink_bw": sync_bw,
                         "nic_bw": sync_bw, "pcie_bw": 1e15, "link_latency_s": 0.0},
-        "efficiency": {"mfu_decode": 1.0, "mfu_prefill": 1.0, "mfu_train": mfu_train, "hbm": 1.0, "link": 1.0,
+        # a prefilled token is a forward pass in one batch: the training rate's, not a decode step's
+        "efficiency": {"mfu_decode": mfu_decode, "mfu_prefill": mfu_train, "mfu_train": mfu_train, "hbm": 1.0, "link": 1.0,
                        "decode_overhead_s": gen[0], "train_overhead_s": tr[1], "sync_overhead_s": 0.0,
                        "comm_overlap": 0.0},
         "rollout_fixed_s": gen[2],

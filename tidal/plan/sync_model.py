@@ -64,7 +64,7 @@ def sync_cost(m: ModelSpec, hw: Accelerator, eff: Efficiency, cluster: ClusterSp
                         eff.sync_overhead_s)
     if t in ("broadcast", "delta"):
         # one pipelined broadcast tree to every engine GPU, fed by trainer rank 0's NIC
-        fill = BUCKET_BYTES / cross * max(0, receivers.bit_length() - 1)
+        fill = min(BUCKET_BYTES, nbytes) / cross * max(0, receivers.bit_length() - 1)
         return SyncCost(nbytes, gather, nbytes / cross + fill, eff.sync_overhead_s)
     if t == "disk":
         storage = cluster.storage_bw_gbs * 1e9
@@ -73,5 +73,5 @@ def sync_cost(m: ModelSpec, hw: Accelerator, eff: Efficiency, cluster: ClusterSp
     # shard: no gather; each engine GPU pulls its slice, the trainer GPUs feed in parallel, replicas relay
     per_engine_gpu = nbytes / g
     senders = nbytes / n_train / cross  # each trainer GPU sends its shard once (the first replica)
-    fill = BUCKET_BYTES / g / cross * max(0, replicas(p, cluster) - 1).bit_length()
+    fill = min(BUCKET_BYTES, nbytes) / g / cross * max(0, replicas(p, cluster) - 1).bit_length()
     return SyncCost(nbytes, 0.0, max(per_engine_gpu / cross, senders) + fill, eff.sync_overhead_s)
