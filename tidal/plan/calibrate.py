@@ -18,6 +18,7 @@ its `train` and `sync` spans must agree with the metrics (they are the same time
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -104,24 +105,27 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     iters = np.array([max(s["lengths"]) for s in steps], float)
     tokens = np.array([sum(s["lengths"]) for s in steps], float) / replicas
     rollout = np.array([s["metrics"]["time/rollout_s"] for s in steps])
-    gen = _fit(np.c_[iters, tokens, np.ones_like(iters)], rollout)
+    gen = [float(x) for x in _fit(np.c_[iters, tokens, np.ones_like(iters)], rollout)]
     train_tok = np.array([sum(s["lengths"]) + sum(s["prompts"]) for s in steps], float)
     train = np.array([s["metrics"]["time/train_s"] for s in steps])
-    tr = _fit(np.c_[train_tok, np.ones_like(train_tok)], train)
+    tr = [float(x) for x in _fit(np.c_[train_tok, np.ones_like(train_tok)], train)]
     sync = float(np.median([s["metrics"].get("time/weight_sync_s", 0.0) for s in steps]))
     P = shape["params"]
-    per_token = gen[1] if gen[1] > 0 else float(np.sum(rollout) / np.sum(tokens))
-    decode_rate = 2.0 * P / per_token  # FLOP/s a decode token reached
-    train_rate = 6.0 * P / tr[0] if tr[0] > 0 else decode_rate  # and a trained token
-    flops = max(decode_rate, train_rate)  # the device's peak: the faster of the two, each an efficiency of it
-    mfu_decode, mfu_train = decode_rate / flops, train_rate / flops
+    # FLOP/s a decode token and a trained token reached; a cost the fit found no trace of (all in the
+    # fixed terms, e.g. a run whose times do not vary with its tokens) is free
+    decode_rate = 2.0 * P / gen[1] if gen[1] > 1e-12 else math.inf
+    train_rate = 6.0 * P / tr[0] if tr[0] > 1e-12 else math.inf
+    finite = [r for r in (decode_rate, train_rate) if math.isfinite(r)]
+    flops = max(finite) if finite else 1e30  # the device's peak: the faster of the two, each an efficiency of it
+    mfu_decode = decode_rate / flops if math.isfinite(decode_rate) else 1.0
+    mfu_train = train_rate / flops if math.isfinite(train_rate) else 1.0
     sync_bw = shape["bytes"] / sync if sync > 0 else 1e12
     predicted = gen[0] * iters + gen[1] * tokens + gen[2]
     return {
         "run": str(run_dir), "steps": len(steps),
         "model": {"params": P, "bytes": shape["bytes"], "layers": shape["layers"], "hidden": shape["hidden"],
                   "kv_heads": shape["kv_heads"], "head_dim": shape["head_dim"]},
-        "fit": {"decode_iteration_s": gen[0], "token_s": per_token, "rollout_fixed_s": gen[2],
+        "fit": {"decode_iteration_s": gen[0], "token_s": gen[1], "rollout_fixed_s": gen[2],
                 "train_token_s": tr[0], "train_fixed_s": tr[1], "sync_s": sync,
                 "rollout_residual_rel": float(np.mean(np.abs(predicted - rollout) / rollout)),
                 "train_residual_rel": float(np.mean(np.abs(tr[0] * train_tok + tr[1] - train) / train))},
@@ -138,12 +142,18 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     }
 
 
-def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40) -> dict:
-    """A spec (as a dict for `load_spec`) of a run shaped like `cfg` (a tidal config as a dict) on the
-    calibrated device: `devices` gives the placement in devices (trainer_gpus, engine_gpus, colocate,
-    max_staleness, sync); lengths are resampled from the calibration run's episode store."""
-    m, r = calib["model"], cfg["rollout"]
-    prompt = max(1, round(calib["prompt_tokens"]))
+def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40, workload_run: str | Path | None = None) -> dict:
+    """A spec (as a dict for `load_spec`) of a run shaped like `cfg` (a tidal config as a dict: its model,
+    its batch) on the calibrated device: `devices` gives the placement in devices (trainer_gpus,
+    engine_gpus, colocate, max_staleness, sync). The workload's lengths (what the task makes the model
+    generate, not a timing) are resampled from `workload_run`'s episode store (default: the calibration
+    run's)."""
+    from tidal.models import resolve_model_dir
+
+    r = cfg["rollout"]
+    m = model_shape(resolve_model_dir(cfg["model"]["path"]))
+    source = Path(workload_run or calib["run"])
+    prompt = max(1, round(float(np.mean([np.mean(s["prompts"]) for s in run_steps(source)]))))
     return {
         "model": {"params_b": m["params"] / 1e9, "layers": m["layers"], "hidden": m["hidden"],
                   "kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
@@ -152,7 +162,7 @@ def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40) -> dict
                     "gpus_per_node": 64, "accelerator": calib["accelerator"]},
         "workload": {"prompts_per_step": r["prompts_per_step"], "samples_per_prompt": r["samples_per_prompt"],
                      "prompt_tokens": prompt, "prefix_sharing": False,
-                     "lengths": {"kind": "parquet", "path": str(Path(calib["run"]) / "episodes"),
+                     "lengths": {"kind": "parquet", "path": str(source / "episodes"),
                                  "max": r["max_new_tokens"]}},
         "placement": {"engine_tp": 1, **devices},
         "efficiency": {**calib["efficiency"], "rollout_overhead_s": calib["rollout_fixed_s"]},
