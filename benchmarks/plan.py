@@ -171,6 +171,44 @@ def recorded(path: Path, tmp: Path, out: dict) -> None:
     out["recorded_async"] = rows
 
 
+# BENCHMARKS.md, "Ray placement: the default job" (a quiet machine): mean step, train, rollout, sync (s)
+RAY_PLACEMENT = {"local": {"step_s": 1.99, "train_s": 1.05, "rollout_s": 0.94, "sync_s": 0.001},
+                 "ray": {"step_s": 1.98, "train_s": 1.22, "rollout_s": 0.65, "sync_s": 0.11}}
+
+
+def recorded_default(episodes_run: Path, tmp: Path, out: dict) -> None:
+    """The default job's recorded local and Ray runs (means only): the local run, as a run directory with
+    the default job's episodes (`episodes_run`: any default-job run; the job is seeded, so its episodes
+    are the recorded run's), is calibrated on and predicts the Ray run's step time; the async
+    benchmark's recorded k=0 run (round 1, calibrated in `recorded`) predicts the local run's."""
+    import shutil
+
+    import yaml
+
+    from tidal.plan.calibrate import calibrate
+
+    d = tmp / "recorded-default-local"
+    shutil.copytree(episodes_run / "episodes", d / "episodes")
+    steps = sorted(int(f.stem.split("_")[1]) for f in (d / "episodes").glob("step_*.parquet"))
+    loc = RAY_PLACEMENT["local"]
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time/rollout_s": loc["rollout_s"],
+                                                         "time/train_s": loc["train_s"],
+                                                         "time/weight_sync_s": loc["sync_s"]}) + "\n"
+                                             for s in steps))
+    cfg = yaml.safe_load((episodes_run / "config.yaml").read_text())
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    calib_local = calibrate(d, skip_steps=0)
+    ray_cfg = {**cfg, "engine": {**cfg["engine"], "replicas": 2}}
+    ray_dev = {"trainer_gpus": 1, "engine_gpus": 2, "colocate": False, "max_staleness": 0, "sync": "broadcast"}
+    rows = [{"run": "ray", "calibrated_on": "default job, local (recorded)", "measured_step_s":
+             RAY_PLACEMENT["ray"]["step_s"], "predicted": predict(calib_local, ray_cfg, ray_dev, 20, d)}]
+    calib_async = calibrate(tmp / "recorded-round1", skip_steps=0)
+    local_dev = {"trainer_gpus": 1, "engine_gpus": 1, "colocate": True, "max_staleness": 0, "sync": "inprocess"}
+    rows.append({"run": "local", "calibrated_on": "async benchmark k=0 (recorded, round 1)",
+                 "measured_step_s": loc["step_s"], "predicted": predict(calib_async, cfg, local_dev, 20, d)})
+    out["recorded_default"] = rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=7, help="steps of each async run (2 warm-up)")
@@ -181,6 +219,8 @@ def main() -> None:
     p.add_argument("--runs", default=None, help="do not run: calibrate and predict from the runs in this directory")
     p.add_argument("--recorded", default=None, help="also compare against a recorded benchmarks/async.py result "
                    "(e.g. benchmarks/results/async.json)")
+    p.add_argument("--default-episodes", default=None, help="with --recorded: a default-job run directory whose "
+                   "episodes stand for the recorded default job's (the job is seeded)")
     p.add_argument("--out", default="benchmarks/results/plan.json")
     ns = p.parse_args()
     out: dict = {"async": {}, "default": {}}
@@ -193,6 +233,8 @@ def main() -> None:
         compare(root, out)
         if ns.recorded:
             recorded(Path(ns.recorded), Path(tmp), out)
+            if ns.default_episodes:
+                recorded_default(Path(ns.default_episodes), Path(tmp), out)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     save(out, ns.out)
     a, d = out["async"], out["default"]
@@ -212,6 +254,13 @@ def main() -> None:
         for r in out["recorded_async"]:
             print(f"| {r['round']} | {r['k']} | {r['measured_ratio']:.2f} | {r['predicted_ratio']:.2f} | "
                   f"{r['predicted_ratio'] / r['measured_ratio'] - 1:+.1%} |")
+    if "recorded_default" in out:
+        print("\n| recorded run | calibrated on | measured step (s) | predicted step (s) | error |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in out["recorded_default"]:
+            ps = r["predicted"]["step_s"]
+            print(f"| default job, {r['run']} | {r['calibrated_on']} | {r['measured_step_s']:.2f} | {ps:.2f} | "
+                  f"{ps / r['measured_step_s'] - 1:+.1%} |")
     rows = [(n, on) for n, on in (("ray", "default, local"), ("local", "async k=0")) if "predicted" in d.get(n, {})]
     if rows:
         print("\n| run | calibrated on | measured step (s) | predicted step (s) | error |")

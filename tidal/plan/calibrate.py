@@ -105,10 +105,15 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     iters = np.array([max(s["lengths"]) for s in steps], float)
     tokens = np.array([sum(s["lengths"]) for s in steps], float) / replicas
     rollout = np.array([s["metrics"]["time/rollout_s"] for s in steps])
-    gen = [float(x) for x in _fit(np.c_[iters, tokens, np.ones_like(iters)], rollout)]
+    # A fixed cost is believed only where the times vary with the work: times that do not (a record of
+    # means) are fitted as all variable, so that they scale with another model's or batch's work.
+    flat = lambda y: np.std(y) <= 0.01 * np.mean(y)
+    gen = [float(x) for x in (_fit(np.c_[iters, tokens, np.ones_like(iters)], rollout) if not flat(rollout)
+                              else [*_fit(np.c_[iters, tokens], rollout), 0.0])]
     train_tok = np.array([sum(s["lengths"]) + sum(s["prompts"]) for s in steps], float)
     train = np.array([s["metrics"]["time/train_s"] for s in steps])
-    tr = [float(x) for x in _fit(np.c_[train_tok, np.ones_like(train_tok)], train)]
+    tr = [float(x) for x in (_fit(np.c_[train_tok, np.ones_like(train_tok)], train) if not flat(train)
+                             else [*_fit(train_tok[:, None], train), 0.0])]
     sync = float(np.median([s["metrics"].get("time/weight_sync_s", 0.0) for s in steps]))
     P = shape["params"]
     # FLOP/s a decode token and a trained token reached; a cost the fit found no trace of (all in the
