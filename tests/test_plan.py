@@ -144,7 +144,8 @@ def test_calibration_recovers_a_known_cost_law(tmp_path):
         masks = [[False] * 10 + [True] * int(n) for n in lengths]
         pq.write_table(pa.table({"loss_mask": masks, "prompt_len": [10] * 64}),
                        tmp_path / "episodes" / f"step_{step:06d}.parquet")
-        metrics.append({"step": step, "time/rollout_s": a * lengths.max() + b * lengths.sum() + c,
+        prefill = 640 * t1 / 3  # the model's prefill: 64 prompts of 10 tokens, a forward pass each at the training rate
+        metrics.append({"step": step, "time/rollout_s": a * lengths.max() + b * lengths.sum() + c + prefill,
                         "time/train_s": t0 + t1 * (lengths.sum() + 640), "time/weight_sync_s": 0.05})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"path": "default"}, "engine": {"replicas": 1}}))

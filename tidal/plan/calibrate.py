@@ -108,12 +108,16 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     # A fixed cost is believed only where the times vary with the work: times that do not (a record of
     # means) are fitted as all variable, so that they scale with another model's or batch's work.
     flat = lambda y: np.std(y) <= 0.01 * np.mean(y)
-    gen = [float(x) for x in (_fit(np.c_[iters, tokens, np.ones_like(iters)], rollout) if not flat(rollout)
-                              else [*_fit(np.c_[iters, tokens], rollout), 0.0])]
     train_tok = np.array([sum(s["lengths"]) + sum(s["prompts"]) for s in steps], float)
     train = np.array([s["metrics"]["time/train_s"] for s in steps])
     tr = [float(x) for x in (_fit(np.c_[train_tok, np.ones_like(train_tok)], train) if not flat(train)
                              else [*_fit(train_tok[:, None], train), 0.0])]
+    # the simulator prefills prompts at the training rate (a forward pass: a third of a trained token);
+    # that share of the rollout is taken out before the decode costs are fitted, so it is not counted twice
+    prefill = np.array([sum(s["prompts"]) for s in steps], float) / replicas * tr[0] / 3
+    decode = np.maximum(rollout - prefill, 0.0)
+    gen = [float(x) for x in (_fit(np.c_[iters, tokens, np.ones_like(iters)], decode) if not flat(rollout)
+                              else [*_fit(np.c_[iters, tokens], decode), 0.0])]
     sync = float(np.median([s["metrics"].get("time/weight_sync_s", 0.0) for s in steps]))
     P = shape["params"]
     # FLOP/s a decode token and a trained token reached; a cost the fit found no trace of (all in the
@@ -125,7 +129,7 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     mfu_decode = decode_rate / flops if math.isfinite(decode_rate) else 1.0
     mfu_train = train_rate / flops if math.isfinite(train_rate) else 1.0
     sync_bw = shape["bytes"] / sync if sync > 0 else 1e12
-    predicted = gen[0] * iters + gen[1] * tokens + gen[2]
+    predicted = gen[0] * iters + gen[1] * tokens + gen[2] + prefill
     return {
         "run": str(run_dir), "steps": len(steps),
         "model": {"params": P, "bytes": shape["bytes"], "layers": shape["layers"], "hidden": shape["hidden"],
