@@ -149,7 +149,12 @@ def test_calibration_recovers_a_known_cost_law(tmp_path):
                         "time/train_s": t0 + t1 * (lengths.sum() + 640), "time/weight_sync_s": 0.05})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"model": {"path": "default"}, "engine": {"replicas": 1}}))
+    # a trace whose train spans are the metrics' timers, but for step 3's (20% longer)
+    events = [{"name": "train", "ph": "X", "ts": 0, "dur": (m["time/train_s"] * (1.2 if m["step"] == 3 else 1)) * 1e6,
+               "pid": 1, "tid": 1, "args": {"step": m["step"]}} for m in metrics]
+    (tmp_path / "trace.json").write_text(json.dumps({"traceEvents": events}))
     cal = calibrate(tmp_path, skip_steps=0)
+    assert cal["trace_check"]["spans"] == 8 and cal["trace_check"]["max_rel_diff"] == pytest.approx(0.2)
     f = cal["fit"]
     assert f["decode_iteration_s"] == pytest.approx(a, rel=1e-6)
     assert f["token_s"] == pytest.approx(b, rel=1e-6)

@@ -90,6 +90,27 @@ def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         keep.pop(int(np.argmin(coef)))
 
 
+def trace_check(run_dir: Path, steps: list[dict]) -> dict | None:
+    """With `run.trace=true`: the largest relative difference, over the calibrated steps, between the
+    trace's `train` and `sync` spans and the metrics' time/train_s and time/weight_sync_s (the same
+    timers, so a difference means the two records do not describe the same run). None without a trace."""
+    path = run_dir / "trace.json"
+    if not path.is_file():
+        return None
+    spans: dict[tuple[str, int], float] = {}
+    for e in json.loads(path.read_text()).get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("name") in ("train", "sync") and "step" in e.get("args", {}):
+            key = (e["name"], int(e["args"]["step"]))
+            spans[key] = spans.get(key, 0.0) + e["dur"] / 1e6
+    worst = 0.0
+    for s in steps:
+        for name, metric in (("train", "time/train_s"), ("sync", "time/weight_sync_s")):
+            got, want = spans.get((name, s["step"])), s["metrics"].get(metric)
+            if got is not None and want:
+                worst = max(worst, abs(got - want) / want)
+    return {"spans": len(spans), "max_rel_diff": worst}
+
+
 def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     """Fit the constants; returns a dict with `accelerator` and `efficiency` overrides for a spec, the
     fitted coefficients, the residuals, and the run's shape (model, batch)."""
@@ -148,6 +169,7 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
                        "comm_overlap": 0.0},
         "rollout_fixed_s": gen[2],
         "prompt_tokens": float(np.mean([np.mean(s["prompts"]) for s in steps])),
+        "trace_check": trace_check(run_dir, steps),
     }
 
 

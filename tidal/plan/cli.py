@@ -116,7 +116,8 @@ def _calibrate(ns) -> int:
     c = calibrate(ns.run_dir)
     text = yaml.safe_dump({"cluster": {"accelerator": c["accelerator"]},
                            "efficiency": {**c["efficiency"], "rollout_overhead_s": c["rollout_fixed_s"]},
-                           "fit": c["fit"], "model": c["model"]}, sort_keys=False)
+                           "fit": c["fit"], "model": c["model"], "trace_check": c["trace_check"]},
+                          sort_keys=False)
     if ns.out:
         Path(ns.out).write_text(text)
         print(f"wrote {ns.out}")
