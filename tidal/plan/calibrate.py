@@ -11,8 +11,9 @@ iterations and tokens of each step) and its model directory (parameter count and
 
 The choice: the result is an accelerator (peak FLOP/s: the faster of the rates a decode token and a
 trained token reached; the other as its efficiency) plus efficiency overrides, the same form as a GPU's table entry and
-stated factors, so one simulator serves both. The run's trace.json, when present, only adds a check:
-its `train` and `sync` spans must agree with the metrics (they are the same timers).
+stated factors, so one simulator serves both. The run's trace.json, when present, only adds a check,
+reported and not fitted: how far its `train` and `sync` spans are from the metrics' times (the train
+span covers the forward and backward passes; time/train_s also counts building the batch).
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def trace_check(run_dir: Path, steps: list[dict]) -> dict | None:
     """With `run.trace=true`: the largest relative difference, over the calibrated steps, between the
-    trace's `train` and `sync` spans and the metrics' time/train_s and time/weight_sync_s (the same
-    timers, so a difference means the two records do not describe the same run). None without a trace."""
+    trace's `train` and `sync` spans and the metrics' time/train_s and time/weight_sync_s (a large one
+    says the batch building outside the train span, or another run's trace, is in the way). None
+    without a trace."""
     path = run_dir / "trace.json"
     if not path.is_file():
         return None
