@@ -105,6 +105,7 @@ def test_failures_lose_work_and_redo_steps():
     assert r.failures > 0 and r.lost_s > 0
     assert [x.step for x in r.records] == list(range(1, 41))  # every step completed once in the end
     assert r.wall_s > calm.wall_s + r.failures * 30.0 * 0.99
+    assert r.wall_s == r.records[-1].learn_end  # the run ends with its last step, not at a failure drawn later
     # failures faster than checkpoints: the run cannot end, and the simulation says so instead of looping
     doomed = spec(failures={"node_mtbf_h": 0.01, "save_every": 10, "max_failures": 50})
     with pytest.raises(RuntimeError, match="too often for save_every=10"):

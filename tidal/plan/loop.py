@@ -281,8 +281,8 @@ class Simulator:
 
         producer = _quiet(producer)  # a failure's interrupt ends a process quietly
         learner = _quiet(learner)
-        env.process(supervisor())
-        env.run()
+        done = env.process(supervisor())
+        env.run(until=done)  # not past it: a failure drawn for after the last step must not move the clock
         recs = [self.records[s] for s in sorted(self.records)]
         return SimResult(spec, recs, env.now, self.failures, self.lost_s, self.R,
                          {"sync_s": self.sync.total_s, "switch_s": self.switch_s, "checkpoint_s": self.ckpt_s,
