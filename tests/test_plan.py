@@ -239,3 +239,17 @@ def test_the_command_searches_writes_and_simulates(tmp_path, capsys):
     assert main(["plan", str(path), "--simulate", "--out", str(tmp_path / "sim")]) == 0
     trace = json.loads((tmp_path / "sim" / "trace.json").read_text())
     assert sum(e["name"] == "train" for e in trace["traceEvents"]) == 6
+
+
+def test_prefix_sharing_and_env_workers_never_slow_a_rollout():
+    """A group's prompt prefilled once costs no more than once per sample; more environment slots never
+    lengthen a multi-turn rollout (the same seed: the same episodes and latencies)."""
+    long_prompts = {"prompt_tokens": 4096}
+    shared, unshared = (summarize(simulate(spec(workload={**long_prompts, "prefix_sharing": v},
+                                                placement={"max_staleness": 0}))).rollout_s for v in (True, False))
+    assert shared < unshared
+    multi = {"turns": 3, "env_latency_s": 5.0, "env_concurrency": 4, "obs_tokens": 64,
+             "lengths": {"kind": "lognormal", "mean": 256, "max": 2048}}
+    by_workers = [summarize(simulate(spec(workload=multi, placement={"env_workers": n, "max_staleness": 0},
+                                          sim={"steps": 6}))).rollout_s for n in (1, 8, 64)]
+    assert by_workers[0] > by_workers[1] > by_workers[2]
