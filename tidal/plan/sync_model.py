@@ -8,7 +8,7 @@ Transports (every time is one sync; `engine pause` is what the engines stop gene
   link, whatever the number of receivers; the trainer-side gather is an all-gather.
 - shard: each trainer GPU sends only the slices an engine GPU needs; every engine GPU receives its
   1/g of the bytes, and replicas relay to each other (a pipelined chain, as checkpoint-engine does).
-- delta: the changed bytes only, `delta_density` of the weights, each changed value sent with a 4-byte
+- delta: the changed bytes only, `placement.delta_density` of the weights, each changed value sent with a 4-byte
   index (so 3x its 2 bytes), over the broadcast path.
 - disk: written once to shared storage, read by every node.
 - inprocess: colocated; each GPU gathers its engine's slice from the trainer shards over NVLink and copies it.
@@ -46,9 +46,10 @@ class SyncCost:
 
 
 def sync_cost(m: ModelSpec, hw: Accelerator, eff: Efficiency, cluster: ClusterSpec, p: PlacementSpec,
-              transport: str | None = None, delta_density: float = 0.03) -> SyncCost:
+              transport: str | None = None) -> SyncCost:
     """Seconds of one sync of the placement's transport (or `transport`) to every engine replica."""
     t = transport or p.sync
+    delta_density = p.delta_density
     if t not in TRANSPORTS:
         raise ValueError(f"placement.sync: unknown transport `{t}` (known: {', '.join(TRANSPORTS)})")
     nbytes = sync_bytes(m, t, delta_density)
