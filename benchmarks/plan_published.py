@@ -41,14 +41,12 @@ def checkpoint_engine_seconds(name: str) -> float:
     (NVLink inside a node, the NICs across) and keeps its slice: the `broadcast` transport with one
     source GPU and the engines as receivers."""
     model, gpu, gpus, tp, _ = CKPT_ENGINE[name]
-    # one node: the source is one of the node's own GPUs (so every link is NVLink)
+    # the source is one more GPU; in the one-node setups it is one of the node's own (every link NVLink)
     per_node = gpus + 1 if gpus <= 8 else 8
     m = load_spec(data={"model": {**model, "layers": 61, "hidden": 7168},
-                        "cluster": {"gpu": gpu, "gpus": gpus, "gpus_per_node": per_node},
-                        "placement": {"trainer_gpus": 1, "engine_gpus": gpus - 1 if gpus == tp else gpus,
-                                      "engine_tp": tp}})
-    p = m.placement.model_copy(update={"engine_gpus": gpus})
-    return sync_cost(m.model, accelerator(gpu), Efficiency(), m.cluster, p, "broadcast").total_s
+                        "cluster": {"gpu": gpu, "gpus": gpus + 1, "gpus_per_node": per_node},
+                        "placement": {"trainer_gpus": 1, "engine_gpus": gpus, "engine_tp": tp}})
+    return sync_cost(m.model, accelerator(gpu), Efficiency(), m.cluster, m.placement, "broadcast").total_s
 
 
 def async_vs_sync(gpu: str, model: dict, gpus: int, workload: dict, sync_p: dict, async_p: dict,

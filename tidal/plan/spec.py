@@ -156,6 +156,18 @@ class PlanSpec(_S):
     sim: SimSpec = Field(default_factory=SimSpec)
     search: SearchSpec = Field(default_factory=SearchSpec)
 
+    @model_validator(mode="after")
+    def _fits(self) -> PlanSpec:
+        p, n = self.placement, self.cluster.gpus
+        used = p.trainer_gpus if p.colocate else p.trainer_gpus + p.engine_gpus
+        if used > n:
+            raise ValueError(f"placement uses {used} GPUs (trainer_gpus + engine_gpus) of cluster.gpus={n}")
+        engines = p.trainer_gpus if p.colocate else p.engine_gpus
+        if engines % p.engine_gpus_per_replica:
+            raise ValueError(f"placement: {engines} engine GPUs are not a multiple of a replica's "
+                             f"engine_tp x engine_ep = {p.engine_gpus_per_replica}")
+        return self
+
 
 class PlanSpecError(ValueError):
     pass
