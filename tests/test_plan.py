@@ -16,7 +16,7 @@ from tidal.plan import cost
 from tidal.plan.hardware import accelerator
 from tidal.plan.loop import simulate
 from tidal.plan.report import summarize
-from tidal.plan.spec import load_spec
+from tidal.plan.spec import PlanSpecError, load_spec
 from tidal.plan.sync_model import sync_cost
 
 MODEL = {"params_b": 7, "layers": 28, "hidden": 3584, "kv_heads": 4}
@@ -186,6 +186,10 @@ def test_errors_name_the_key_and_the_missing_extra(tmp_path, monkeypatch, capsys
     bad.write_text("model: {params_b: 7, layers: 28, hidden: 3584}\ncluster: {gpus: 8, gpu_count: 3}\n")
     assert main(["plan", str(bad)]) == 2
     assert "cluster.gpu_count" in capsys.readouterr().err
+    with pytest.raises(PlanSpecError, match="uses 16 GPUs"):
+        spec(cluster={"gpus": 8}, placement={"trainer_gpus": 8, "engine_gpus": 8})
+    with pytest.raises(PlanSpecError, match="not a multiple"):
+        spec(placement={"engine_gpus": 12, "engine_tp": 8})
     monkeypatch.setitem(sys.modules, "simpy", None)  # as if the extra were not installed
     assert main(["plan", str(bad)]) == 2
     assert "pip install 'tidal[plan]'" in capsys.readouterr().err
