@@ -35,13 +35,20 @@ def _reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 def _chunk_logits(h: torch.Tensor, w: torch.Tensor, temperature: float, banned: torch.Tensor | None) -> torch.Tensor:
     z = (h @ w.t()).float()  # under autocast the matmul runs in bfloat16, the softmax in float32
     if temperature != 1.0:
-        z = z / temperature
+        z.div_(temperature)
     if banned is not None and banned.numel():
-        z = z.index_fill(-1, banned, -1e9)  # tidal.models.vision.BANNED_LOGIT: gradient 0 there
+        z.index_fill_(-1, banned, -1e9)  # tidal.models.vision.BANNED_LOGIT: gradient 0 there
     return z
 
 
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Row-wise dot products of [n, V] tensors without an [n, V] temporary."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
+
+
 class _HeadLogprobs(torch.autograd.Function):
+    """Each chunk holds at most two [chunk, V_local] float32 tensors at once (the rest in place)."""
+
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, group, vocab_start, banned):
         n, v_local = hidden.shape[0], weight.shape[0]
@@ -54,13 +61,15 @@ class _HeadLogprobs(torch.autograd.Function):
             e = min(s + chunk, n)
             z = _chunk_logits(hidden[s:e], weight, temperature, banned)
             m = _reduce(z.max(-1).values, group, dist.ReduceOp.MAX)
-            sum_exp = _reduce((z - m[:, None]).exp().sum(-1), group)
+            tz = z.gather(-1, local_t[s:e, None])[:, 0] * inside[s:e]  # the target's logit, on its rank
+            z.sub_(m[:, None])  # shifted logits from here on
+            p = z.exp()
+            sum_exp = _reduce(p.sum(-1), group)
+            p.div_(sum_exp[:, None])
+            # the target's logit and E_p[z - m], in one all-reduce
+            tz, ez = _reduce(torch.stack([tz, _dot(p, z)]), group)
             lse_c = m + sum_exp.log()
-            p = (z - lse_c[:, None]).exp()
-            # the target's logit (on the rank that holds it) and E_p[z], in one all-reduce
-            parts = torch.stack([z.gather(-1, local_t[s:e, None])[:, 0] * inside[s:e], (p * z).sum(-1)])
-            tz, ez = _reduce(parts, group)
-            logp[s:e], ent[s:e], lse[s:e] = tz - lse_c, lse_c - ez, lse_c
+            logp[s:e], ent[s:e], lse[s:e] = tz - lse_c, sum_exp.log() - ez, lse_c
         ctx.save_for_backward(hidden, weight, local_t, inside, lse, ent)
         ctx.temperature, ctx.chunk, ctx.group, ctx.banned = temperature, chunk, group, banned
         ctx.autocast = (hidden.device.type, torch.is_autocast_enabled(hidden.device.type),
@@ -78,19 +87,23 @@ class _HeadLogprobs(torch.autograd.Function):
             for s in range(0, n, ctx.chunk):
                 e = min(s + ctx.chunk, n)
                 z = _chunk_logits(hidden[s:e], weight, ctx.temperature, ctx.banned)
-                p = (z - lse[s:e, None]).exp()
-                gz = torch.zeros_like(z)
-                if g_logp is not None:  # d logp / dz = onehot(target) - p
-                    g = g_logp[s:e]
-                    gz -= p * g[:, None]
+                p = (z - lse[s:e, None]).exp_()
+                # d logp/dz = onehot(target) - p;  dH/dz = -p (z - E_p[z]), E_p[z] = lse - H.
+                # Together: gz = -p * (g_logp + g_ent (z - E_p[z])) + onehot * g_logp, built in z.
+                g = g_logp[s:e] if g_logp is not None else torch.zeros(e - s, device=z.device)
+                if g_ent is not None:
+                    z.sub_((lse[s:e] - ent[s:e])[:, None]).mul_(g_ent[s:e, None]).add_(g[:, None])
+                else:
+                    z.copy_(g[:, None].expand_as(z))
+                gz = p.mul_(z).neg_()
+                del z
+                if g_logp is not None:
                     rows = inside[s:e].nonzero()[:, 0]
                     gz[rows, local_t[s:e][rows]] += g[rows]
-                if g_ent is not None:  # dH / dz = -p (z - E_p[z]), E_p[z] = lse - H
-                    gz -= p * (z - (lse[s:e] - ent[s:e])[:, None]) * g_ent[s:e, None]
                 if ctx.banned is not None and ctx.banned.numel():
-                    gz = gz.index_fill(-1, ctx.banned, 0.0)  # a constant logit there: no gradient
+                    gz.index_fill_(-1, ctx.banned, 0.0)  # a constant logit there: no gradient
                 if ctx.temperature != 1.0:
-                    gz = gz / ctx.temperature
+                    gz.div_(ctx.temperature)
                 grad_h[s:e] = (gz.to(weight.dtype) @ weight).float()
                 grad_w += (gz.to(hidden.dtype).t() @ hidden[s:e]).float()
         _reduce(grad_h, ctx.group)  # each rank's vocabulary slice contributes a part
@@ -98,7 +111,7 @@ class _HeadLogprobs(torch.autograd.Function):
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  chunk: int = 1024, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  chunk: int = 512, banned: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each target, entropy) [N] float32 under softmax(hidden @ weight.T / temperature),
     from hidden states [N, H] and the head's weight [V, H] (a DTensor split by vocabulary rows
     over a tp mesh, or a plain tensor), `chunk` tokens at a time. `banned`: vocabulary ids whose
