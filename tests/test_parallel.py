@@ -89,7 +89,7 @@ def _worker(rank, world, port, tmp, parallel, mutant):
             tr = _trainer(layout, parallel)
             shard = balanced_shards([len(t) for t in batch.tokens], tr.dims.dp_size)[tr.dims.dp_index(rank)]
             out[layout] = _run(tr, batch, shard)
-        if mutant:
+        if mutant == "tp":
             from tidal.trainer.parallel import tensor
 
             original = tensor.layer_plan
@@ -98,8 +98,17 @@ def _worker(rank, world, port, tmp, parallel, mutant):
                 tr = _trainer("plain", parallel)
             finally:
                 tensor.layer_plan = original
+        elif mutant == "cp":  # every rank gets the first slice's positions: a wrong split
+            from tidal.trainer.parallel import context
+
+            tr = _trainer("plain", parallel)
+            original = context.split_positions
+            context.split_positions = lambda pos, lo, length: pos[:, :length]
+        if mutant:
             shard = balanced_shards([len(t) for t in batch.tokens], tr.dims.dp_size)[tr.dims.dp_index(rank)]
             out["mutant"] = _run(tr, batch, shard)
+            if mutant == "cp":
+                context.split_positions = original
         if rank == 0:
             torch.save(out, tmp / "rank0.pt")
     finally:
@@ -130,11 +139,14 @@ def _update_gap(got: dict, ref: dict, start: dict) -> float:
     return gap / step
 
 
+# shape: (train.parallel, the mutant its run must catch: None, "tp" or "cp")
 SHAPES = {
-    "dp_shard2": ({"dp_shard": 2}, False),
-    "tp2": ({"tp": 2}, True),
-    "dp_replicate2_dp_shard2": ({"dp_replicate": 2, "dp_shard": 2}, False),
-    "dp_shard2_tp2": ({"dp_shard": 2, "tp": 2}, False),
+    "dp_shard2": ({"dp_shard": 2}, None),
+    "tp2": ({"tp": 2}, "tp"),
+    "cp2": ({"cp": 2}, "cp"),
+    "dp_replicate2_dp_shard2": ({"dp_replicate": 2, "dp_shard": 2}, None),
+    "dp_shard2_tp2": ({"dp_shard": 2, "tp": 2}, None),
+    "tp2_cp2": ({"tp": 2, "cp": 2}, None),
 }
 
 
@@ -148,6 +160,10 @@ def test_mesh_shape_matches_one_process(shape, reference, tmp_path):
     start = {n: w.detach().clone() for n, w in _trainer("plain").model.named_parameters()}
     for layout, ref in reference.items():
         g = got[layout]
+        worst = max(float((g["grads"][n] - w).abs().max()) for n, w in ref["grads"].items())
+        print(f"{shape} {layout}: loss {abs(g['loss'] / ref['loss'] - 1):.1e} grad_norm "
+              f"{abs(g['grad_norm'] / ref['grad_norm'] - 1):.1e} (relative), grads {worst:.1e} (absolute), update gap "
+              f"{_update_gap(g['weights'], ref['weights'], start):.1e}")  # the margins the comments quote (-s)
         assert g["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), layout
         assert g["entropy"] == pytest.approx(ref["entropy"], rel=1e-5), layout
         assert g["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), layout
@@ -159,7 +175,7 @@ def test_mesh_shape_matches_one_process(shape, reference, tmp_path):
         # update in norm: |Δ − Δ_ref| / |Δ_ref| measured ≤ 2e-3 here; a missing step or a wrong lr
         # gives ≥ 0.3 (as tests/test_fsdp.py measured for its resume).
         assert _update_gap(g["weights"], ref["weights"], start) < 3e-2, layout
-    if mutant:  # the positive control: without o_proj's reduction the run is far off
+    if mutant:  # the positive control: a run without o_proj's reduction, or with a wrong cp split, is far off
         m, ref = got["mutant"], reference["plain"]
         assert abs(m["loss"] - ref["loss"]) > 1e-3 * abs(ref["loss"]) or \
             abs(m["grad_norm"] - ref["grad_norm"]) > 1e-2 * ref["grad_norm"]

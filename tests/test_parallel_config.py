@@ -31,8 +31,6 @@ def test_a_product_that_misses_the_ranks_is_refused_with_the_keys():
         ParallelConfig(tp=3).degrees(4)
     with pytest.raises(ValueError, match="ep"):
         ParallelConfig(ep=2)
-    with pytest.raises(ValueError, match="train.parallel.cp=2"):
-        ParallelConfig(cp=2).degrees(2)
     # ... and in the whole config, before anything loads
     with pytest.raises(ValueError, match="placement.trainer_ranks=1"):
         load_config(None, ["train.parallel.tp=2"])
@@ -45,6 +43,8 @@ def test_tensor_parallel_ranks_share_a_data_shard():
     assert [dims.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
     dims = ParallelDims.from_config(ParallelConfig(dp_replicate=2, dp_shard=2), 4)
     assert [dims.dp_index(r) for r in range(4)] == [0, 1, 2, 3]
+    dims = ParallelDims.from_config(ParallelConfig(dp_shard=2, cp=2), 4)  # cp ranks: one sequence, split
+    assert [dims.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
 
 
 class _Rank:

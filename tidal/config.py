@@ -175,7 +175,7 @@ class ParallelConfig(_Section):
     dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas: groups of ranks that each hold a whole copy of the (sharded) model and average nothing but their gradients (HSDP's replicated dimension: one all-reduce of gradients per step across groups, e.g. one group per node).")
     dp_shard: int = Field(-1, ge=-1, description="Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2) within a replica; -1: every rank the other dimensions leave (the default: 1-D FSDP over all trainer ranks).")
     tp: int = Field(1, ge=1, description="Tensor parallelism: each layer's attention heads, MLP columns and the vocabulary split over this many ranks (DTensor plans; Qwen2/Qwen2.5/Qwen3/Llama). The heads, the key-value heads, the MLP width and the vocabulary must divide by it; these ranks get the same sequences.")
-    cp: int = Field(1, ge=1, description="Context parallelism (reserved: 1). Splitting one sequence over ranks is not built yet.")
+    cp: int = Field(1, ge=1, description="Context parallelism (Ulysses): each micro-batch's positions split over this many ranks, attention made whole by all-to-alls between the position and the head dimension (tidal/trainer/parallel/context.py); activations ~1/cp per rank. The attention heads of a rank (after tp) must divide by it; these ranks get the same sequences. Text models, without LoRA.")
     ep: int = Field(1, ge=1, le=1, description="Expert parallelism (reserved for mixture-of-experts models: 1).")
 
     @property
@@ -188,8 +188,6 @@ class ParallelConfig(_Section):
         ValueError naming the keys and their product when they cannot multiply to `ranks`."""
         if self.dp_shard == 0:
             raise ValueError("train.parallel.dp_shard=0: use a positive degree, or -1 for every rank left")
-        if self.cp > 1:
-            raise ValueError(f"train.parallel.cp={self.cp}: context parallelism is not built yet (reserved: 1)")
         named = f"dp_replicate={self.dp_replicate} x tp={self.tp} x cp={self.cp} x ep={self.ep}"
         if self.dp_shard == -1:
             if ranks % self.fixed:

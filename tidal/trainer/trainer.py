@@ -54,6 +54,7 @@ from tidal.trainer.layout import (
 )
 from tidal.trainer.lora import add_lora, load_adapter, merged_weights
 from tidal.trainer.parallel import ParallelDims, parallelize
+from tidal.trainer.parallel.context import ContextParallel
 from tidal.trainer.parallel.logprob import head_scores
 
 
@@ -143,13 +144,23 @@ class Trainer:
         if self.vision is not None and self.dims.tp > 1:
             raise ValueError(f"train.parallel.tp={self.dims.tp}: `{model_path}` is a vision-language model, which has no "
                              "tensor-parallel plan yet (tidal/trainer/parallel/tensor.py); use FSDP (train.parallel.tp=1)")
+        self.context = None  # context parallelism (train.parallel.cp): tidal/trainer/parallel/context.py
+        if self.dims.cp > 1:
+            if self.vision is not None or train.lora.rank > 0 or algo.advantage == "gae":
+                raise ValueError(f"train.parallel.cp={self.dims.cp} is for text models, without LoRA or a critic "
+                                 f"(algorithm.advantage=gae): `{model_path}`")
+            self.context = ContextParallel(self.dims.cp_mesh)
         parallelize(self.model, self.dims, mixed_precision=mixed)  # before the optimizer: it holds the shards
+        if self.context is not None:
+            self.context.prepare(self.model)
         self.ref_model = None
         self.has_ref = algo.kl_coef > 0
         if self.has_ref and not self.lora:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device,
                                         attention=self.attention).eval().requires_grad_(False)
             parallelize(self.ref_model, self.dims, mixed_precision=mixed, reshard_root=True)
+            if self.context is not None:
+                self.context.prepare(self.ref_model)
         self.critic = None
         if algo.advantage == "gae":
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
@@ -194,34 +205,43 @@ class Trainer:
             lengths = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
             keep = torch.arange(T, device=self.device)[None, :] < lengths[:, None]
         seqs, vis = self._with_images(tokens, images)
-        head = head_scores(model, targets[keep], self.temperature, self.train_cfg.logprob_chunk_tokens, self._banned)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            if prompts is not None and len(seqs) > 1:
-                packed, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len)
-                with keep_rows(model, index[:B, :T][keep]), head:
-                    out = model(input_ids=packed, position_ids=pos, attention_mask=self._mask_4d(allowed),
-                                use_cache=False).logits
-            elif self.train_cfg.packing and len(seqs) > 1:
-                rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
-                packed, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
-                # index[:B]: a dummy image's sequence (data parallel) is not scored
-                kw = {} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs]))
-                with keep_rows(model, index[:B, :T][keep]), head:
-                    out = model(input_ids=packed, position_ids=pos, use_cache=False, **kw).logits
-            else:
-                ids, attn = self._inputs(seqs)
-                kw = {}
-                if vis is not None:  # padding positions: 0 (masked out)
-                    pos = torch.zeros((3, *ids.shape), dtype=torch.long)
-                    for i, (t, im) in enumerate(zip(seqs, vis)):
-                        pos[:, i, :len(t)] = self._rope(t, im, i)
-                    kw = {"position_ids": pos.to(self.device), "use_cache": False,
-                          **self._pixels(vis, range(len(seqs)))}
-                # flat positions of the kept targets in [B, longest] hidden states
-                rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
-                        + torch.arange(T, device=self.device))[keep]
-                with keep_rows(model, rows), head:
-                    out = model(input_ids=ids, attention_mask=attn, **kw).logits
+        kept = targets[keep]
+        pos = attn = allowed = None
+        kw = {}
+        if prompts is not None and len(seqs) > 1:
+            ids, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len)
+            rows = index[:B, :T][keep]
+            kw = {"position_ids": pos, "attention_mask": self._mask_4d(allowed), "use_cache": False}
+        elif self.train_cfg.packing and len(seqs) > 1:
+            rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
+            ids, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
+            rows = index[:B, :T][keep]  # index[:B]: a dummy image's sequence (data parallel) is not scored
+            kw = {"position_ids": pos, "use_cache": False,
+                  **({} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs])))}
+        else:
+            ids, attn = self._inputs(seqs)
+            kw = {"attention_mask": attn}
+            if vis is not None:  # padding positions: 0 (masked out)
+                vpos = torch.zeros((3, *ids.shape), dtype=torch.long)
+                for i, (t, im) in enumerate(zip(seqs, vis)):
+                    vpos[:, i, :len(t)] = self._rope(t, im, i)
+                kw |= {"position_ids": vpos.to(self.device), "use_cache": False, **self._pixels(vis, range(len(seqs)))}
+            # flat positions of the kept targets in [B, longest] hidden states
+            rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
+                    + torch.arange(T, device=self.device))[keep]
+
+        def run(model, ids, rows, targets, **kw):
+            head = head_scores(model, targets, self.temperature, self.train_cfg.logprob_chunk_tokens, self._banned)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast), \
+                    keep_rows(model, rows), head:
+                return model(input_ids=ids, **kw).logits
+
+        if self.context is None:
+            out = run(model, ids, rows, kept, **kw)
+        else:  # context parallel: this rank's slice of the positions; the scores come back whole
+            out = self.context.forward(
+                model, ids, pos, attn, allowed, rows,
+                lambda m, ids, pos, rows, sel: run(m, ids, rows, kept[sel], position_ids=pos, use_cache=False))
         return at_mask(keep, out[:, 0]), at_mask(keep, out[:, 1])
 
     def _mask_4d(self, allowed: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ class ParallelDims:
     tp: int = 1
     ep: int = 1
     mesh: object = field(default=None, repr=False)  # the DeviceMesh, once built
+    flat: dict = field(default_factory=dict, repr=False)  # its flattened views
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> ParallelDims:
@@ -72,8 +73,9 @@ class ParallelDims:
             raise ValueError(f"train.parallel multiplies to {self.world_size} ranks but the trainer group has "
                              f"{dist.get_world_size()}")
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in ORDER), mesh_dim_names=ORDER)
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # FSDP's shard dimension
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # the batch's dimension
+        # flattened views, kept here (slicing a flattened name from the root is being deprecated)
+        self.flat = {"dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),  # FSDP's shard dimension
+                     "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp")}  # the batch's dimension
         self.mesh = mesh
         return self
 
@@ -85,11 +87,15 @@ class ParallelDims:
             return None
         if self.dp_replicate > 1:
             return self.mesh["dp_replicate", "dp_shard_cp"]
-        return self.mesh["dp_shard_cp"]
+        return self.flat["dp_shard_cp"]
 
     @property
     def tp_mesh(self):
         return None if self.mesh is None or self.tp == 1 else self.mesh["tp"]
+
+    @property
+    def cp_mesh(self):
+        return None if self.mesh is None or self.cp == 1 else self.mesh["cp"]
 
     @property
     def dp_group(self):
@@ -97,4 +103,4 @@ class ParallelDims:
         None: the default group (one rank, or every rank is a data-parallel rank)."""
         if self.mesh is None or self.dp_size == self.world_size:
             return None
-        return self.mesh["dp"].get_group()
+        return self.flat["dp"].get_group()
