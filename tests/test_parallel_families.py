@@ -56,7 +56,8 @@ def _worker(rank, port, tmp, paths):
         destroy()
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_qwen3_and_llama_under_tensor_parallelism_match_one_process(tmp_path):
     paths = {kind: _build(kind, tmp_path) for kind in ("qwen3", "llama")}
     mp.spawn(_worker, args=(_free_port(), tmp_path, paths), nprocs=2, join=True)

@@ -54,6 +54,8 @@ from tidal.trainer.layout import (
 )
 from tidal.trainer.lora import add_lora, load_adapter, merged_weights
 from tidal.trainer.parallel import ParallelDims, parallelize
+from tidal.trainer.parallel.checkpoint import DIRNAME as SHARDS
+from tidal.trainer.parallel.checkpoint import load_sharded, save_sharded
 from tidal.trainer.parallel.context import ContextParallel
 from tidal.trainer.parallel.logprob import head_scores
 
@@ -525,9 +527,11 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, path: str | Path, tokenizer=None) -> None:
-        """model/ is a normal HF directory (loadable by every engine and `tidal eval`);
-        trainer_state.pt holds the optimizer's full state by parameter name, so a checkpoint
-        resumes on any number of ranks. Data parallel: a collective; rank 0 writes."""
+        """model/ is a normal HF directory (loadable by every engine and `tidal eval`). The
+        optimizer's state: several ranks (without LoRA) write their shards of it and of the
+        policy under shards/ (torch.distributed.checkpoint); one process (or LoRA) puts it whole,
+        by parameter name, in trainer_state.pt. Either resumes on any number of ranks and any
+        mesh. Data parallel: a collective."""
         path = Path(path)
         if self.lora:  # model/: merged, for every engine and reader; adapter/: what trains (peft's format)
             merged = merged_weights(self.model)  # data parallel: collectives, in the same order on every rank
@@ -537,8 +541,11 @@ class Trainer:
                 self.model.save_pretrained(path / "adapter", state_dict=adapter, safe_serialization=True)
         else:
             dp.save_hf(self.model, path / "model")
-        state = {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
-                 "version": self.version, "rng": rng_state()}
+        state = {"scheduler": self.scheduler.state_dict(), "version": self.version, "rng": rng_state()}
+        if self.world_size > 1 and not self.lora:  # every rank writes its shards (tidal/trainer/parallel/checkpoint.py)
+            save_sharded(self.model, self.optimizer, path / SHARDS)
+        else:
+            state["optimizer"] = dp.optimizer_state(self.model, self.optimizer)
         if self.critic is not None:
             self.critic.save(path / "critic")
             state["critic"] = self.critic.state_dict()
@@ -551,18 +558,26 @@ class Trainer:
         dp.barrier()  # nobody reads the checkpoint before it is whole
 
     def load(self, path: str | Path) -> None:
-        """Restore a checkpoint saved by any number of ranks. Data parallel: a collective;
-        every rank reads the files (the checkpoint directory must be visible to all)."""
+        """Restore a checkpoint saved by any number of ranks on any mesh. Data parallel: a
+        collective; every rank reads the files (the checkpoint directory must be visible to all).
+        A sharded checkpoint (saved by several ranks) restores the policy and its optimizer from
+        the shards; one saved by one process from model/ and trainer_state.pt."""
         path = Path(path)
-        if self.lora:
+        st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
+        sharded = (path / SHARDS).is_dir() and not self.lora
+        if sharded:
+            load_sharded(self.model, self.optimizer, path / SHARDS)
+        elif self.lora:
             load_adapter(self.model, path / "adapter")
         else:
             missing, unexpected = dp.load_hf_weights(self.model, path / "model")
             tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
             if set(missing) - tied or unexpected:
                 raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-        st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
-        dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
+        if "optimizer" in st:
+            dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
+        elif not sharded:
+            raise ValueError(f"checkpoint {path} has neither {SHARDS}/ nor an optimizer state in trainer_state.pt")
         self.scheduler.load_state_dict(st["scheduler"])
         self.version = st["version"]
         if self.critic is not None:
