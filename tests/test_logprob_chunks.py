@@ -45,3 +45,38 @@ def test_entropy_gradient_is_optional():
     got = torch.autograd.grad((logp * a).sum() + 0 * ent.detach().sum(), [hidden])[0]
     want = torch.autograd.grad((token_logprobs(hidden @ weight.t(), targets) * a).sum(), [hidden])[0]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_chunked_head_peak_memory_on_a_gpu():
+    """At Qwen's 151,936-token vocabulary and 8192 tokens the full-logits path holds several
+    tokens x vocabulary float32 tensors (4.6 GiB each); the chunked head holds two chunk x
+    vocabulary ones. Its peak is bounded by the chunk, and it gives the same log-probs."""
+    n, h, v = 8192, 1024, 151_936
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(n, h, device="cuda", generator=g, requires_grad=True)
+    weight = (0.02 * torch.randn(v, h, device="cuda", generator=g)).requires_grad_(True)
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+
+    def peak(fn) -> tuple[float, torch.Tensor]:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        logp, ent = fn()
+        (logp.sum() + 0.01 * ent.sum()).backward()
+        torch.cuda.synchronize()
+        hidden.grad = weight.grad = None
+        return (torch.cuda.max_memory_allocated() - base) / 2**30, logp.detach()
+
+    def full():
+        logits = hidden @ weight.t()
+        return token_logprobs(logits, targets), entropy_from_logits(logits)
+
+    full_gib, want = peak(full)
+    chunk_gib, got = peak(lambda: head_logprobs(hidden, weight, targets, chunk=512))
+    logits_gib = n * v * 4 / 2**30
+    # two [512, V] float32 tensors (0.3 GiB each) plus the weight's float32 gradient (0.6 GiB) and
+    # its accumulator: well under one [N, V] tensor, where the full path holds several
+    assert chunk_gib < logits_gib < full_gib / 2, (chunk_gib, logits_gib, full_gib)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)  # float32, TF32 matmuls may differ slightly
