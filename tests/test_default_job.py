@@ -65,7 +65,7 @@ def test_default_job_reaches_90_percent_held_out(tmp_path):
 def test_build_default_model_rebuilds_the_shipped_one(tmp_path):
     """`tidal build-default-model` rebuilds a warm start as good as the shipped one (about 15
     minutes). Not the same weights: 2000 SFT steps amplify the last bits in which two CPUs of
-    this kind sum differently (MKL picks kernels by CPU, PLATFORM.md), and a rebuild here was
+    this kind sum differently (MKL picks kernels by CPU: docs/architecture.md, "Floating point across machines"), and a rebuild here was
     measured 0.42 away in max-abs weight while its held-out accuracy was 0.02 from the shipped
     one's. What must reproduce is what the model is for."""
     import torch
