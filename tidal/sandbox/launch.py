@@ -25,6 +25,7 @@ import functools
 import glob
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
