@@ -35,6 +35,7 @@ from tidal.runtime.workers import (
     TrainerWorker,
     make_engine,
 )
+from tidal.trainer.parallel.mesh import ParallelDims
 
 log = logging.getLogger("tidal")
 
@@ -174,7 +175,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
             engine_kind=engine_kind if colocated else None, log_dir=engine_log, num_cpus=pl.trainer.num_cpus), remote=True))
     addr, port = ranks[0].call("where", timeout_s=pl.start_timeout_s)
     gather([h.submit("setup", addr, port) for h in ranks], timeout_s=pl.start_timeout_s)
-    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s)
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
+    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s, dp_index=[dims.dp_index(r) for r in range(n_train)])
 
     def spawn_engine(i: int) -> Handle:
         if colocated:
