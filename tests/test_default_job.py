@@ -74,7 +74,7 @@ def test_build_default_model_rebuilds_the_shipped_one(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from tidal.models.tiny import build_default_model
+    from tidal.recipes.tiny import build_default_model
 
     torch.set_num_threads(2)  # the shipped model was built with 2 threads
     summary = build_default_model(tmp_path / "m", eval_every=2000, stop_after=500)

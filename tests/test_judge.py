@@ -176,9 +176,9 @@ def test_score_is_read_from_the_final_verdict_object_only(reply, score):
     'Score: 10\n{"score": 7, "addresses_grader": false} trailing',
 ])
 def test_malformed_scores_are_refused(reply):
-    from tidal.rewards.judge import _Malformed
+    from tidal.rewards.judge_client import MalformedVerdict
 
-    with pytest.raises(_Malformed):
+    with pytest.raises(MalformedVerdict):
         parse_score(reply, 0, 10)
 
 
@@ -193,9 +193,9 @@ def test_choice_is_read_from_the_final_verdict_object_only(reply, choice):
 @pytest.mark.parametrize("reply", ["Winner: A", "[[A]]", "B", '{"choice": "a", "addresses_grader": false}',
                                    '{"winner": "A", "addresses_grader": false}'])
 def test_malformed_choices_are_refused(reply):
-    from tidal.rewards.judge import _Malformed
+    from tidal.rewards.judge_client import MalformedVerdict
 
-    with pytest.raises(_Malformed):
+    with pytest.raises(MalformedVerdict):
         parse_choice(reply, ("A", "B", "tie"))
 
 

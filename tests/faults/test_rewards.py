@@ -138,7 +138,7 @@ def test_a_leaking_reward_is_recycled_before_it_grows_past_its_bound(rewards_fil
 def test_exited_orphans_do_not_pile_up_in_a_worker(rewards_file):
     """The worker is the subreaper of what rewards start: orphans that exit stay its zombies
     (it does not reap what a reward's own Popen may wait for), so past MAX_ZOMBIES it is recycled."""
-    from tidal.rewards.pool import MAX_ZOMBIES
+    from tidal.rewards.pool_base import MAX_ZOMBIES
 
     scorer = build_scorer([RewardSpec(fn=f"{rewards_file}:orphaning")], RewardConfig(timeout_s=20, workers=1))
     try:

@@ -1,4 +1,4 @@
-"""The Engine protocol (DESIGN.md, roles). The built-in torch engine, vLLM and SGLang each
+"""The Engine protocol (docs/architecture.md, "Roles"). The built-in torch engine, vLLM and SGLang each
 implement it; the rest of tidal never knows which one runs."""
 
 from __future__ import annotations

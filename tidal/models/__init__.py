@@ -11,10 +11,15 @@ from pathlib import Path
 import torch
 
 from tidal import cache_root
+from tidal.models.vision import is_vision_config, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-arith"
-DEFAULT_VLM_DIR = Path(__file__).parent / "assets" / "tiny-vlm"  # `tidal build-default-vlm` (vlm_build.py)
+# The embedded models that ship with tidal (package data), each rebuilt by its recipe in tidal/recipes/:
+ASSETS_DIR = Path(__file__).parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-arith"  # `tidal build-default-model` (recipes/tiny.py)
+DEFAULT_VLM_DIR = ASSETS_DIR / "tiny-vlm"  # `tidal build-default-vlm` (recipes/vlm_build.py)
+TOOL_MODEL_DIR = ASSETS_DIR / "tiny-tool"  # `tidal build-tool-model` (recipes/tool_model.py)
+BROWSER_MODEL_DIR = ASSETS_DIR / "tiny-browser"  # `tidal build-browser-model` (recipes/browser_model.py)
 NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR}
 
 
@@ -73,7 +78,6 @@ def merged_adapter_dir(adapter: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tidal.models.vision import is_vision_config, read_config
 
     auto = AutoModelForImageTextToText if is_vision_config(read_config(base_dir)) else AutoModelForCausalLM
     model = auto.from_pretrained(str(base_dir), dtype="auto")
@@ -118,7 +122,6 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", at
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
-    from tidal.models.vision import is_vision_config, read_config
 
     hf_logging.disable_progress_bar()  # tidal's own progress bar is the one on the console
     p = resolve_model_dir(path)
@@ -128,13 +131,6 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", at
     kwargs = {"attn_implementation": attention} if attention else {}
     model = cls.from_pretrained(str(p), dtype=DTYPES[dtype], **kwargs)
     return model.to(device)
-
-
-def is_vision_model(path: str | Path) -> bool:
-    """Whether the model directory holds a vision-language model (tidal/models/vision.py)."""
-    from tidal.models.vision import is_vision_config, read_config
-
-    return is_vision_config(read_config(resolve_model_dir(path)))
 
 
 def context_length(config: dict) -> int | None:

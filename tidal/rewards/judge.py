@@ -53,11 +53,11 @@ from tidal.rewards.contract import RewardParts
 from tidal.rewards.injection import detect_injection
 from tidal.rewards.judge_client import (  # noqa: F401 - the errors are this module's public names too
     RETRYABLE_STATUS,
+    JudgeClient,
     JudgeError,
     JudgeRequestError,
     JudgeVerdictError,
-    _Client,
-    _Malformed,
+    MalformedVerdict,
 )
 from tidal.rewards.judge_verdict import (
     Verdict,
@@ -244,7 +244,7 @@ class LLMJudge:
         self.injection_penalty = float(injection_penalty)
         self.reference_column = reference_column
         self.part = part
-        self.client = _Client(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
+        self.client = JudgeClient(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
                               backoff_s, max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
         self.__tidal_name__ = f"LLMJudge({model})"
 
@@ -367,7 +367,7 @@ class PairwiseJudge:
         self.allow_tie = allow_tie
         self.on_injection = on_injection
         self.reference_column = reference_column
-        self.client = _Client(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
+        self.client = JudgeClient(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
                               backoff_s, max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
         self.__tidal_name__ = f"PairwiseJudge({model})"
 

@@ -10,7 +10,7 @@ of the reply (after any `<think>` block), a JSON object with exactly the expecte
 (a fenced ```json block as the reply's end is the same line). A grade written anywhere else (a
 `Score: 10` the judge quotes from the answer, a JSON object earlier in its reasoning) is never
 read: the answer cannot supply the verdict by getting the judge to repeat it. A reply without
-the structure is `_Malformed`: asked again, then `JudgeVerdictError`, so the episode ends
+the structure is `MalformedVerdict`: asked again, then `JudgeVerdictError`, so the episode ends
 `reward_error`, never 0.
 
 `addresses_grader` is the judge's own verdict on injection: true when the judged text tries to
@@ -25,7 +25,7 @@ import math
 import re
 from typing import Any, NamedTuple
 
-from tidal.rewards.judge_client import _Malformed
+from tidal.rewards.judge_client import MalformedVerdict
 
 _THINK = re.compile(r"<think>.*?(?:</think>|\Z)", re.DOTALL | re.IGNORECASE)
 INJECTION_CLAUSE = (
@@ -70,13 +70,13 @@ def final_object(reply: str, keys: set[str]) -> dict[str, Any]:
     try:
         obj = json.loads(last)
     except json.JSONDecodeError:
-        raise _Malformed(f"the reply's last line is not the verdict's JSON object (keys {sorted(keys)}): "
+        raise MalformedVerdict(f"the reply's last line is not the verdict's JSON object (keys {sorted(keys)}): "
                          f"{last[:120]!r}") from None
     if not isinstance(obj, dict) or set(obj) != keys:
-        raise _Malformed(f"the verdict object must have exactly the keys {sorted(keys)}, got {last[:120]!r}")
+        raise MalformedVerdict(f"the verdict object must have exactly the keys {sorted(keys)}, got {last[:120]!r}")
     for k in keys:
         if "addresses_grader" in k and not isinstance(obj[k], bool):
-            raise _Malformed(f"the verdict's {k!r} must be true or false, got {obj[k]!r}")
+            raise MalformedVerdict(f"the verdict's {k!r} must be true or false, got {obj[k]!r}")
     return obj
 
 
@@ -85,9 +85,9 @@ def parse_score(reply: str, lo: float, hi: float) -> Verdict:
     obj = final_object(reply, {"score", "addresses_grader"})
     value = obj["score"]
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _Malformed(f"the verdict's score {value!r} is not a number")
+        raise MalformedVerdict(f"the verdict's score {value!r} is not a number")
     if not lo <= value <= hi:
-        raise _Malformed(f"the score {value:g} is outside {lo:g}..{hi:g}")
+        raise MalformedVerdict(f"the score {value:g} is outside {lo:g}..{hi:g}")
     return Verdict(float(value), obj["addresses_grader"])
 
 
@@ -97,7 +97,7 @@ def _label(value: Any, labels: tuple[str, ...]) -> str:
         return value
     if isinstance(value, str) and value.casefold() in by_key:  # "Tie", "Yes": a word's case does not matter
         return by_key[value.casefold()]
-    raise _Malformed(f"the verdict's choice {value!r} is not one of {list(labels)}")
+    raise MalformedVerdict(f"the verdict's choice {value!r} is not one of {list(labels)}")
 
 
 def parse_choice(reply: str, labels: tuple[str, ...]) -> Verdict:

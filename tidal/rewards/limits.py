@@ -40,6 +40,9 @@ import struct
 import threading
 import time
 
+from tidal.sandbox import cgroup, cgroup_run
+from tidal.sandbox.cgroup import CgroupError
+
 log = logging.getLogger("tidal.rewards")
 out_log = logging.getLogger("tidal.rewards.output")
 
@@ -189,8 +192,6 @@ class WorkerCgroups:
     machine gives none (said once)."""
 
     def __init__(self, memory_mb: int, max_processes: int):
-        from tidal.sandbox import cgroup
-
         self.memory_bytes, self.max_processes = memory_mb << 20, max_processes
         self.pool = None
         layout, why = cgroup.detect()
@@ -209,11 +210,9 @@ class WorkerCgroups:
         """Put a worker that has not run reward code yet into a cgroup of its own (None: none)."""
         if self.pool is None:
             return None
-        from tidal.sandbox.cgroup import CgroupError
-
         try:
             # Every core: a reward worker's CPU is not bounded here (the sandbox's quota is for its runs).
-            cg = self.pool.new_run(self.memory_bytes, self.max_processes, float(os.cpu_count() or 1))
+            cg = cgroup_run.new_run(self.pool, self.memory_bytes, self.max_processes, float(os.cpu_count() or 1))
             cg.add(pid)
             return cg
         except (CgroupError, OSError) as e:
@@ -221,8 +220,6 @@ class WorkerCgroups:
             return None
 
     def close(self) -> None:
-        from tidal.sandbox.cgroup import CgroupError
-
         if self.pool is not None:
             with contextlib.suppress(CgroupError, OSError):
                 self.pool.remove()
@@ -232,8 +229,6 @@ def end_cgroup(cg, timeout_s: float = 5.0) -> None:
     """Kill whatever is left in a worker's cgroup and release it."""
     if cg is None:
         return
-    from tidal.sandbox.cgroup import CgroupError
-
     try:
         cg.destroy_sync(timeout_s)
     except (CgroupError, OSError) as e:

@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tidal.rewards.contract import RewardParts
-from tidal.rewards.math_deadline import _deadline, _OutOfTime
+from tidal.rewards.math_deadline import OutOfTime, deadline
 from tidal.rewards.math_exact import Bounds, cost_refusal, numbers_equal, plain_number
-from tidal.rewards.math_forms import _RELATION, _SPLIT, _split_top, candidates, honest_forms, is_unit, unit_of
+from tidal.rewards.math_forms import RELATION, SPLIT, candidates, honest_forms, is_unit, split_top, unit_of
 
 # (Importing this module binds it as `tidal.rewards.math`: the package's __init__ imports no
 # `math` of its own, so nothing there is shadowed.)
@@ -349,7 +349,7 @@ class MathReward:
         from math_verify import verify
 
         try:
-            with _deadline(self._timeout()):
+            with deadline(self._timeout()):
                 target = self._parse(text)
                 exprs = [t for t in target if not isinstance(t, str)]
                 if not exprs and self._partial(text):
@@ -368,7 +368,7 @@ class MathReward:
                                         timeout_seconds=None))
                     if equal and exprs and _set_vs_interval(gold, exprs[0]):
                         return Check(False, True, "set_for_interval")
-        except _OutOfTime:
+        except OutOfTime:
             return Check(False, False, "timeout")  # too costly to compare
         # Only math-verify's string fallback (`>`): not a formula, unless it is the reference.
         return Check(equal, equal or bool(exprs))
@@ -403,12 +403,12 @@ class MathReward:
         import sympy
 
         text = _unwrap(reference)
-        is_list = len(_split_top(text, _SPLIT)) > 1
+        is_list = len(split_top(text, SPLIT)) > 1
         value, unit = unit_of(honest_forms(text, single=not is_list))
         try:
-            with _deadline(self._timeout()):
+            with deadline(self._timeout()):
                 parsed = self._parse(value)
-        except _OutOfTime:
+        except OutOfTime:
             raise ValueError(f"MathReward: math-verify did not parse the reference answer {reference[:200]!r} within "
                              f"timeout_s={self.timeout_s} (column `{self.answer_column}`)") from None
         if not parsed:
@@ -419,7 +419,7 @@ class MathReward:
         decimals = re.fullmatch(r"[-+]?\d*\.(\d+)", value.strip())
         brackets = next(((a, b) for a, b in (("(", ")"), ("\\{", "\\}"), ("[", "]"), ("\\left(", "\\right)"))
                          if value.strip().startswith(a) and value.strip().endswith(b)), ("", ""))
-        return Reference(parsed, unit, is_list, bool(_split_top(text, _RELATION)[1:]) and not is_list,
+        return Reference(parsed, unit, is_list, bool(split_top(text, RELATION)[1:]) and not is_list,
                          bool(re.search(r"\\(?:pm|mp)\b", text)), len(decimals.group(1)) if decimals else None,
                          brackets)
 

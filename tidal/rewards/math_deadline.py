@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 
-class _OutOfTime(BaseException):
+class OutOfTime(BaseException):
     """Raised by the deadline's alarm. A BaseException, so that no `except Exception` inside
     math-verify or sympy turns it into a result."""
 
@@ -21,8 +21,8 @@ REFIRE_S = 0.05  # the alarm repeats until the deadline is cleared
 
 
 @contextlib.contextmanager
-def _deadline(seconds: int | None) -> Iterator[None]:
-    """Raise _OutOfTime in the block after `seconds` (None: no deadline). math-verify's own
+def deadline(seconds: int | None) -> Iterator[None]:
+    """Raise OutOfTime in the block after `seconds` (None: no deadline). math-verify's own
     timeout is one SIGALRM whose exception can land where Python ignores it (a weakref
     callback during garbage collection: seen in CI, the parse then ran to completion and the
     answer counted as correct); this alarm fires again every REFIRE_S until the block ends,
@@ -40,12 +40,12 @@ def _deadline(seconds: int | None) -> Iterator[None]:
 
     def fire(signum: int, frame: Any) -> None:
         if armed[0] and not in_hook[0]:
-            raise _OutOfTime
+            raise OutOfTime
 
     previous_hook = sys.unraisablehook
 
     def unraisable(args: Any) -> None:
-        if issubclass(args.exc_type, _OutOfTime):
+        if issubclass(args.exc_type, OutOfTime):
             return
         in_hook[0] = True
         try:
@@ -67,5 +67,5 @@ def _deadline(seconds: int | None) -> Iterator[None]:
                 if sys.unraisablehook is unraisable:  # unless something in the block replaced it
                     sys.unraisablehook = previous_hook
                 break
-            except _OutOfTime:
+            except OutOfTime:
                 continue

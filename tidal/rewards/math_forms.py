@@ -78,8 +78,8 @@ _LIST_JOINS = (r"(?<!\\),|(?<!\\);|\\lor\b|\\vee\b|\\land\b|\\wedge\b|\\quad\b|\
 _STEP_JOINS = (r"\\(?:mid|sim|cong|propto|parallel|perp|vert|Vert|"
                r"Rightarrow|Longrightarrow|implies|rightarrow|longrightarrow|to|iff|Leftrightarrow|"
                r"Longleftrightarrow|therefore|because)\b")
-_SPLIT = re.compile(rf"(?P<list>{_LIST_JOINS})|(?P<step>{_STEP_JOINS})")
-_RELATION = re.compile(r"(?<![<>!\\])=|\\approx\b|\\simeq\b|\\equiv\b")
+SPLIT = re.compile(rf"(?P<list>{_LIST_JOINS})|(?P<step>{_STEP_JOINS})")
+RELATION = re.compile(r"(?<![<>!\\])=|\\approx\b|\\simeq\b|\\equiv\b")
 _TEXT = re.compile(r"\\(?:text|textrm|textbf|textit|mbox|mathrm|operatorname)\s*\{([^{}]*)\}")
 _HEDGE_WORDS = re.compile(r"\b(?:or|and|either|maybe|perhaps|possibly|probably|likely|approx\w*|about|around|"
                           r"roughly|nearly|almost|guess|unsure|sure|if|unless|otherwise|else|alternatively|"
@@ -153,7 +153,7 @@ def top_level(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _split_top(text: str, rx: re.Pattern) -> list[tuple[str, re.Match | None]]:
+def split_top(text: str, rx: re.Pattern) -> list[tuple[str, re.Match | None]]:
     """`text` cut at the matches of `rx` that lie outside every bracket: [(piece, the match
     before it)]."""
     cuts: list[re.Match] = []
@@ -200,7 +200,7 @@ def candidates(text: str, *, list_reference: bool, equation_reference: bool, pm_
         return Split([], f"unknown_command: \\{unknown[0]} (math-verify would drop it)")
     if not pm_reference and re.search(r"\\(?:pm|mp)\b", text) and not list_reference:
         return Split([], "plus_minus")
-    parts = _split_top(text, _SPLIT)
+    parts = split_top(text, SPLIT)
     if any(m is not None and m.group("step") for _, m in parts):
         return Split([], "connective")
     # A bar pairs as |x|; a lone one (`5 | 6`) joins two values, and math-verify keeps the last.
@@ -218,8 +218,8 @@ def candidates(text: str, *, list_reference: bool, equation_reference: bool, pm_
         if equation_reference:
             out.append([piece])
             continue
-        sides = [s for s, _ in _split_top(piece, _RELATION)]
-        seps = [m.group(0) for _, m in _split_top(piece, _RELATION) if m is not None]
+        sides = [s for s, _ in split_top(piece, RELATION)]
+        seps = [m.group(0) for _, m in split_top(piece, RELATION) if m is not None]
         if len(sides) > 1 and _NAME.fullmatch(sides[0]):
             sides, seps = sides[1:], seps[1:]
         # After an exact value, `\approx ...` is a gloss: dropped (it can only make the answer wrong, not right).

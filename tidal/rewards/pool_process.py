@@ -18,11 +18,11 @@ import time
 from typing import Any
 
 from tidal.rewards import limits
-from tidal.rewards.pool import (
-    _Call,
-    _PoolScorer,
-    _Slot,
-    _wire,
+from tidal.rewards.pool_base import (
+    Call,
+    PoolScorer,
+    Slot,
+    wire,
 )
 
 
@@ -42,7 +42,7 @@ class _Proc:
     """One worker process: its pipes, a reader thread and a sender thread (a full pipe blocks
     only the sender, never the caller's event loop or the bookkeeping)."""
 
-    def __init__(self, pool: ProcessPool, slot: _Slot):
+    def __init__(self, pool: ProcessPool, slot: Slot):
         from multiprocessing.connection import Connection
 
         self.pool, self.slot = pool, slot
@@ -95,15 +95,15 @@ class _Proc:
                 msg = pickle.loads(self.rx.recv_bytes())
             except (EOFError, OSError):
                 break
-            with self.pool._lock:
+            with self.pool.lock:
                 if "results" in msg:
                     self.slot.zombies = msg.get("zombies", 0)
-                    self.pool._on_results(self.slot, msg["results"], msg.get("rss"))
+                    self.pool.on_results(self.slot, msg["results"], msg.get("rss"))
                 elif "ready" in msg:
-                    self.pool._on_ready(self.slot, msg["ready"])
+                    self.pool.on_ready(self.slot, msg["ready"])
                 elif "failed" in msg:
-                    self.pool._on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
-                self.pool._flush_wakes()
+                    self.pool.on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
+                self.pool.flush_wakes()
         code = self.proc.wait()
         running = self.mark.running()
         why = _exit_text(code)
@@ -114,9 +114,9 @@ class _Proc:
         self.outbox.put(None)
         with contextlib.suppress(OSError):
             self.rx.close()
-        with self.pool._lock:
-            self.pool._on_exit(self.slot, why, running)
-            self.pool._flush_wakes()
+        with self.pool.lock:
+            self.pool.on_exit(self.slot, why, running)
+            self.pool.flush_wakes()
 
     def send(self, data: bytes) -> None:
         self.outbox.put(data)
@@ -143,7 +143,7 @@ class _Proc:
         self.send(pickle.dumps({"close": True}))
 
 
-class ProcessPool(_PoolScorer):
+class ProcessPool(PoolScorer):
     """Rewards in `reward.workers` worker processes on this machine."""
 
     def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int | None = None):
@@ -153,22 +153,22 @@ class ProcessPool(_PoolScorer):
         self.cgroups = limits.WorkerCgroups(self.memory_mb, int(cfg.worker_max_processes))
         super().__init__(specs, cfg, int(n_workers or cfg.workers), int(cfg.max_concurrency))
 
-    def _start(self, slot: _Slot) -> None:
+    def start_worker(self, slot: Slot) -> None:
         slot.transport = _Proc(self, slot)
         slot.pid = slot.transport.proc.pid
 
-    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
-        slot.transport.send(pickle.dumps(_wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
+    def send_calls(self, slot: Slot, calls: list[Call]) -> None:
+        slot.transport.send(pickle.dumps(wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _kill(self, slot: _Slot) -> None:
+    def kill_worker(self, slot: Slot) -> None:
         if slot.transport is not None:
             slot.transport.kill()
 
-    def _retire(self, slot: _Slot) -> None:
+    def _retire(self, slot: Slot) -> None:
         slot.transport.close()
         threading.Thread(target=_end_after, args=(slot.transport, 5.0), name="tidal-reward-retire", daemon=True).start()
 
-    def _stop(self, slots: list[_Slot]) -> None:
+    def stop_workers(self, slots: list[Slot]) -> None:
         procs = [s.transport for s in slots if s.transport is not None]
         for p in procs:
             p.close()

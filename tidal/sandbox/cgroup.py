@@ -43,10 +43,6 @@ import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tidal.sandbox.cgroup_run import RunCgroup
 
 log = logging.getLogger("tidal.sandbox")
 
@@ -83,7 +79,7 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
-def _write(path: Path | str, value: str) -> None:
+def write_value(path: Path | str, value: str) -> None:
     # Raw descriptors: these files are read and written several times per run, and
     # io.open's buffered text layer costs more than the kernel's side of it.
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -93,7 +89,7 @@ def _write(path: Path | str, value: str) -> None:
         os.close(fd)
 
 
-def _read(path: str) -> bytes:
+def read_value(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunks = []
@@ -200,8 +196,8 @@ def _sweep_stale(parents: tuple[Path, ...]) -> None:
             if pid == os.getpid() or Path(f"/proc/{pid}").exists():
                 continue
             for run in d.glob("run-*"):
-                _rmdir_quietly(run)
-            _rmdir_quietly(d)
+                rmdir_quietly(run)
+            rmdir_quietly(d)
 
 
 def _remove_at_exit() -> None:
@@ -226,7 +222,7 @@ def _delegate_v2(parent: Path, controllers: list[str]) -> None:
     if set(controllers) <= set(enabled):
         return
     try:
-        _write(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
+        write_value(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
     except OSError as e:
         raise OSError(e.errno, f"cannot enable the {', '.join(controllers)} controllers below {parent} ({e.strerror}; "
                       "cgroup v2 allows that only in a cgroup without processes of its own: run tidal in a "
@@ -246,11 +242,11 @@ class PoolCgroups:
         # Each controller's pool directory (v2: the same one for all).
         self.controller_dirs = {c: parent / name for c, parent in layout.parents.items()}
         v2_controllers = [c for c in ("memory", "pids", "cpu") if c in layout.parents]
-        self._runs = itertools.count()
+        self.run_numbers = itertools.count()  # names the runs' cgroups (run-0, run-1, ...)
         # Emptied run cgroups, handed to later runs: making and removing a memory cgroup
         # costs more than checking that one is empty. (Appended on the event loop, taken on
         # starter threads: deque operations are atomic.)
-        self.free: collections.deque[RunCgroup] = collections.deque()
+        self.free: collections.deque = collections.deque()  # RunCgroups kept for reuse (cgroup_run.new_run)
         made = []
         try:
             if layout.version == 2:
@@ -259,12 +255,12 @@ class PoolCgroups:
                 d.mkdir()
                 made.append(d)
             if layout.version == 2:
-                _write(self.dirs[0] / "cgroup.subtree_control", " ".join(f"+{c}" for c in v2_controllers))
+                write_value(self.dirs[0] / "cgroup.subtree_control", " ".join(f"+{c}" for c in v2_controllers))
             if "cpu" in self.controller_dirs:
                 self._weigh(sandboxes)
         except OSError as e:
             for d in reversed(made):
-                _rmdir_quietly(d)
+                rmdir_quietly(d)
             raise CgroupError(f"cannot make the pool's cgroup {name} ({e})") from e
         _open_pools.add(self)
 
@@ -278,19 +274,9 @@ class PoolCgroups:
         at most; each run below it weighs as one process (runs compete evenly, whatever
         number of processes each starts), and each is capped by its own quota."""
         if self.layout.version == 1:
-            _write(self.controller_dirs["cpu"] / "cpu.shares", str(min(262144, 1024 * sandboxes)))
+            write_value(self.controller_dirs["cpu"] / "cpu.shares", str(min(262144, 1024 * sandboxes)))
         else:
-            _write(self.controller_dirs["cpu"] / "cpu.weight", str(min(10000, 100 * sandboxes)))
-
-    def new_run(self, memory_bytes: int, max_processes: int, cpus: float) -> RunCgroup:
-        from tidal.sandbox.cgroup_run import RunCgroup  # it refers back to this module
-
-        try:
-            run = self.free.popleft()
-        except IndexError:
-            return RunCgroup(self, f"run-{next(self._runs)}", memory_bytes, max_processes, cpus)
-        run.reuse(memory_bytes, max_processes, cpus)
-        return run
+            write_value(self.controller_dirs["cpu"] / "cpu.weight", str(min(10000, 100 * sandboxes)))
 
     def leftovers(self) -> list[str]:
         """Run cgroups still present below the pool (each one a run not torn down)."""
@@ -300,7 +286,7 @@ class PoolCgroups:
         """Remove the pool's directories; CgroupError naming what is left when runs remain."""
         while self.free:
             run = self.free.popleft()
-            if not run._try_remove():
+            if not run.try_remove():
                 raise CgroupError(f"sandbox cgroup {run.dirs[0]} is not empty")
         left = self.leftovers()
         if left:
@@ -315,7 +301,7 @@ class PoolCgroups:
         _open_pools.discard(self)
 
 
-def _rmdir_quietly(path: Path) -> None:
+def rmdir_quietly(path: Path) -> None:
     try:
         path.rmdir()
     except OSError:

@@ -23,7 +23,16 @@ import signal
 import time
 from pathlib import Path
 
-from tidal.sandbox.cgroup import SOCKET_SHARE, CgroupError, PoolCgroups, _read, _rmdir_quietly, _write
+from tidal.sandbox import cgroup
+from tidal.sandbox.cgroup import (
+    SOCKET_SHARE,
+    CgroupError,
+    PoolCgroups,
+    read_value,
+    rmdir_quietly,
+    warn_missing_once,
+    write_value,
+)
 
 # The CFS period (the kernel's default): a run may use `cpus` times this in every period.
 CPU_PERIOD_US = 100_000
@@ -72,11 +81,11 @@ class RunCgroup:
             if self._freeze_file is not None and not os.path.exists(self._freeze_file):
                 self._freeze_file = None  # v2 before Linux 5.2: no cgroup.freeze (the pool warned)
             if self.version == 2 and (self.memory_dir / "memory.swap.max").exists():
-                _write(self.memory_dir / "memory.swap.max", "0")
+                write_value(self.memory_dir / "memory.swap.max", "0")
             self.set_limits(memory_bytes, max_processes, cpus)
         except (OSError, CgroupError) as e:
             for d in reversed(made):
-                _rmdir_quietly(d)
+                rmdir_quietly(d)
             raise CgroupError(f"cannot make the run's cgroup {self.memory_dir} ({e})") from e
 
     def reuse(self, memory_bytes: int, max_processes: int, cpus: float) -> None:
@@ -101,18 +110,18 @@ class RunCgroup:
                 if self.limits is not None and memory_bytes > self.limits[0]:
                     order.reverse()
                 for path in order:
-                    _write(path, str(memory_bytes))
+                    write_value(path, str(memory_bytes))
                 if self._tcp_file is not None:
                     self._bound_sockets_v1(memory_bytes // SOCKET_SHARE)
-                _write(self.pids_dir / "pids.max", str(max_processes + 1))
+                write_value(self.pids_dir / "pids.max", str(max_processes + 1))
                 if self.cpu_dir is not None:
-                    _write(self.cpu_dir / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-                    _write(self.cpu_dir / "cpu.cfs_quota_us", str(quota_us))
+                    write_value(self.cpu_dir / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+                    write_value(self.cpu_dir / "cpu.cfs_quota_us", str(quota_us))
             else:
-                _write(self.memory_dir / "memory.max", str(memory_bytes))
-                _write(self.pids_dir / "pids.max", str(max_processes + 1))
+                write_value(self.memory_dir / "memory.max", str(memory_bytes))
+                write_value(self.pids_dir / "pids.max", str(max_processes + 1))
                 if self.cpu_dir is not None:
-                    _write(self.cpu_dir / "cpu.max", f"{quota_us} {CPU_PERIOD_US}")
+                    write_value(self.cpu_dir / "cpu.max", f"{quota_us} {CPU_PERIOD_US}")
         except OSError as e:
             raise CgroupError(f"cannot set the limits of {self.memory_dir} ({e})") from e
         self.limits = (memory_bytes, max_processes, cpus)
@@ -121,23 +130,19 @@ class RunCgroup:
         """The v1 TCP/UDP buffer limit; a kernel that refuses it (socket accounting off, e.g.
         booted with cgroup.memory=nosocket) gets a warning, once, and runs go on without it."""
         try:
-            _write(self._tcp_file, str(limit))
+            write_value(self._tcp_file, str(limit))
         except OSError as e:
-            from tidal.sandbox.cgroup import warn_missing_once
-
             warn_missing_once({"socket memory": f"cannot write {self._tcp_file}: {e.strerror}"})
             self._tcp_file = None
 
     def add(self, pid: int) -> None:
         """Move a process (not yet running untrusted code) into this cgroup."""
         for d in self.dirs:
-            _write(d / "cgroup.procs", str(pid))
+            write_value(d / "cgroup.procs", str(pid))
 
     @property
     def thread_entry(self) -> bool:
-        from tidal.sandbox import cgroup
-
-        return self.version == 1 and cgroup.THREAD_ENTRY
+        return self.version == 1 and cgroup.THREAD_ENTRY  # the module's: tests switch it
 
     @contextlib.contextmanager
     def entered_by_this_thread(self):
@@ -147,12 +152,12 @@ class RunCgroup:
         moved = []
         try:
             for inside, home in self._tasks:
-                _write(inside, "0")
+                write_value(inside, "0")
                 moved.append(home)
             yield
         finally:
             for home in moved:
-                _write(home, "0")
+                write_value(home, "0")
 
     @property
     def can_freeze(self) -> bool:
@@ -162,26 +167,26 @@ class RunCgroup:
         """Stop every process of the run where it stands (a session between turns). v1's
         freezer finishes asynchronously; nothing waits for it."""
         if self._freeze_file is not None and not self.frozen:
-            _write(self._freeze_file, "FROZEN" if self.version == 1 else "1")
+            write_value(self._freeze_file, "FROZEN" if self.version == 1 else "1")
             self.frozen = True
 
     def thaw(self) -> None:
         if self._freeze_file is not None and self.frozen:
-            _write(self._freeze_file, "THAWED" if self.version == 1 else "0")
+            write_value(self._freeze_file, "THAWED" if self.version == 1 else "0")
             self.frozen = False
 
     def pids(self) -> list[int]:
         out: set[int] = set()
         for path in self._procs:
             try:
-                out.update(int(p) for p in _read(path).split())
+                out.update(int(p) for p in read_value(path).split())
             except FileNotFoundError:
                 pass
         return sorted(out)
 
     def _oom_kills(self) -> int:
         try:
-            text = _read(self._oom_file)
+            text = read_value(self._oom_file)
         except OSError:
             return 0
         for line in text.splitlines():
@@ -195,7 +200,7 @@ class RunCgroup:
 
     def _charged_bytes(self) -> int:
         try:
-            return int(_read(self._usage_file))
+            return int(read_value(self._usage_file))
         except (OSError, ValueError):
             return self.REUSE_MAX_BYTES + 1
 
@@ -205,7 +210,7 @@ class RunCgroup:
             self.thaw()
         if self.version == 2:
             try:
-                _write(self.memory_dir / "cgroup.kill", "1")
+                write_value(self.memory_dir / "cgroup.kill", "1")
                 return
             except OSError:
                 pass  # kernels before 5.14 have no cgroup.kill: signal each member
@@ -254,12 +259,13 @@ class RunCgroup:
             self.removed = True
             self.pool.free.append(self)
             return True
-        if self._try_remove():
+        if self.try_remove():
             self.removed = True
             return True
         return False
 
-    def _try_remove(self) -> bool:
+    def try_remove(self) -> bool:
+        """Remove the run's directories; False when one is still busy (the pool retries it later)."""
         for d in self.dirs:
             try:
                 d.rmdir()
@@ -270,3 +276,13 @@ class RunCgroup:
                     return False
                 raise CgroupError(f"cannot remove {d}: {e}") from e
         return True
+
+
+def new_run(pool: PoolCgroups, memory_bytes: int, max_processes: int, cpus: float) -> RunCgroup:
+    """A run's cgroup under `pool`: one the pool kept for reuse (re-limited), else a new one."""
+    try:
+        run = pool.free.popleft()
+    except IndexError:
+        return RunCgroup(pool, f"run-{next(pool.run_numbers)}", memory_bytes, max_processes, cpus)
+    run.reuse(memory_bytes, max_processes, cpus)
+    return run

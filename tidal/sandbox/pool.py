@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tidal.sandbox import cgroup, seccomp, uids
+from tidal.sandbox.cgroup_run import new_run
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.launch import find_bwrap, prepare, resolve_python, uid_pool_in_use
 from tidal.sandbox.process import KILL_GRACE_S, SandboxProcess
@@ -231,7 +232,7 @@ class SandboxPool:
         try:
             if self._cgroups is not None:
                 try:
-                    run_cgroup = self._cgroups.new_run(limits.memory_bytes, limits.max_processes, limits.cpus)
+                    run_cgroup = new_run(self._cgroups, limits.memory_bytes, limits.max_processes, limits.cpus)
                 except cgroup.CgroupError as e:
                     raise OSError(str(e)) from e
             process = SandboxProcess.start(self.config, limits, stdin_pipe, run_cgroup, uid)

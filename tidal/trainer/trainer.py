@@ -37,6 +37,7 @@ from tidal.algorithms import kl_estimate
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.durable import disk_error
+from tidal.images import as_image
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
 from tidal.models.vision import Vision
@@ -303,7 +304,6 @@ class Trainer:
     def _dummy_image(self):
         from PIL import Image
 
-        from tidal.images import as_image
 
         return as_image(Image.new("RGB", (56, 56)))  # the processor's usual minimum: 4 tokens
 

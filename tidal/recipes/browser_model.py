@@ -4,7 +4,7 @@ habits.
 
 `tidal build-browser-model` rebuilds `tidal/models/assets/tiny-browser` deterministically (same
 seed and machine type → same weights; thread count changes float summation order), as
-tidal/models/tool_model.py does for tiny-tool, whose tokenizer recipe, chat template and SFT
+tidal/recipes/tool_model.py does for tiny-tool, whose tokenizer recipe, chat template and SFT
 loss it reuses.
 
 The demonstrations are episodes of the real `BrowserEnv` (one shared `BrowserPool`, several
@@ -29,16 +29,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.base import Action
 from tidal.envs.browser.env import BrowserEnv
 from tidal.envs.browser.pool import BrowserConfig, BrowserPool
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
 from tidal.envs.browser.tasks import OBJECTS, VERBS, button_labels, make_tasks
 from tidal.envs.tools import assistant_message, parse_tool_calls
-from tidal.models.tiny import build_model, save_model
-from tidal.models.tool_model import CHAT_TEMPLATE, _batch, _shared_prefix, build_tokenizer, call_text, sft_train
+from tidal.models import stop_token_ids
+from tidal.recipes.tiny import build_model, save_model
+from tidal.recipes.tool_model import CHAT_TEMPLATE, build_tokenizer, call_text, sft_batch, sft_train, shared_prefix
+from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.rollout import Rollout
+from tidal.types import SamplingParams
 
-BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
 ENV_ARGS: dict[str, Any] = {"actions": ["click", "done"], "max_turns": 3, "action_timeout_s": 5.0}  # as examples/browser.yaml
 HABITS = ("right", "first", "malformed")
@@ -192,7 +196,7 @@ def demonstrations(episodes: list[dict[str, Any]], per_episode: int, rng: random
 
 def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, batch_size: int, lr: float,
                       level=lambda step: 0, desc: str = "curriculum") -> float:
-    """AdamW on sequences from `make(rng, level)` -> (ids, loss mask), padded right (`_batch`);
+    """AdamW on sequences from `make(rng, level)` -> (ids, loss mask), padded right (`sft_batch`);
     linear warm-up over 50 steps, then `lr`; a progress bar named `desc`. Returns the last
     batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -201,7 +205,7 @@ def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, ba
     for step in tqdm(range(steps), desc=desc, unit="step", mininterval=5.0):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
-        ids, _, labels = _batch([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
+        ids, _, labels = sft_batch([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
         logits = model(ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -215,7 +219,7 @@ def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, ba
 @torch.no_grad()
 def _accuracy(model, tokenizer, examples: list[tuple[list[int], list[bool]]]) -> float:
     """Greedy next-token accuracy on the positions with loss (teacher-forced)."""
-    ids, _, labels = _batch(examples, tokenizer.pad_token_id)
+    ids, _, labels = sft_batch(examples, tokenizer.pad_token_id)
     model.eval()
     pred = model(ids).logits[:, :-1].argmax(-1)
     model.train()
@@ -409,12 +413,6 @@ def held_out_success(model, tokenizer, rows, k: int = 4, max_new_tokens: int = 4
                      env_args: dict[str, Any] | None = None) -> dict:
     """Greedy success and pass@k on `rows` through the same rollout and env as `tidal eval`
     (the env's verifier is the reward)."""
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import stop_token_ids
-    from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.rollout import Rollout
-    from tidal.types import SamplingParams
-
     # every episode of an evaluation runs at once: a context for each, none waits for a slot
     env_args = {**ENV_ARGS, "browser": {"browsers": 1, "contexts_per_browser": 64, "acquire_timeout_s": 600},
                 **(env_args or {})}
@@ -506,7 +504,7 @@ def build_browser_model(
             curricula[name] = {**run(model, tokenizer, steps_of, rng), "train_s": round(time.time() - t0, 1)}
             print(f"browser {name} curriculum: {json.dumps(curricula[name])}", flush=True)
     examples = [episode_tokens(tokenizer, e) for e in demos]
-    prefix_len = _shared_prefix(examples)
+    prefix_len = shared_prefix(examples)
     history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate or held_out_success, rng,
                         steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every,
                         label="browser")
