@@ -12,7 +12,7 @@ the raylet's children (pid and start time). End of file without `done` means the
 it then sends SIGTERM, and after 1 s SIGKILL, to those children that are still the same
 processes and to every process whose environment names the raylet (`RAY_RAYLET_PID=<pid>`,
 which Ray gives the processes the raylet starts: agents and workers; measured, the environment
-alone missed the agents in 2 of 5 runs). A driver that closes Ray itself writes `done` first
+alone missed the agents in 3 of 6 runs). A driver that closes Ray itself writes `done` first
 and the watchdog leaves quietly. Only for an instance the run started (never a cluster it joined).
 """
 
