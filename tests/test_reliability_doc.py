@@ -65,7 +65,9 @@ def config_defaults() -> dict[str, object]:
 def _shown(value: object) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return str(value)  # exactly: `:g` writes 1048576 as 1.04858e+06
+    if isinstance(value, float):
         return f"{value:g}"
     return str(value)
 

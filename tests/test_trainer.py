@@ -249,11 +249,14 @@ def test_mixed_precision_computes_in_bfloat16_over_float32_weights(tiny_model_di
         tr = Trainer(str(tiny_model_dir), TrainConfig(mixed_precision=mixed, warmup_steps=0,
                                                       attention=attention if mixed else "auto"),
                      AlgorithmConfig(), pad_token_id=0)
-        logits, _ = tr._forward(tr.model, _batch().tokens[:2])
+        seen = []  # the dtype a block's linear layer computes in
+        hook = tr.model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+        tr._forward(tr.model, _batch().tokens[:2])
+        hook.remove()
         metrics = tr.forward_backward(_batch())
         grads = {n: p.grad.clone() for n, p in tr.model.named_parameters()}
         tr.optim_step()
-        return tr, logits.dtype, grads, metrics
+        return tr, seen[0], grads, metrics
 
     full, full_dtype, want, m32 = run(False)
     mixed, mixed_dtype, got, m16 = run(True)

@@ -184,18 +184,27 @@ def test_trainer_logprobs_equal_an_independent_teacher_forced_forward(vlm):
     assert moved.abs().max() > 1e-2
 
 
-def test_banned_vision_tokens_are_masked_in_every_trainer_forward(vlm):
-    """Logits that favour a vision token by +30 (a hook on the output head): the trainer's
-    log-probs and entropy are those of the distribution without the vision tokens (-inf in the
-    reference), not those of the raw logits, which put nearly all mass on the vision token."""
+def test_banned_vision_tokens_are_masked_in_every_trainer_forward(vlm, monkeypatch):
+    """Logits that favour a vision token by +30 (added where the trainer's output head forms each
+    chunk's logits, before the masking): the trainer's log-probs and entropy are those of the
+    distribution without the vision tokens (-inf in the reference), not those of the raw logits,
+    which put nearly all mass on the vision token."""
+    from tidal.trainer.parallel import logprob
+
     d, vision = vlm
     b = _batch(vision, counts=[0, 1, 2])
     bonus = torch.zeros(load_model(d).config.text_config.vocab_size)
     bonus[vision.image_token_id] = 30.0
+    chunk_logits = logprob._chunk_logits
+
+    def favoured(h, w, temperature, banned):
+        z = chunk_logits(h, w, temperature, None) + bonus.to(h.device) / temperature
+        return z if banned is None else z.index_fill(-1, banned, -1e9)
+
+    monkeypatch.setattr(logprob, "_chunk_logits", favoured)
     tr = _trainer(d, kl_coef=0.1, entropy_coef=0.01)
-    tr.model.get_output_embeddings().register_forward_hook(lambda _m, _a, out: out + bonus.to(out.dtype))
     got = tr.logprobs(b)
-    ref = tr.ref_logprobs(b)  # the reference model's forward: no hook, but the same masking
+    ref = tr.ref_logprobs(b)  # the reference's forward: favoured alike, masked alike
     m = tr.forward_backward(b)
     model, processor = load_model(d).eval(), image_processor(d)
     ent, n = 0.0, 0

@@ -10,6 +10,7 @@
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
     tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
     tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
+    tidal plan SPEC.yaml [--simulate] [--explain] [--out DIR] | tidal plan calibrate RUN_DIR
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
 """
@@ -429,6 +430,13 @@ def _stacks_on_sigusr1() -> None:
             pass  # no stderr descriptor at all: nothing to print the stacks on
 
 
+def _plan_errors() -> tuple[type[Exception], ...]:
+    from tidal.plan.cli import MissingPlanExtra
+    from tidal.plan.spec import PlanSpecError
+
+    return MissingPlanExtra, PlanSpecError
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -513,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--port", type=int, default=8765, help="port (0: a free one, printed; default 8765)")
     d.add_argument("--token-env", default=None, help="name of an environment variable holding the token")
     d.set_defaults(fn=cmd_dashboard, args=[])
+    from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
+
+    add_plan_parser(sub)
     # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
     ns, rest = p.parse_known_args(argv)
     if any(r.startswith("-") for r in rest):
@@ -521,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     _stacks_on_sigusr1()
     try:
         return ns.fn(ns)
-    except USER_ERRORS as err:
+    except (*USER_ERRORS, *_plan_errors()) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:

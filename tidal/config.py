@@ -86,6 +86,12 @@ class RewardConfig(_Section):
     workers: int = Field(2, ge=1, description="Worker processes of the local process pool (ray mode: placement.reward_workers actors instead).")
     timeout_s: float = Field(30.0, gt=0.0, description="Most seconds one reward call may take; past it the call is killed and its episode ends `timeout`.")
     max_concurrency: int = Field(64, ge=1, description="Most calls in flight in one worker (async rewards overlap; synchronous ones run one at a time).")
+    worker_memory_mb: int = Field(4096, ge=64, description="Memory limit of one reward worker process and everything it starts (its cgroup's memory limit, where tidal can make cgroups: see docs/rewards.md, Limits); a worker that reaches it is killed by the kernel and the call it was running ends `reward_error` naming the limit. Where no cgroup can be made it is not enforced (a warning says so) and worker_max_rss_mb recycling bounds a leak.")
+    worker_max_processes: int = Field(512, ge=8, description="Most processes and threads of one reward worker and what it starts (its cgroup's pids limit, where tidal can make cgroups): a fork bomb fails its own forks.")
+    worker_max_calls: int = Field(10000, ge=0, description="A reward worker is recycled (a fresh one takes its place, the old one ends once its calls are answered) after this many calls; 0: never.")
+    worker_max_rss_mb: int = Field(2048, ge=0, description="A reward worker whose resident memory (its own, as it reports after each answer) passes this is recycled the same way: a reward that leaks costs at most this much; 0: never.")
+    worker_address_space_mb: int | None = Field(None, ge=64, description="RLIMIT_AS of a reward worker process (an allocation past it raises MemoryError in the reward, which ends that call `reward_error`); None: none. Off by default: an address-space limit counts the reservations of libraries (torch reserves gigabytes it never touches); worker_memory_mb is the limit that counts memory used.")
+    worker_log_bytes: int = Field(1 << 20, ge=0, description="Most bytes of one reward worker's stdout and stderr written to train.log (logger tidal.rewards.output, one line per record); the rest is read and dropped, and counted in a last line. A reward's output never reaches tidal's own stdout.")
     failure_budget: float = Field(0.5, ge=0.0, le=1.0, description="The run stops (checkpoint intact, exit code 3) when more than this fraction of a step's episodes fail (any non-trainable status) for `failure_steps` steps in a row; 1.0: never.")
     failure_steps: int = Field(3, ge=1, description="Consecutive steps over the failure budget that stop the run.")
     monitors: bool = Field(True, description="Reward-hacking monitors (tidal/monitor/hacking.py): events in the metrics (`hacking/*`), the log and <run dir>/hacking_events.jsonl, each with example episodes.")
@@ -168,6 +174,40 @@ class LoraConfig(_Section):
                                min_length=1, description="Names of the linear modules that get adapters (peft's target_modules; module names as in the model).")
 
 
+class ParallelConfig(_Section):
+    """How the trainer ranks are laid out as a named device mesh (tidal/trainer/parallel/mesh.py,
+    docs/parallel.md). The degrees multiply to placement.trainer_ranks."""
+
+    dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas: groups of ranks that each hold a whole copy of the (sharded) model and average nothing but their gradients (HSDP's replicated dimension: one all-reduce of gradients per step across groups, e.g. one group per node).")
+    dp_shard: int = Field(-1, ge=-1, description="Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2) within a replica; -1: every rank the other dimensions leave (the default: 1-D FSDP over all trainer ranks).")
+    tp: int = Field(1, ge=1, description="Tensor parallelism: each layer's attention heads, MLP columns and the vocabulary split over this many ranks (DTensor plans; Qwen2/Qwen2.5/Qwen3/Llama). The heads, the key-value heads, the MLP width and the vocabulary must divide by it; these ranks get the same sequences.")
+    cp: int = Field(1, ge=1, description="Context parallelism (Ulysses): each micro-batch's positions split over this many ranks, attention made whole by all-to-alls between the position and the head dimension (tidal/trainer/parallel/context.py); activations ~1/cp per rank. The attention heads of a rank (after tp) must divide by it; these ranks get the same sequences. Text models, without LoRA.")
+    ep: int = Field(1, ge=1, le=1, description="Expert parallelism (reserved for mixture-of-experts models: 1).")
+
+    @property
+    def fixed(self) -> int:
+        """The product of every degree but an automatic dp_shard."""
+        return self.dp_replicate * self.tp * self.cp * self.ep * (self.dp_shard if self.dp_shard > 0 else 1)
+
+    def degrees(self, ranks: int) -> dict[str, int]:
+        """The degree of every dimension for `ranks` trainer ranks (dp_shard=-1 resolved); a
+        ValueError naming the keys and their product when they cannot multiply to `ranks`."""
+        if self.dp_shard == 0:
+            raise ValueError("train.parallel.dp_shard=0: use a positive degree, or -1 for every rank left")
+        named = f"dp_replicate={self.dp_replicate} x tp={self.tp} x cp={self.cp} x ep={self.ep}"
+        if self.dp_shard == -1:
+            if ranks % self.fixed:
+                raise ValueError(f"train.parallel: {named} = {self.fixed} does not divide placement.trainer_ranks={ranks} "
+                                 "(dp_shard=-1 takes the ranks left)")
+            shard = ranks // self.fixed
+        else:
+            shard = self.dp_shard
+            if self.fixed != ranks:
+                raise ValueError(f"train.parallel: dp_shard={shard} x {named} = {self.fixed}, but "
+                                 f"placement.trainer_ranks={ranks}: the product of the degrees must equal the trainer ranks")
+        return {"dp_replicate": self.dp_replicate, "dp_shard": shard, "cp": self.cp, "tp": self.tp, "ep": self.ep}
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0.0, description="Peak AdamW learning rate.")
@@ -184,6 +224,8 @@ class TrainConfig(_Section):
     share_prompts: bool = Field(False, description="Compute a prompt once for all the sequences of a micro-batch that open with it (a GRPO group's samples): each sequence's own tokens attend to the one copy through a 4-D attention mask, and its gradient is the sum of what the copies would have received. The same loss and gradient as the padded path up to float summation order (tests/test_packing.py); a group longer than the model's hidden size (or the batch's longest sequence, if longer) is laid out as several units, each with the prompt, so that the attention over a row stays cheap (docs/algorithms.md). Text models, sdpa or eager attention; the critic stays padded.")
     activation_checkpointing: bool = Field(False, description="Recompute each transformer block's activations in the backward pass instead of keeping them (transformers' gradient checkpointing, non-reentrant): activation memory of about one block instead of all, for about one more forward pass of compute (not measured here yet). The same gradients (tests/test_trainer.py).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (peft) instead of full fine-tuning; off at rank 0.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="The trainer ranks' device mesh: data-parallel replicas and shards, tensor parallelism (docs/parallel.md). Default: FSDP2 over every rank.")
+    logprob_chunk_tokens: int = Field(512, ge=1, description="Log-probs and entropy are computed from the output head this many tokens at a time (their logits recomputed in the backward pass), so memory holds chunk x vocabulary logits, never tokens x vocabulary (tidal/trainer/parallel/logprob.py).")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch; the global batch must divide evenly.")
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")
@@ -214,7 +256,7 @@ class PlacementConfig(_Section):
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
     host: str = Field("127.0.0.1", description="ray, local instance: the address Ray and every service it starts listen on. 127.0.0.1 keeps everything on loopback.")
     ray_temp_dir: str | None = Field(None, description="ray, local instance: Ray's session directory; None: Ray's default (/tmp/ray).")
-    trainer_ranks: int = Field(1, ge=1, description="Data-parallel trainer ranks (FSDP2-sharded when > 1; ray mode only).")
+    trainer_ranks: int = Field(1, ge=1, description="Trainer ranks (ray mode only), laid out as train.parallel says: by default FSDP2 over all of them.")
     colocate: bool = Field(False, description="ray: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; weights move in process). False: engines are their own actors (disaggregated).")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
     trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
@@ -368,6 +410,7 @@ class TidalConfig(_Section):
             raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:
             raise ValueError("placement.colocate applies to placement.mode=ray (local mode is always colocated)")
+        self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
         if pl.colocate and self.engine.replicas != pl.trainer_ranks:
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
         if pl.mode == "local" and pl.weight_sync == "broadcast":

@@ -53,6 +53,8 @@ GRACE_S = 0.5  # the driver's deadline past reward.timeout_s: the worker's own a
 START_TIMEOUT_S = 120.0  # a worker imports the rewards (torch, math-verify, a model) before it is ready
 SYNC_DEPTH = 32  # synchronous calls queued on one process worker: amortizes IPC, keeps load balanced
 RAY_ACTOR_CONCURRENCY = 64  # placement's max_concurrency of a reward actor
+MAX_ZOMBIES = 64  # exited orphans a worker may hold before it is recycled (tidal/rewards/limits.py, zombies)
+MAX_UNEXPLAINED = 3  # crashes a call may wait through with no call charged, before it ends reward_error
 
 
 class RewardLoadError(ValueError):
@@ -125,12 +127,15 @@ class InlineScorer:
 
 # -- the pools ---------------------------------------------------------------------------------
 class _Call:
-    __slots__ = ("deadline", "finished", "future", "id", "inputs", "is_async", "loop", "lost", "slot", "spec")
+    __slots__ = ("deadline", "finished", "future", "id", "inputs", "is_async", "loop", "lost", "slot", "solo", "spec",
+                 "unexplained")
 
     def __init__(self, call_id: int, spec: int, inputs: list[RewardInput], is_async: bool, loop, future):
         self.id, self.spec, self.inputs, self.is_async = call_id, spec, inputs, is_async
         self.loop, self.future = loop, future
-        self.lost = 0  # times its worker was lost while it ran
+        self.lost = 0  # times its worker was lost while it ran (Ray actors)
+        self.unexplained = 0  # crashes of its worker, while it waited there, that no call running was charged with
+        self.solo = False  # suspected of a crash with others: it runs again alone, which tells
         self.slot: _Slot | None = None  # the worker it is in flight on
         self.deadline: float | None = None
         self.finished = False  # answered (or its caller went away)
@@ -148,6 +153,12 @@ class _Slot:
         self.lane: deque[_Call] = deque()  # synchronous calls, in the order the worker runs them
         self.n_async = 0
         self.transport: Any = None
+        self.calls = 0  # answered
+        self.rss = 0  # bytes, as the worker last reported
+        self.zombies = 0  # exited orphans it holds, as it last reported (tidal/rewards/limits.py)
+        self.retiring = False  # recycled: takes no new call, ends once its calls are answered
+        self.reserved: int | None = None  # kept free for this solo call: takes no other
+        self.solo: int | None = None  # the solo call in flight on it: it takes no other
 
     def __repr__(self) -> str:
         return f"reward worker {self.index}" + (f" (pid {self.pid})" if self.pid else "")
@@ -160,6 +171,10 @@ class _PoolScorer:
     # True: sync calls go to a worker only while its lane is empty (those of one dispatch
     # travel together), for a transport that keeps order only within one message.
     lane_exclusive = False
+    # The worker tells which synchronous call was running when it crashed (process workers
+    # share that with the driver); without it, every call that may have run is a suspect.
+    exact_crashes = True
+    grace_s = GRACE_S
 
     def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int, max_async: int):
         self.specs = specs
@@ -182,6 +197,11 @@ class _PoolScorer:
         self.slots: list[_Slot] = []
         self.served: list[int] = [0] * n_workers  # calls answered, per worker slot
         self.restarts = 0
+        self.recycled = 0  # workers retired after reward.worker_max_calls calls or reward.worker_max_rss_mb
+        self.crashes = 0  # calls charged with the crash of their worker
+        self.max_calls = int(getattr(cfg, "worker_max_calls", 0) or 0)
+        self.max_rss = int(getattr(cfg, "worker_max_rss_mb", 0) or 0) << 20
+        self._retiring: list[_Slot] = []
         self._starting = True  # a worker that fails now fails build_scorer
         self._timer = threading.Thread(target=self._run_timer, name="tidal-reward-deadlines", daemon=True)
         self._timer.start()
@@ -237,6 +257,17 @@ class _PoolScorer:
             raise
         return _outcomes(self.rewards, inputs, plan, answers)
 
+    def submit(self, calls: list[tuple[int, list[RewardInput]]], loop) -> list[asyncio.Future]:
+        """Calls (reward index, inputs) as they are, without combining: a future per call for
+        its list of Results, set in `loop` (a Ray reward actor serves the driver's calls so)."""
+        kinds = self.kinds or [False] * len(self.rewards)
+        cs = [_Call(next(self._ids), spec, inputs, kinds[spec], loop, loop.create_future()) for spec, inputs in calls]
+        with self._lock:
+            self._pending.extend(cs)
+            self._dispatch()
+            self._flush_wakes()
+        return [c.future for c in cs]
+
     def _dispatch_now(self) -> None:
         with self._lock:
             self._dispatch_soon = False
@@ -257,11 +288,11 @@ class _PoolScorer:
             if self._closed:
                 return
             self._closed = True
-            for c in list(self._pending) + [c for s in self.slots for c in s.inflight.values()]:
+            slots = list(self.slots) + self._retiring
+            for c in list(self._pending) + [c for s in slots for c in s.inflight.values()]:
                 self._finish(c, _unscored("the reward scorer was closed", len(c.inputs)))
             self._pending.clear()
             self._broken = "the reward scorer was closed"
-            slots = list(self.slots)
             for s in slots:
                 s.dead = True
             self._cond.notify_all()
@@ -297,7 +328,7 @@ class _PoolScorer:
     def _pick(self, is_async: bool, open_lanes: set[int] | None) -> _Slot | None:
         best = None
         for s in self.slots:
-            if not s.ready or s.dead:
+            if not s.ready or s.dead or s.retiring or s.reserved is not None or s.solo is not None:
                 continue
             if is_async and s.n_async >= self.max_async:
                 continue
@@ -323,7 +354,7 @@ class _PoolScorer:
             c = self._pending.popleft()
             if c.finished:
                 continue
-            slot = self._pick(c.is_async, open_lanes)
+            slot = self._solo_slot(c) if c.solo else self._pick(c.is_async, open_lanes)
             if slot is None:
                 waiting.append(c)
                 continue
@@ -341,8 +372,24 @@ class _PoolScorer:
         for slot, calls in sends.values():
             self._send(slot, calls)
 
+    def _solo_slot(self, c: _Call) -> _Slot | None:
+        """A worker with nothing in flight for a call that must run alone; when none is free,
+        the least-loaded one is kept for it (it takes nothing more until it is free)."""
+        usable = [s for s in self.slots if s.ready and not s.dead and not s.retiring and s.solo is None
+                  and s.reserved in (None, c.id)]
+        for s in sorted(usable, key=lambda s: s.reserved != c.id):
+            if not s.inflight:
+                for other in self.slots:
+                    if other.reserved == c.id:
+                        other.reserved = None
+                s.solo = c.id
+                return s
+        if usable and not any(s.reserved == c.id for s in self.slots):
+            min(usable, key=lambda s: len(s.inflight)).reserved = c.id
+        return None
+
     def _set_deadline(self, c: _Call, start: float) -> None:
-        c.deadline = start + self.timeout_s + GRACE_S
+        c.deadline = start + self.timeout_s + self.grace_s
         self._push(c.deadline, "call", c)
 
     def _on_ready(self, slot: _Slot, info: dict) -> None:
@@ -370,15 +417,20 @@ class _PoolScorer:
         self._cond.notify_all()
         self._dispatch()
 
-    def _on_results(self, slot: _Slot, batch: list) -> None:
+    def _on_results(self, slot: _Slot, batch: list, rss: int | None = None) -> None:
         if slot.dead:
             return  # it was killed: these calls were sent again already
         now = time.monotonic()
         hung = False
+        if rss is not None:
+            slot.rss = rss
         for call_id, results, was_hung in batch:
             c = slot.inflight.pop(call_id, None)
             if c is None:
                 continue
+            slot.calls += 1
+            if slot.solo == c.id:
+                slot.solo = None
             if c.is_async:
                 slot.n_async -= 1
             else:
@@ -391,8 +443,33 @@ class _PoolScorer:
             hung = hung or was_hung
             self._finish(c, results)
         if hung:  # the worker's sync lane is stuck in user code: only a kill frees it
-            self._lose(slot, "its reward worker was killed (another call on it timed out)", head_running=False)
+            self._lose(slot, "its reward worker was killed (another call on it timed out)")
+        else:
+            self._maybe_retire(slot)
         self._dispatch()
+
+    def _maybe_retire(self, slot: _Slot) -> None:
+        """Recycle a worker past reward.worker_max_calls calls or reward.worker_max_rss_mb: a
+        replacement starts now, and the old one ends once its calls are answered."""
+        if not slot.retiring and not self._closed and (
+                (self.max_calls and slot.calls >= self.max_calls) or (self.max_rss and slot.rss > self.max_rss)
+                or slot.zombies > MAX_ZOMBIES):
+            slot.retiring = True
+            self.recycled += 1
+            log.info("%s is recycled after %d calls at %.0f MB resident holding %d exited orphans "
+                     "(reward.worker_max_calls=%d, reward.worker_max_rss_mb=%d, at most %d orphans)", slot, slot.calls,
+                     slot.rss / 2**20, slot.zombies, self.max_calls, self.max_rss >> 20, MAX_ZOMBIES)
+            self._retiring.append(slot)
+            if self.slots[slot.index] is slot:
+                self.slots[slot.index] = self._new_slot(slot.index)
+        if slot.retiring and not slot.inflight and not slot.dead:
+            slot.dead = True
+            self._retiring.remove(slot)
+            self._retire(slot)
+
+    def _retire(self, slot: _Slot) -> None:
+        """End a recycled worker that has nothing in flight (politely; the transport's own way)."""
+        self._kill(slot)
 
     def _expire(self, c: _Call) -> None:
         """A call past its deadline: it ends `timeout`, its worker is killed and replaced."""
@@ -406,46 +483,66 @@ class _PoolScorer:
                 slot.lane.remove(c)
         self._finish(c, timed_out(self.timeout_s, len(c.inputs), hint=f"{slot} did not answer by its deadline "
                                   f"and was killed"))
-        self._lose(slot, "its reward worker was killed (another call on it timed out)", head_running=False)
+        self._lose(slot, "its reward worker was killed (another call on it timed out)")
 
-    def _lose(self, slot: _Slot, why: str, head_running: bool) -> None:
-        """`slot` is gone (killed or died): its calls are sent again, those that were running
-        at most once more; a replacement starts. `head_running`: the first call of its sync
-        lane had started (false once the call that hung there has been taken off)."""
+    def _lose(self, slot: _Slot, why: str, suspects: set[int] | None = None) -> None:
+        """`slot` is gone (killed, or crashed when `suspects` is given: the calls that were
+        running then) and a replacement starts. A crash with one suspect is that call's: it
+        ends `reward_error` naming the crash. Several suspects each run again alone (a solo
+        call), which tells. Every other call is sent again as it was: a call never pays for
+        another's crash or hang. (A call that waited on crashed workers MAX_UNEXPLAINED times
+        with no suspect ends `reward_error`: nothing loops forever.)"""
         if slot.dead:
             return
         slot.dead = True
         self._kill(slot)
-        running = {c.id for c in slot.inflight.values() if c.is_async}
-        if head_running and slot.lane:
-            running.add(slot.lane[0].id)
+        crashed = suspects is not None
+        suspects = set() if suspects is None else suspects & set(slot.inflight)
+        culprit = next(iter(suspects)) if len(suspects) == 1 else None
         again = []
         for c in sorted(slot.inflight.values(), key=lambda c: c.id):
             c.slot, c.deadline = None, None
             if c.finished:
                 continue
-            if c.id in running:
-                c.lost += 1
-            if c.lost > 1:
-                self._finish(c, _unscored(f"{why} while running it, also on its retry", len(c.inputs)))
-            else:
-                again.append(c)
+            if c.id == culprit:
+                self.crashes += 1
+                self._finish(c, _unscored(f"{why} while running it: the crash was this call's", len(c.inputs)))
+                continue
+            if c.id in suspects:
+                c.solo = True
+            elif crashed and not suspects:
+                c.unexplained += 1
+                if c.unexplained >= MAX_UNEXPLAINED:
+                    self._finish(c, _unscored(f"{why}; its workers crashed {c.unexplained} times while it waited, "
+                                              "with no call running", len(c.inputs)))
+                    continue
+            again.append(c)
         slot.inflight.clear()
         slot.lane.clear()
         slot.n_async = 0
         self._pending.extendleft(reversed(again))
-        if not self._closed:
+        if slot in self._retiring:
+            self._retiring.remove(slot)
+        elif not self._closed and self.slots[slot.index] is slot:
             self.restarts += 1
             self.slots[slot.index] = self._new_slot(slot.index)
         self._dispatch()
 
-    def _on_exit(self, slot: _Slot, why: str) -> None:
+    def _on_exit(self, slot: _Slot, why: str, running: int | None = None) -> None:
+        """A worker process ended by itself (or was killed from outside). `running`: the
+        synchronous call it was running, where the worker tells (`exact_crashes`)."""
         if slot.dead:
             return
         if not slot.ready:
             self._on_start_failed(slot, f"the worker exited before it was ready ({why})")
-        else:
-            self._lose(slot, f"its reward worker died ({why})", head_running=True)
+            return
+        suspects = {c.id for c in slot.inflight.values() if c.is_async}
+        if self.exact_crashes:
+            if running is not None:
+                suspects.add(running)
+        else:  # any synchronous call sent may have started: each runs again alone
+            suspects |= {c.id for c in slot.lane}
+        self._lose(slot, f"its reward worker died ({why})", suspects)
 
     def _run_timer(self) -> None:
         with self._lock:
@@ -521,6 +618,16 @@ class _Scorer:
     def restarts(self) -> int:
         """Workers replaced so far (killed for a hung call, or died)."""
         return self._pool.restarts
+
+    @property
+    def recycled(self) -> int:
+        """Workers retired after reward.worker_max_calls calls or past reward.worker_max_rss_mb."""
+        return self._pool.recycled
+
+    @property
+    def crashes(self) -> int:
+        """Calls charged with the crash of their worker (each ended `reward_error`)."""
+        return self._pool.crashes
 
 
 class ProcessScorer(_Scorer):

@@ -1,6 +1,8 @@
 """The process backend of the reward pools (reward.isolation=process): `reward.workers` worker
-processes (`python -m tidal.rewards.worker`, each its own process group) on this machine, spoken to
-over pipes. How the pools work: tidal/rewards/pool.py."""
+processes (`python -m tidal.rewards.worker`, each its own process group, and its own cgroup
+where the machine allows) on this machine, spoken to over pipes; their stdout and stderr go to
+train.log, bounded. How the pools work: tidal/rewards/pool.py; the limits of a worker:
+tidal/rewards/limits.py."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from tidal.rewards import limits
 from tidal.rewards.pool import (
     _Call,
     _PoolScorer,
@@ -45,21 +48,31 @@ class _Proc:
         self.pool, self.slot = pool, slot
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
+        out_r, out_w = os.pipe()  # the worker's stdout and stderr: to train.log, never to ours
+        self.mark = limits.MarkReader()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["PYTHONUNBUFFERED"] = "1"  # what a reward prints arrives as it prints it (os._exit loses no buffer)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tidal.rewards.worker", str(to_worker_r), str(from_worker_w)],
-                pass_fds=(to_worker_r, from_worker_w), start_new_session=True, stdin=subprocess.DEVNULL, env=env)
+                [sys.executable, "-m", "tidal.rewards.worker", str(to_worker_r), str(from_worker_w), str(self.mark.fd)],
+                pass_fds=(to_worker_r, from_worker_w, self.mark.fd), start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w, env=env)
         finally:
             os.close(to_worker_r)
             os.close(from_worker_w)
+            os.close(out_w)
+        self.output = limits.OutputCapture(out_r, f"reward worker {slot.index} (pid {self.proc.pid})",
+                                           pool.log_bytes)
+        self.cgroup = pool.cgroups.add(self.proc.pid) if pool.cgroups is not None else None  # before any reward code runs
         self.tx = Connection(to_worker_w, readable=False)
         self.rx = Connection(from_worker_r, writable=False)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox.put(pickle.dumps({"init": {"specs": pool.specs, "timeout_s": pool.timeout_s,
-                                               "sys_path": list(sys.path)}}))
+                                               "sys_path": list(sys.path),
+                                               "address_space_mb": pool.address_space_mb}}))
         self.killed = False
+        self._cg_lock = threading.Lock()
         threading.Thread(target=self._write, name=f"tidal-reward-tx{slot.index}", daemon=True).start()
         threading.Thread(target=self._read, name=f"tidal-reward-rx{slot.index}", daemon=True).start()
 
@@ -84,18 +97,25 @@ class _Proc:
                 break
             with self.pool._lock:
                 if "results" in msg:
-                    self.pool._on_results(self.slot, msg["results"])
+                    self.slot.zombies = msg.get("zombies", 0)
+                    self.pool._on_results(self.slot, msg["results"], msg.get("rss"))
                 elif "ready" in msg:
                     self.pool._on_ready(self.slot, msg["ready"])
                 elif "failed" in msg:
                     self.pool._on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
                 self.pool._flush_wakes()
         code = self.proc.wait()
+        running = self.mark.running()
+        why = _exit_text(code)
+        if self.cgroup is not None and self.cgroup.oom_killed():
+            why += f": its memory limit (reward.worker_memory_mb={self.pool.memory_mb}) was reached"
+        self.end_cgroup()  # whatever of its tree is left, sessions of their own included
+        self.mark.close()
         self.outbox.put(None)
         with contextlib.suppress(OSError):
             self.rx.close()
         with self.pool._lock:
-            self.pool._on_exit(self.slot, _exit_text(code))
+            self.pool._on_exit(self.slot, why, running)
             self.pool._flush_wakes()
 
     def send(self, data: bytes) -> None:
@@ -108,14 +128,30 @@ class _Proc:
         # The group outlives its leader while a member lives, so its id is not reused meanwhile.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.cgroup is not None:
+            self.cgroup.kill_members()
         self.outbox.put(None)
+
+    def end_cgroup(self) -> None:
+        """Empty and release the worker's cgroup, once (a released one goes to another worker)."""
+        with self._cg_lock:
+            cg, self.cgroup = self.cgroup, None
+        limits.end_cgroup(cg)
+
+    def close(self) -> None:
+        """Ask the worker to end (it closes its rewards and kills what they started)."""
+        self.send(pickle.dumps({"close": True}))
 
 
 class ProcessPool(_PoolScorer):
     """Rewards in `reward.workers` worker processes on this machine."""
 
-    def __init__(self, specs: list[dict[str, Any]], cfg):
-        super().__init__(specs, cfg, int(cfg.workers), int(cfg.max_concurrency))
+    def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int | None = None):
+        self.log_bytes = int(cfg.worker_log_bytes)
+        self.address_space_mb = cfg.worker_address_space_mb
+        self.memory_mb = int(cfg.worker_memory_mb)
+        self.cgroups = limits.WorkerCgroups(self.memory_mb, int(cfg.worker_max_processes))
+        super().__init__(specs, cfg, int(n_workers or cfg.workers), int(cfg.max_concurrency))
 
     def _start(self, slot: _Slot) -> None:
         slot.transport = _Proc(self, slot)
@@ -128,14 +164,27 @@ class ProcessPool(_PoolScorer):
         if slot.transport is not None:
             slot.transport.kill()
 
+    def _retire(self, slot: _Slot) -> None:
+        slot.transport.close()
+        threading.Thread(target=_end_after, args=(slot.transport, 5.0), name="tidal-reward-retire", daemon=True).start()
+
     def _stop(self, slots: list[_Slot]) -> None:
         procs = [s.transport for s in slots if s.transport is not None]
         for p in procs:
-            p.send(pickle.dumps({"close": True}))
+            p.close()
         deadline = time.monotonic() + 5.0
         for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.proc.wait(max(0.0, deadline - time.monotonic()))
-            p.kill()  # whatever is left of its process group
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.proc.wait(1.0)
+            _end_after(p, max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            p.output.thread.join(1.0)  # the last lines it printed, into train.log
+        self.cgroups.close()
+
+
+def _end_after(p: _Proc, wait_s: float) -> None:
+    """Wait for a worker asked to end; then kill whatever is left of its process group and cgroup."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.proc.wait(wait_s)
+    p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.proc.wait(1.0)
+    p.end_cgroup()

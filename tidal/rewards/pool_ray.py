@@ -1,14 +1,18 @@
 """The Ray backend of the reward pools: rewards in Ray actors (`RewardWorker`,
-placement.reward_workers). How the pools work: tidal/rewards/pool.py."""
+placement.reward_workers), each running them in a reward worker process of its own (the
+process pool of tidal/rewards/pool_process.py inside the actor: crashes, limits, recycling and
+output are handled there, as locally). How the pools work: tidal/rewards/pool.py."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 from typing import Any
 
 from tidal.rewards.pool import (
+    GRACE_S,
     RAY_ACTOR_CONCURRENCY,
     _Call,
     _PoolScorer,
@@ -25,6 +29,10 @@ class RayPool(_PoolScorer):
     its placement-group bundle), also to replace one that was killed or died."""
 
     lane_exclusive = True  # Ray keeps the order of calls within one actor call, not across calls
+    # The actor's own worker process answers a hung call `timeout` at reward.timeout_s and is
+    # replaced; the driver's deadline is the backstop for an actor that stops answering at
+    # all, past that answer and a replacement's start.
+    grace_s = GRACE_S + 10.0
 
     def __init__(self, specs: list[dict[str, Any]], cfg, actors):
         self.actors = actors
@@ -33,6 +41,7 @@ class RayPool(_PoolScorer):
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._run_events, name="tidal-reward-ray", daemon=True).start()
         super().__init__(specs, cfg, int(actors.count), min(int(cfg.max_concurrency), RAY_ACTOR_CONCURRENCY - 4))
+        self.max_calls = self.max_rss = 0  # the actor recycles its worker process; the actor lives on
 
     def _run_events(self) -> None:
         while (event := self._events.get()) is not None:
@@ -74,8 +83,10 @@ class RayPool(_PoolScorer):
         try:
             for ref in gen:
                 chunk = ray.get(ref)
+                for name, level, message in chunk["log"]:  # the actor's worker output and messages: train.log
+                    logging.getLogger(name).log(level, "%s: %s", slot, message)
                 with self._lock:
-                    self._on_results(slot, chunk)
+                    self._on_results(slot, chunk["results"])
                     self._flush_wakes()
         except RayActorError as e:
             with self._lock:
@@ -86,6 +97,16 @@ class RayPool(_PoolScorer):
             with self._lock:
                 self._on_results(slot, [(c.id, _unscored(why, len(c.inputs)), False) for c in calls])
                 self._flush_wakes()
+
+    def _on_exit(self, slot: _Slot, why: str, running: int | None = None) -> None:
+        """The actor died (killed from outside, its node lost): not a reward's crash, which
+        ends in its worker process. Its calls are sent again, none charged."""
+        if slot.dead:
+            return
+        if not slot.ready:
+            self._on_start_failed(slot, f"the actor died before it was ready ({why})")
+            return
+        self._lose(slot, f"its reward actor died ({why})", set())
 
     def _kill(self, slot: _Slot) -> None:
         if slot.transport is not None:

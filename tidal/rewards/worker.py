@@ -78,21 +78,32 @@ class RewardHost:
         self._delivered_lock = threading.Lock()
         self._drain_scheduled = False
         self.hung = False
+        # In a worker process (see _main): where the running sync call's id is kept for the
+        # driver, and what runs each time the last call in flight ends (its children killed).
+        self.mark = None
+        self.after_call = None
+        self._busy = 0  # calls running now (async ones, and the lane's current one)
+        self._busy_lock = threading.Lock()  # counted from the loop and from the lane's thread
 
-    async def run(self, spec: int, inputs: list[RewardInput]) -> tuple[list[Result], bool]:
+    async def run(self, spec: int, inputs: list[RewardInput], call_id: int | None = None) -> tuple[list[Result], bool]:
+        """`call_id`: the driver's id of the call, kept in `mark` while it runs (a crash is charged to it)."""
         reward = self.rewards[spec]
         try:
             args, kwargs = arguments(reward, inputs)
         except BadInput as e:
             return bad_input(e, len(inputs)), False
         if reward.is_async or not self.sync_in_thread:
-            return await self._direct(reward, args, kwargs, inputs), False
+            self._begun()
+            try:
+                return await self._direct(reward, args, kwargs, inputs), False
+            finally:
+                self._ended()
         if self._lane is None:
             self._lane = asyncio.Queue()
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-reward-sync")
             self._lane_task = asyncio.get_running_loop().create_task(self._serve_lane())
         fut = asyncio.get_running_loop().create_future()
-        self._lane.put_nowait((reward, args, kwargs, inputs, fut))
+        self._lane.put_nowait((reward, args, kwargs, inputs, fut, call_id))
         return await fut
 
     async def _direct(self, reward, args, kwargs, inputs) -> list[Result]:
@@ -128,7 +139,7 @@ class RewardHost:
                 left = t0 + self.timeout_s - time.monotonic()
                 if left <= 0:  # the thread is stuck in user code: only killing the process ends it
                     self.hung = True
-                    fut = batch[i][-1]
+                    fut = batch[i][4]
                     if not fut.done():
                         fut.set_result((timed_out(self.timeout_s, len(batch[i][3])), True))
                     return
@@ -137,10 +148,15 @@ class RewardHost:
 
     def _run_batch(self, batch: list, progress: list, loop) -> None:
         """In the lane's thread."""
-        for i, (reward, args, kwargs, inputs, fut) in enumerate(batch):
+        for i, (reward, args, kwargs, inputs, fut, call_id) in enumerate(batch):
             t0 = time.monotonic()
             progress[0] = (i, t0)
+            self._begun()
+            if self.mark is not None:
+                self.mark.set(call_id)
             ok, out, tb = _invoke(reward.fn, args, kwargs)
+            if self.mark is not None:
+                self.mark.set(None)
             if not ok:
                 res = raised(reward, out, inputs, tb)
             elif inspect.isawaitable(out):  # a sync-looking callable that returned an awaitable
@@ -148,7 +164,24 @@ class RewardHost:
                 res = asyncio.run_coroutine_threadsafe(self._await(reward, out, inputs, left), loop).result()
             else:
                 res = check(reward, out, inputs)
+            self._ended()
             self._deliver(loop, fut, res)
+
+    def _begun(self) -> None:
+        with self._busy_lock:
+            self._busy += 1
+
+    def _ended(self) -> None:
+        """A call ended: when none is left running, `after_call` (a worker kills the processes
+        the calls left behind), under the lock that a call takes to start: no call starts
+        during the sweep, so none loses a child to it."""
+        with self._busy_lock:
+            self._busy -= 1
+            if self._busy == 0 and self.after_call is not None:
+                try:
+                    self.after_call()
+                except Exception:  # noqa: BLE001 - cleanup must not fail the call that ended
+                    traceback.print_exc()
 
     def _deliver(self, loop, fut, res) -> None:
         """Answers go to the loop in bunches: one wake-up for all that finished meanwhile."""
@@ -186,9 +219,12 @@ class RewardHost:
 
 
 # -- the worker process ------------------------------------------------------------------------
-def _main(in_fd: int, out_fd: int) -> None:
+def _main(in_fd: int, out_fd: int, mark_fd: int | None = None) -> None:
     from multiprocessing.connection import Connection
 
+    from tidal.rewards import limits
+
+    limits.become_subreaper()  # what the rewards start stays findable (tidal/rewards/limits.py)
     rx, tx = Connection(in_fd, writable=False), Connection(out_fd, readable=False)
     send_lock = threading.Lock()
 
@@ -200,11 +236,14 @@ def _main(in_fd: int, out_fd: int) -> None:
     init = pickle.loads(rx.recv_bytes())["init"]
     sys.path[:] = init["sys_path"]  # the driver's import path: the rewards import here as they do there
     try:
+        limits.set_address_space(init.get("address_space_mb"))
         host = RewardHost(init["specs"], init["timeout_s"])
     except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it at start
         send({"failed": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}({e})",
               "traceback": traceback.format_exc()})
         return
+    host.mark = limits.CrashMark(mark_fd)
+    host.after_call = limits.end_group_children
     send({"ready": {"pid": os.getpid(), "kinds": host.kinds}})
     asyncio.run(_serve(host, rx, send))
 
@@ -219,11 +258,11 @@ async def _serve(host: RewardHost, rx, send) -> None:
         batch = outbox[:]
         outbox.clear()
         if batch:
-            send({"results": batch})
+            send({"results": batch, **limits_state()})
 
     async def one(call_id: int, spec: int, inputs: list[RewardInput]) -> None:
         try:
-            results, hung = await host.run(spec, inputs)
+            results, hung = await host.run(spec, inputs, call_id)
         except Exception as e:  # noqa: BLE001 - a bug here must answer the call, not strand it
             results, hung = raised(host.rewards[spec], e, inputs), False
         if not outbox:
@@ -248,15 +287,31 @@ async def _serve(host: RewardHost, rx, send) -> None:
             try:
                 msg = pickle.loads(rx.recv_bytes())
             except (EOFError, OSError):
-                os._exit(0)
+                _exit()
             loop.call_soon_threadsafe(on_message, msg)
 
     threading.Thread(target=read, name="tidal-reward-reader", daemon=True).start()
     await stop
     await host.close()
     flush()
+    _exit()
+
+
+def limits_state() -> dict:
+    """What the driver recycles a worker by: its resident memory and the orphans it holds."""
+    from tidal.rewards.limits import rss_bytes, zombies
+
+    return {"rss": rss_bytes(), "zombies": zombies()}
+
+
+def _exit() -> None:
+    """End the worker and every process its rewards started (it is their subreaper)."""
+    from tidal.rewards.limits import end_descendants
+
+    end_descendants()
+    sys.stdout.flush()
     os._exit(0)  # a stuck sync thread must not keep the process alive
 
 
 if __name__ == "__main__":
-    _main(int(sys.argv[1]), int(sys.argv[2]))
+    _main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)

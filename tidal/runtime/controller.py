@@ -40,6 +40,7 @@ from tidal.monitor.run_log import RunLog
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.rewards.pool import build_scorer, spec_keys
+from tidal.runtime import inflight
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
 from tidal.runtime.evaluate import evaluate_during_training
@@ -191,6 +192,8 @@ class Controller:
         self._generating: list[tuple[float, float]] = []  # when the producer was rolling out
         self._generating_since = 0.0
         self._last_learn_end = self._t_start = time.perf_counter()
+        self._ahead = inflight.Ahead()  # steps rolled out ahead of the learner (tidal/runtime/inflight.py)
+        self._restored: dict[int, Sampled] = {}  # steps a checkpoint kept ahead, trained as they were
         if resume_from is not None:
             self._load(resume_from)
         self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
@@ -515,6 +518,9 @@ class Controller:
         def produce() -> None:
             try:
                 for step in range(self.step + 1, cfg.train.steps + 1):
+                    if step in self._restored:  # rolled out before the resume, with the weights of then
+                        hand_over(self._take_restored(step))
+                        continue
                     t0 = time.perf_counter()
                     with published:  # admission: weights of step-1-k are on the engines
                         while self._published < step - 1 - k and not stop.is_set():
@@ -529,9 +535,12 @@ class Controller:
                         self._generating.append((self._generating_since, time.perf_counter()))
                         self._generating_since = 0.0
                     sampled.admission_wait = wait
+                    self._ahead.add(sampled)
                     hand_over(sampled)
             except BaseException as e:  # noqa: BLE001 - the learning thread raises it
                 hand_over(e)
+            finally:
+                self._ahead.stop()
 
         producer = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
         last: dict[str, float] = {}
@@ -543,6 +552,7 @@ class Controller:
         # (measured on the default job: a ~200 ms pause every 3-5 steps). Unfrozen at the end.
         gc.collect()
         gc.freeze()
+        self._ahead.start()
         producer.start()
         try:
             with Progress(total=cfg.train.steps, initial=self.step, enabled=cfg.run.progress) as bar:
@@ -552,6 +562,7 @@ class Controller:
                     if isinstance(item, BaseException):
                         raise item
                     last = on_own_thread(self._learn, item, trainer_wait=time.perf_counter() - t0)
+                    self._ahead.learned(self.step)
                     with published:
                         self._published = self.step
                         published.notify_all()
@@ -615,8 +626,10 @@ class Controller:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             self.trainer.save(tmp)
-            with self._source_lock:  # prompts already taken for later steps are not consumed yet
-                data = self._source_before.get(self.step + 1) or self.source.state_dict()
+            ahead = self._steps_ahead()
+            inflight.save(tmp, ahead)
+            with self._source_lock:  # prompts taken for later steps (beyond those kept ahead) are not consumed yet
+                data = self._source_before.get(self.step + 1 + len(ahead)) or self.source.state_dict()
             write_json(tmp / "controller.json", {"step": self.step, "data": data, "engine_version": self.engine.version,
                                                  "kl": self.kl_ctl.state_dict()})
             write_manifest(tmp)  # every file fsynced, sized and hashed before the rename
@@ -646,5 +659,29 @@ class Controller:
         self.source.load_state_dict(state["data"])
         if "kl" in state:
             self.kl_ctl.load_state_dict(state["kl"])
+        self._restored = {r["step"]: _sampled_of(r) for r in inflight.load(ckpt)}
         self.pusher.push(self.step)
+
+    def _steps_ahead(self) -> list[Sampled]:
+        """The steps after this one that the asynchronous loop rolled out (or is rolling out)
+        already, for the checkpoint: a resume trains on them as the run would have
+        (tidal/runtime/inflight.py). Waits for those still in flight; none at k=0."""
+        last = min(self.step + self.cfg.rollout.max_staleness, self.cfg.train.steps)
+        return self._ahead.wait(self.step + 1, last) if last > self.step else []
+
+    def _take_restored(self, step: int) -> Sampled:
+        """A step the checkpoint kept ahead: its episodes go to the store as a rolled-out step's do."""
+        s = self._restored.pop(step)
+        s.t_start = s.t_end = time.perf_counter()
+        if self.episode_writer is not None and not self._writes_whole_steps:
+            for e in s.episodes:
+                self.episode_writer.add(e)
+        self._ahead.add(s)
+        return s
+
+
+def _sampled_of(record: dict) -> Sampled:
+    eps = record["episodes"]
+    return Sampled(record["step"], eps, [eps[i] for i in record["trained"]], record["baselines"], record["metrics"],
+                   0.0, 0.0)
 

@@ -36,6 +36,7 @@ from tidal.runtime.workers import (
     TrainerWorker,
     make_engine,
 )
+from tidal.trainer.parallel.mesh import ParallelDims
 
 log = logging.getLogger("tidal")
 
@@ -230,7 +231,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
             engine_kind=engine_kind if colocated else None, log_dir=engine_log, num_cpus=pl.trainer.num_cpus), remote=True))
     addr, port = ranks[0].call("where", timeout_s=pl.start_timeout_s)
     gather([h.submit("setup", addr, port) for h in ranks], timeout_s=pl.start_timeout_s)
-    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s)
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
+    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s, dp_index=[dims.dp_index(r) for r in range(n_train)])
 
     def spawn_engine(i: int) -> Handle:
         if colocated:
@@ -247,7 +249,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
 
     def start_reward_actor(i: int, specs: list, timeout_s: float):  # the scorer starts them (it knows the rewards)
-        return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus)
+        return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus,
+                                                                      reward_cfg=cfg.reward.model_dump(mode="json"))
 
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
     def spawn_env(i: int) -> Handle:

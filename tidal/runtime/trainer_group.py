@@ -1,7 +1,8 @@
 """The trainer ranks seen as one Trainer by the controller.
 
-A batch is split across ranks by tokens (balanced), each rank runs the call on its
-shard with the global loss denominators, and rank 0's answer (the trainer returns
+A batch is split by tokens (balanced) across the data-parallel positions of the trainer's
+mesh (train.parallel: the ranks of one tensor-parallel group get the same shard), each rank
+runs the call on its shard with the global loss denominators, and rank 0's answer (the trainer returns
 global metrics on every rank) comes back. With one rank the batch goes whole, exactly as
 in a single process. Per-position results (`logprobs`, `values`) are put back in batch
 order. Every call is bounded by `timeout_s` and fails with the role, call and step.
@@ -22,8 +23,10 @@ def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
 
 
 class TrainerGroup:
-    def __init__(self, ranks: list[Handle], timeout_s: float = 600.0):
+    def __init__(self, ranks: list[Handle], timeout_s: float = 600.0, dp_index: list[int] | None = None):
         self.ranks = ranks
+        # each rank's data-parallel position (tidal.trainer.parallel.ParallelDims.dp_index); default: its own
+        self.dp_index = list(range(len(ranks))) if dp_index is None else dp_index
         self.timeout_s = timeout_s
         self.step: int | None = None  # the controller's step, for error messages
         self._version = 0
@@ -49,9 +52,11 @@ class TrainerGroup:
         if self.world_size == 1:
             return [list(range(len(batch)))], [self.ranks[0].call(call, batch, step=self.step, timeout_s=self.timeout_s,
                                                                   **kwargs)]
-        shards = balanced_shards([len(t) for t in batch.tokens], self.world_size)
-        subs = [h.submit(call, batch.select(idx), **kwargs) for h, idx in zip(self.ranks, shards)]
-        return shards, gather(subs, step=self.step, timeout_s=self.timeout_s)
+        shards = balanced_shards([len(t) for t in batch.tokens], max(self.dp_index) + 1)
+        subs = [h.submit(call, batch.select(shards[d]), **kwargs) for h, d in zip(self.ranks, self.dp_index)]
+        parts = gather(subs, step=self.step, timeout_s=self.timeout_s)
+        first = {d: r for r, d in reversed(list(enumerate(self.dp_index)))}  # one answer per shard
+        return shards, [parts[first[d]] for d in range(len(shards))]
 
     def _per_position(self, call: str, batch: TrainBatch) -> list[list[float]]:
         shards, parts = self._sharded(call, batch)

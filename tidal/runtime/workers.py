@@ -13,10 +13,12 @@ starts and replaces those actors.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,60 +302,86 @@ class RemoteEngine:
 
 
 class RewardWorker:
-    """A reward actor (placement.reward_workers): it imports the task's rewards once, at
-    start (a reward that cannot be imported fails the actor's start, naming its key), and runs
-    them with per-call timeouts (tidal/rewards/worker.py). The driver's `RayScorer` sends the
-    calls, kills an actor whose call hangs and starts another in its place."""
+    """A reward actor (placement.reward_workers). Its rewards run in a worker process of its
+    own (tidal/rewards/pool_process.py, one process, with every limit of the local pool):
+    a reward that crashes, leaks, forks or prints does so there, and this actor replaces the
+    process in a fraction of a second, its other calls sent again, where Ray restarting the
+    actor took seconds a crash. What the process printed, and the pool's own messages, travel
+    back with the answers into the driver's train.log. A reward that cannot be imported fails
+    the actor's start, naming its key. The driver's `RayScorer` kills an actor that stops
+    answering altogether and starts another in its place."""
 
-    def __init__(self, specs: list[dict], timeout_s: float, num_cpus: float = 0.0):
+    def __init__(self, specs: list[dict], timeout_s: float, num_cpus: float = 0.0, reward_cfg: dict | None = None):
         import traceback
 
-        from tidal.rewards.worker import RewardHost
+        from tidal.config import RewardConfig
+        from tidal.rewards.pool_process import ProcessPool
 
         if num_cpus:
             set_threads(num_cpus)
-        self.host, self.failed = None, None
+        self.lines = _LogLines()
+        self.pool, self.failed = None, None
+        cfg = RewardConfig(**{**(reward_cfg or {}), "timeout_s": timeout_s})
         try:
-            self.host = RewardHost(specs, timeout_s)
+            self.pool = ProcessPool(specs, cfg, n_workers=1)
         except Exception as e:  # noqa: BLE001 - answered by `ready` in our words, not as Ray's actor-death error
             self.failed = {"failed": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}({e})",
                            "traceback": traceback.format_exc()}
 
     def ready(self) -> dict:
         """{"pid", "kinds"}, or {"failed": why, "traceback"} when a reward could not be loaded."""
-        return self.failed or {"pid": os.getpid(), "kinds": self.host.kinds}
-
-    async def run(self, spec: int, inputs: list) -> tuple[list, bool]:
-        """(one result per input, hung): see RewardHost.run."""
-        return await self.host.run(spec, inputs)
+        return self.failed or {"pid": os.getpid(), "kinds": self.pool.kinds}
 
     async def run_batch(self, msg: dict):
         """Calls {"inputs", "calls": [(id, spec, [input index])]}, answered as a stream of
-        bunches [(id, results, hung)] in the order they finish (sync calls run in the order given)."""
-        from tidal.rewards.forms import raised
-
-        done: asyncio.Queue = asyncio.Queue()
-
-        async def one(call_id: int, spec: int, inputs: list) -> None:
-            try:
-                results, hung = await self.host.run(spec, inputs)
-            except Exception as e:  # noqa: BLE001 - a bug here must answer the call, not strand it
-                results, hung = raised(self.host.rewards[spec], e, inputs), False
-            done.put_nowait((call_id, results, hung))
-
+        bunches {"results": [(id, results, hung)], "log": [(logger, level, message)]} in the
+        order they finish (sync calls run in the order given)."""
         inputs = msg["inputs"]
-        tasks = [asyncio.ensure_future(one(cid, spec, [inputs[i] for i in rows])) for cid, spec, rows in msg["calls"]]
-        left = len(tasks)
-        while left:
-            chunk = [await done.get()]
-            await asyncio.sleep(0)  # let the answers that finish together join this bunch
-            while not done.empty():
-                chunk.append(done.get_nowait())
-            left -= len(chunk)
-            yield chunk
+        futures = self.pool.submit([(spec, [inputs[i] for i in rows]) for _, spec, rows in msg["calls"]],
+                                   asyncio.get_running_loop())
+        ids = {f: cid for f, (cid, _, _) in zip(futures, msg["calls"])}
+        while ids:
+            done, _ = await asyncio.wait(ids, return_when=asyncio.FIRST_COMPLETED)
+            yield {"results": [(ids.pop(f), f.result(), False) for f in done], "log": self.lines.take()}
 
     def pid(self) -> int:
         return os.getpid()
+
+    def worker_pids(self) -> list[int]:
+        """The reward worker processes of this actor."""
+        return self.pool.pids()
+
+
+class _LogLines(logging.Handler):
+    """The `tidal.rewards` messages of this actor (its worker's output among them), kept for
+    the next answer to carry to the driver; at most MAX, the oldest dropped and counted."""
+
+    MAX = 4096
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self._lines: collections.deque = collections.deque()
+        self._dropped = 0
+        self._lock_lines = threading.Lock()
+        log = logging.getLogger("tidal.rewards")
+        log.setLevel(logging.INFO)
+        log.propagate = False  # not on the actor's stderr (Ray would print it on the driver's console)
+        log.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._lock_lines:
+            if len(self._lines) >= self.MAX:
+                self._lines.popleft()
+                self._dropped += 1
+            self._lines.append((record.name, record.levelno, record.getMessage()))
+
+    def take(self) -> list:
+        with self._lock_lines:
+            out, self._lines = list(self._lines), collections.deque()
+            if self._dropped:
+                out.append(("tidal.rewards", logging.WARNING, f"{self._dropped} reward log lines were dropped"))
+                self._dropped = 0
+            return out
 
 
 @dataclass

@@ -51,12 +51,16 @@ def _has_no_head(p: Path) -> bool:
 
 class Critic:
     def __init__(self, model_path: str, cfg: CriticConfig, *, dtype: str, device: torch.device,
-                 warmup_steps: int, betas: tuple[float, float]):
+                 warmup_steps: int, betas: tuple[float, float], dims=None):
         self.cfg = cfg
         self.device = device
         self.model = load_value_model(model_path, dtype, str(device))
         self.model.train()
-        if dp.world_size() > 1:
+        if dims is not None:  # the trainer's mesh: sharded over its data dimensions, replicated over tp
+            from tidal.trainer.parallel import parallelize
+
+            parallelize(self.model, dims, tensor_parallel=False)
+        elif dp.world_size() > 1:
             dp.shard_model(self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=betas, weight_decay=0.0)
         warm = max(warmup_steps, 0)

@@ -79,8 +79,9 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_root: bool = False) -> nn.Module:
-    """FSDP2-shard `model` in place over the whole default group: each block, then the root.
+def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_root: bool = False, mesh=None) -> nn.Module:
+    """FSDP2-shard `model` in place over `mesh` (default: a 1-D mesh of the whole default group;
+    a 2-D one replicates over its first dimension, HSDP): each block, then the root.
 
     The root group owns everything outside the blocks (embeddings, final norm, lm_head), so
     tied embeddings (one Parameter for `embed_tokens` and `lm_head`) stay one sharded
@@ -95,8 +96,8 @@ def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_root: b
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-    device_type = next(model.parameters()).device.type
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh is None:
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     kw = {"mesh": mesh}
     if mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -111,16 +112,21 @@ def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_root: b
 
 
 def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of `model` is a DTensor (FSDP2-sharded, tensor-parallel or both):
+    then its state dicts and checkpoints are collectives."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    return isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule) or any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def reshard(model: nn.Module) -> None:
     """Free the root's gathered parameters: a no-grad forward leaves them gathered (the root
     keeps them for a backward that never comes), and the optimizer, the state dicts and
     `full_tensor` need the sharded ones registered again."""
-    if is_sharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
         model.reshard()
 
 
@@ -133,25 +139,37 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` that also works on FSDP's DTensor gradients: the total norm is made
-    whole (a collective) before the clip coefficient is applied. Returns a plain tensor."""
+    """`clip_grad_norm_` that also works on DTensor gradients (FSDP2 shards, tensor-parallel
+    shards, both) mixed with plain ones: the squared norm of each group of gradients that share
+    a mesh and placements is made whole (a collective) and the groups are summed. A plain
+    gradient is whole on every rank (replicated), so it counts once. Returns a plain tensor."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in params if p.grad is not None]
-    if not any(isinstance(p, DTensor) for p in params):
+    if not any(isinstance(p.grad, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    norm = full_tensor(norm)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    groups: dict = {}
+    for p in params:
+        g = p.grad
+        # keyed by names, not ranks: every rank visits its groups in the same order
+        key = f"{g.device_mesh.mesh_dim_names}{tuple(g.placements)}" if isinstance(g, DTensor) else ""
+        groups.setdefault(key, []).append(g)
+    sq = torch.zeros((), dtype=torch.float32, device=params[0].grad.device)
+    for key in sorted(groups):
+        sq = sq + full_tensor(torch.nn.utils.get_total_norm(groups[key])).float() ** 2
+    norm = sq.sqrt()
+    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    for p in params:
+        p.grad.mul_(coef)
     return norm
 
 
-def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu") -> list[float]:
-    """All-reduce a few floats (float64) across the group; unchanged without one."""
+def all_reduce(values: list[float], op: str = "sum", device: torch.device | str = "cpu", group=None) -> list[float]:
+    """All-reduce a few floats (float64) across `group` (default: every rank); unchanged without one."""
     if world_size() == 1:
         return list(values)
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t.tolist()
 
 

@@ -33,13 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.algorithms import entropy_from_logits, kl_estimate, token_logprobs
+from tidal.algorithms import kl_estimate
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.durable import disk_error
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
-from tidal.models.vision import Vision, mask_banned
+from tidal.models.vision import Vision
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
 from tidal.trainer.layout import (
@@ -54,6 +54,11 @@ from tidal.trainer.layout import (
     shared_micro_batches,
 )
 from tidal.trainer.lora import add_lora, load_adapter, merged_weights
+from tidal.trainer.parallel import ParallelDims, parallelize
+from tidal.trainer.parallel.checkpoint import DIRNAME as SHARDS
+from tidal.trainer.parallel.checkpoint import load_sharded, save_sharded
+from tidal.trainer.parallel.context import ContextParallel
+from tidal.trainer.parallel.logprob import head_scores
 
 
 @dataclass
@@ -101,7 +106,11 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
         self.device = torch.device(device)
-        self.world_size = dp.world_size()  # > 1: data-parallel ranks, every model FSDP2-sharded
+        self.world_size = dp.world_size()  # > 1: ranks laid out by train.parallel (tidal/trainer/parallel)
+        self.dims = ParallelDims.from_config(train.parallel, self.world_size).build(self.device.type)
+        if self.dims.tp > 1 and train.lora.rank > 0:
+            raise ValueError(f"train.parallel.tp={self.dims.tp} with train.lora: adapters under tensor parallelism are "
+                             "not supported; use tp=1 (FSDP) with LoRA")
         self.model_dir = resolve_model_dir(model_path)
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
@@ -134,23 +143,35 @@ class Trainer:
         mixed = train.mixed_precision
         if mixed and dtype != "float32":
             raise ValueError(f"train.mixed_precision needs float32 parameters (got {dtype})")
-        self._autocast = mixed and self.world_size == 1
-        if self.world_size > 1:
-            dp.shard_model(self.model, mixed_precision=mixed)  # before the optimizer: it holds the sharded parameters
+        self._autocast = mixed and not self.dims.fsdp
+        if self.vision is not None and self.dims.tp > 1:
+            raise ValueError(f"train.parallel.tp={self.dims.tp}: `{model_path}` is a vision-language model, which has no "
+                             "tensor-parallel plan yet (tidal/trainer/parallel/tensor.py); use FSDP (train.parallel.tp=1)")
+        self.context = None  # context parallelism (train.parallel.cp): tidal/trainer/parallel/context.py
+        if self.dims.cp > 1:
+            if self.vision is not None or train.lora.rank > 0 or algo.advantage == "gae":
+                raise ValueError(f"train.parallel.cp={self.dims.cp} is for text models, without LoRA or a critic "
+                                 f"(algorithm.advantage=gae): `{model_path}`")
+            self.context = ContextParallel(self.dims.cp_mesh)
+        parallelize(self.model, self.dims, mixed_precision=mixed)  # before the optimizer: it holds the shards
+        if self.context is not None:
+            self.context.prepare(self.model)
         self.ref_model = None
         self.has_ref = algo.kl_coef > 0
         if self.has_ref and not self.lora:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device,
                                         attention=self.attention).eval().requires_grad_(False)
-            if self.world_size > 1:
-                dp.shard_model(self.ref_model, mixed_precision=mixed, reshard_root=True)
+            parallelize(self.ref_model, self.dims, mixed_precision=mixed, reshard_root=True)
+            if self.context is not None:
+                self.context.prepare(self.ref_model)
         self.critic = None
         if algo.advantage == "gae":
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
-                                 warmup_steps=train.warmup_steps, betas=train.betas)
+                                 warmup_steps=train.warmup_steps, betas=train.betas, dims=self.dims)
+        # tensor parallelism mixes DTensor and plain parameters (norms), which foreach kernels refuse
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, betas=train.betas,
-            weight_decay=train.weight_decay)
+            weight_decay=train.weight_decay, **({"foreach": False} if self.dims.tp > 1 else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train))
         self.version = 0
 
@@ -162,17 +183,16 @@ class Trainer:
 
     def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None,
                  images: list[list] | None = None, prompts: list[int] | None = None, unit_len: int | None = None):
-        """Logits [B, longest - 1, V] for every sequence's targets, and the targets (right-padded
-        with pad_token_id). `train.packing`: the model runs on the packed rows (`packed_inputs`),
-        attention kept within each sequence by transformers' packed-sequence mask, which it
-        derives from position ids that restart at 0 (no attention mask passed); the logits are
-        gathered back into the padded layout.
+        """(log-probs, entropy) [B, longest - 1] of every sequence's targets under softmax(logits /
+        temperature), float32, 0 outside `keep` ([B, longest - 1] bool, the targets' layout;
+        default: every sequence's own targets). Only the kept positions reach the output head
+        (`keep_rows`), and the head computes their log-probs and entropy from the hidden states
+        `train.logprob_chunk_tokens` at a time, on its vocabulary shards under tensor parallelism
+        (`head_scores`, tidal/trainer/parallel/logprob.py): no tokens x vocabulary logits exist.
 
-        `keep` ([B, longest - 1] bool, the targets' layout): only those positions get logits:
-        the output head runs on their hidden states alone (`keep_rows`), and logits [N, V] and
-        targets [N] come back in `keep`'s row-major order. The head, the log-softmax and the
-        entropy are the per-position work that grows with the vocabulary; the prompt and the
-        padding never need them in a policy update.
+        `train.packing`: the model runs on the packed rows (`packed_inputs`), attention kept
+        within each sequence by transformers' packed-sequence mask, which it derives from
+        position ids that restart at 0 (no attention mask passed).
 
         `prompts` (`train.share_prompts`: each sequence's prompt length, `_prompts`): sequences
         that open with the same prompt run it once (`shared_inputs`, units of at most `unit_len`
@@ -180,49 +200,52 @@ class Trainer:
 
         A vision-language model (`images`: per sequence, one per image run of its tokens) also
         gets each sequence's mRoPE positions and the micro-batch's pixels in the order its image
-        pads appear, and its vision special tokens' logits are masked (`mask_banned`): the
-        policy's distribution is the one the engines sample from."""
+        pads appear, and its vision special tokens' logits are masked (`banned`): the policy's
+        distribution is the one the engines sample from."""
         targets = pad_rows(tokens, self.pad_token_id, torch.long, self.device)[:, 1:]
         B, T = targets.shape
+        if keep is None:
+            lengths = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
+            keep = torch.arange(T, device=self.device)[None, :] < lengths[:, None]
         seqs, vis = self._with_images(tokens, images)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast):
-            if prompts is not None and len(seqs) > 1:
-                packed, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len)
-                index = index[:B, :T]
-                rows = None if keep is None else index[keep]
-                with keep_rows(model, rows):
-                    logits = model(input_ids=packed, position_ids=pos, attention_mask=self._mask_4d(allowed),
-                                   use_cache=False).logits
-                logits = logits.flatten(0, 1)[index] if keep is None else logits
-            elif self.train_cfg.packing and len(seqs) > 1:
-                rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
-                packed, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
-                index = index[:B, :T]  # a dummy image's sequence (data parallel) is not scored
-                kw = {} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs]))
-                rows = None if keep is None else index[keep]
-                with keep_rows(model, rows):
-                    logits = model(input_ids=packed, position_ids=pos, use_cache=False, **kw).logits
-                logits = logits.flatten(0, 1)[index] if keep is None else logits
-            else:
-                ids, attn = self._inputs(seqs)
-                kw = {}
-                if vis is not None:  # padding positions: 0 (masked out)
-                    pos = torch.zeros((3, *ids.shape), dtype=torch.long)
-                    for i, (t, im) in enumerate(zip(seqs, vis)):
-                        pos[:, i, :len(t)] = self._rope(t, im, i)
-                    kw = {"position_ids": pos.to(self.device), "use_cache": False,
-                          **self._pixels(vis, range(len(seqs)))}
-                rows = None
-                if keep is not None:  # flat positions of the kept targets in [B, longest] hidden states
-                    rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
-                            + torch.arange(T, device=self.device))[keep]
-                with keep_rows(model, rows):
-                    logits = model(input_ids=ids, attention_mask=attn, **kw).logits
-                logits = logits[:B, :T] if keep is None else logits
-        if self._banned is not None:
-            logits = mask_banned(logits, self._banned)
-        # bfloat16 logits under mixed precision: token_logprobs works in float32
-        return logits, targets if keep is None else targets[keep]
+        kept = targets[keep]
+        pos = attn = allowed = None
+        kw = {}
+        if prompts is not None and len(seqs) > 1:
+            ids, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len)
+            rows = index[:B, :T][keep]
+            kw = {"position_ids": pos, "attention_mask": self._mask_4d(allowed), "use_cache": False}
+        elif self.train_cfg.packing and len(seqs) > 1:
+            rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
+            ids, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
+            rows = index[:B, :T][keep]  # index[:B]: a dummy image's sequence (data parallel) is not scored
+            kw = {"position_ids": pos, "use_cache": False,
+                  **({} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs])))}
+        else:
+            ids, attn = self._inputs(seqs)
+            kw = {"attention_mask": attn}
+            if vis is not None:  # padding positions: 0 (masked out)
+                vpos = torch.zeros((3, *ids.shape), dtype=torch.long)
+                for i, (t, im) in enumerate(zip(seqs, vis)):
+                    vpos[:, i, :len(t)] = self._rope(t, im, i)
+                kw |= {"position_ids": vpos.to(self.device), "use_cache": False, **self._pixels(vis, range(len(seqs)))}
+            # flat positions of the kept targets in [B, longest] hidden states
+            rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
+                    + torch.arange(T, device=self.device))[keep]
+
+        def run(model, ids, rows, targets, **kw):
+            head = head_scores(model, targets, self.temperature, self.train_cfg.logprob_chunk_tokens, self._banned)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast), \
+                    keep_rows(model, rows), head:
+                return model(input_ids=ids, **kw).logits
+
+        if self.context is None:
+            out = run(model, ids, rows, kept, **kw)
+        else:  # context parallel: this rank's slice of the positions; the scores come back whole
+            out = self.context.forward(
+                model, ids, pos, attn, allowed, rows,
+                lambda m, ids, pos, rows, sel: run(m, ids, rows, kept[sel], position_ids=pos, use_cache=False))
+        return at_mask(keep, out[:, 0]), at_mask(keep, out[:, 1])
 
     def _mask_4d(self, allowed: torch.Tensor) -> torch.Tensor:
         """A 4-D attention mask as the attention takes it: sdpa a boolean one (True: attend), eager
@@ -351,9 +374,8 @@ class Trainer:
         """Current-policy log-probs of every token after the first (position 0 scores token 1).
         Data parallel: a collective; each rank scores its own batch."""
         return self._per_position(batch, self.model,
-                                  lambda toks, ims, prompts, unit_len: token_logprobs(
-                                      *self._forward(self.model, toks, images=ims, prompts=prompts, unit_len=unit_len),
-                                      self.temperature))
+                                  lambda toks, ims, prompts, unit_len: self._forward(
+                                      self.model, toks, images=ims, prompts=prompts, unit_len=unit_len)[0])
 
     def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None, images: list[list] | None = None,
                      prompts: list[int] | None = None, unit_len: int | None = None):
@@ -369,9 +391,8 @@ class Trainer:
         if not self.has_ref:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
         return self._per_position(batch, self.model if self.lora else self.ref_model,
-                                  lambda toks, ims, prompts, unit_len: token_logprobs(
-                                      *self._ref_forward(toks, images=ims, prompts=prompts, unit_len=unit_len),
-                                      self.temperature))
+                                  lambda toks, ims, prompts, unit_len: self._ref_forward(
+                                      toks, images=ims, prompts=prompts, unit_len=unit_len)[0])
 
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
@@ -384,13 +405,13 @@ class Trainer:
         as a real micro-batch: policy forward and backward, the reference's forward, the
         critic's forward and backward."""
         toks = self._dummy_tokens()
-        logits, _ = self._forward(self.model, toks)
+        logp, ent = self._forward(self.model, toks)
         if kl_in_loss:
             with torch.no_grad():
                 self._ref_forward(toks)
         if with_critic:
             (self.critic.forward(*self._inputs(toks)).sum() * 0.0).backward()
-        (logits.float().sum() * 0.0).backward()
+        ((logp.sum() + ent.sum()) * 0.0).backward()
 
     def forward_backward(self, batch: TrainBatch, kl_coef: float | None = None,
                          totals: tuple[float, float] | None = None) -> dict[str, float]:
@@ -408,7 +429,7 @@ class Trainer:
         with_critic = self.critic is not None and batch.returns is not None
         masks = [m[1:] for m in batch.loss_mask]  # aligned with targets
         if totals is None and self.world_size > 1:
-            totals = tuple(dp.all_reduce(list(batch.totals()), "sum", self.device))
+            totals = tuple(dp.all_reduce(list(batch.totals()), "sum", self.device, self.dims.dp_group))
         total_tokens, total_seqs = totals if totals is not None else batch.totals()
         own = ("loss", "entropy", "logprob_abs_diff", "mismatch_kl", "value_loss", "value_clip_frac")
         sums = dict.fromkeys((*own, *self.objective.metric_keys), 0.0)
@@ -424,20 +445,17 @@ class Trainer:
             # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
             mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
             prompts = self._prompts(batch, idx)
-            logits, targets = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
-            logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
+            logp, entropy = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
             ref_logp = None
             if kl_in_loss:
                 with torch.no_grad():
-                    ref_logits = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)[0]
-                    ref_logp = at_mask(mask, token_logprobs(ref_logits, targets, self.temperature))
+                    ref_logp = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)[0]
             behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
             x = LossInputs(
                 logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
                                                                                            for i in idx]),
                 behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
-                entropy=at_mask(mask, entropy_from_logits(
-                    logits if self.objective.entropy_grad else logits.detach(), self.temperature)),
+                entropy=entropy if self.objective.entropy_grad else entropy.detach(),
                 total_tokens=total_tokens, total_seqs=total_seqs, norm_len=self.norm_len, ref_logp=ref_logp,
                 kl_coef=kl_coef)
             # loss
@@ -465,8 +483,9 @@ class Trainer:
         denom = max(float(sum(sum(m) for m in masks)), 1.0)  # this batch's tokens: metrics are local
         if self.world_size > 1:  # ... unless data parallel: then global, the same on every rank
             keys = list(sums)
+            # over the data-parallel ranks: a tp group's ranks hold the same sequences
             *values, tokens = dp.all_reduce([sums[k] for k in keys] + [float(sum(sum(m) for m in masks))], "sum",
-                                            self.device)
+                                            self.device, self.dims.dp_group)
             sums, denom = dict(zip(keys, values)), max(tokens, 1.0)
             max_diff = dp.all_reduce([max_diff], "max", self.device)[0]
         metrics = {k: v / denom for k, v in sums.items() if k != "loss"}
@@ -509,9 +528,11 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, path: str | Path, tokenizer=None) -> None:
-        """model/ is a normal HF directory (loadable by every engine and `tidal eval`);
-        trainer_state.pt holds the optimizer's full state by parameter name, so a checkpoint
-        resumes on any number of ranks. Data parallel: a collective; rank 0 writes."""
+        """model/ is a normal HF directory (loadable by every engine and `tidal eval`). The
+        optimizer's state: several ranks (without LoRA) write their shards of it and of the
+        policy under shards/ (torch.distributed.checkpoint); one process (or LoRA) puts it whole,
+        by parameter name, in trainer_state.pt. Either resumes on any number of ranks and any
+        mesh. Data parallel: a collective."""
         path = Path(path)
         if self.lora:  # model/: merged, for every engine and reader; adapter/: what trains (peft's format)
             merged = merged_weights(self.model)  # data parallel: collectives, in the same order on every rank
@@ -521,8 +542,11 @@ class Trainer:
                 self.model.save_pretrained(path / "adapter", state_dict=adapter, safe_serialization=True)
         else:
             dp.save_hf(self.model, path / "model")
-        state = {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
-                 "version": self.version, "rng": rng_state()}
+        state = {"scheduler": self.scheduler.state_dict(), "version": self.version, "rng": rng_state()}
+        if self.world_size > 1 and not self.lora:  # every rank writes its shards (tidal/trainer/parallel/checkpoint.py)
+            save_sharded(self.model, self.optimizer, path / SHARDS)
+        else:
+            state["optimizer"] = dp.optimizer_state(self.model, self.optimizer)
         if self.critic is not None:
             self.critic.save(path / "critic")
             state["critic"] = self.critic.state_dict()
@@ -541,18 +565,26 @@ class Trainer:
         dp.barrier()  # nobody reads the checkpoint before it is whole
 
     def load(self, path: str | Path) -> None:
-        """Restore a checkpoint saved by any number of ranks. Data parallel: a collective;
-        every rank reads the files (the checkpoint directory must be visible to all)."""
+        """Restore a checkpoint saved by any number of ranks on any mesh. Data parallel: a
+        collective; every rank reads the files (the checkpoint directory must be visible to all).
+        A sharded checkpoint (saved by several ranks) restores the policy and its optimizer from
+        the shards; one saved by one process from model/ and trainer_state.pt."""
         path = Path(path)
-        if self.lora:
+        st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
+        sharded = (path / SHARDS).is_dir() and not self.lora
+        if sharded:
+            load_sharded(self.model, self.optimizer, path / SHARDS)
+        elif self.lora:
             load_adapter(self.model, path / "adapter")
         else:
             missing, unexpected = dp.load_hf_weights(self.model, path / "model")
             tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
             if set(missing) - tied or unexpected:
                 raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-        st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
-        dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
+        if "optimizer" in st:
+            dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
+        elif not sharded:
+            raise ValueError(f"checkpoint {path} has neither {SHARDS}/ nor an optimizer state in trainer_state.pt")
         self.scheduler.load_state_dict(st["scheduler"])
         self.version = st["version"]
         if self.critic is not None:
