@@ -60,7 +60,7 @@ def test_no_ray_process_outlives_a_killed_driver_for_long(tiny_model_dir, tmp_pa
     run = tmp_path / "run"
     driver = subprocess.Popen([*TIDAL, "train", f"model.path={tiny_model_dir}", f"run.dir={run}", "train.steps=400",
                                *RAY, f"placement.ray_temp_dir=/tmp/rdw{os.getpid()}"],
-                              stderr=subprocess.DEVNULL, env=ENV)
+                              stderr=(tmp_path / "stderr").open("w"), env=ENV)
     try:
         deadline = time.monotonic() + 300
         while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline and driver.poll() is None:
@@ -83,7 +83,7 @@ def test_no_ray_process_outlives_a_killed_driver_for_long(tiny_model_dir, tmp_pa
         os.kill(int(p.split()[0]), signal.SIGKILL)
     # Ray's own path for the agents takes 60 s (a fixed publish timeout); 20 s is a bound that
     # the watchdog (gone in ~4 s here) meets with room on a loaded machine, and Ray's path does not.
-    assert not left and gone_after < 20, (gone_after, left)
+    assert not left and gone_after < 20, (gone_after, left, (tmp_path / "stderr").read_text()[-2000:])
 
 
 _GCS_DIES = textwrap.dedent("""
