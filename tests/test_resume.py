@@ -120,9 +120,20 @@ def test_retention_never_deletes_the_last_good_checkpoint(tmp_path):
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("path", sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.y*ml")))
+PLAN_SPECS = EXAMPLES / "plan"  # `tidal plan` specs (docs/plan.md), not training configs
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.y*ml")
+                                        if PLAN_SPECS not in p.parents))
 def test_every_example_config_validates(path):
     assert load_config(str(EXAMPLES / path)).train.steps >= 1
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in PLAN_SPECS.glob("*.y*ml")))
+def test_every_example_plan_spec_validates(path):
+    from tidal.plan.spec import load_spec
+
+    assert load_spec(PLAN_SPECS / path) is not None
 
 
 def overflowing_reward(completion: str, answer: str) -> float:
