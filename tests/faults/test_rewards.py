@@ -22,7 +22,7 @@ from tidal.rewards.pool import build_scorer
 from tidal.sandbox import cgroup
 
 REWARDS = textwrap.dedent('''
-    import asyncio, ctypes, os, subprocess, sys
+    import asyncio, ctypes, os, subprocess, sys, time
 
     def _crash():
         ctypes.string_at(0)  # SIGSEGV
@@ -68,7 +68,16 @@ REWARDS = textwrap.dedent('''
         return 1.0
 
     def orphaning(completion):  # leaves an exited orphan in a session of its own
-        subprocess.run(["sh", "-c", "setsid sh -c 'exit 0' & exit 0"], check=True)
+        from tidal.rewards.limits import zombies
+
+        before = zombies()
+        subprocess.run(["sh", "-c", "setsid -f sh -c 'exit 0'"], check=True)
+        # Return once the orphan is this worker's zombie: the sweep after a call ends what is
+        # still in the worker's process group, and an orphan slower to reach its setsid than
+        # the sweep would be ended there instead (the test would then see no orphan pile up).
+        deadline = time.monotonic() + 5
+        while zombies() <= before and time.monotonic() < deadline:
+            time.sleep(0.002)
         return 1.0
 
     def chatty(completion):

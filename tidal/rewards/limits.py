@@ -197,7 +197,7 @@ class WorkerCgroups:
         layout, why = cgroup.detect()
         if layout is not None:
             try:
-                self.pool = cgroup.PoolCgroups(layout)
+                self.pool = cgroup.PoolCgroups(layout, kind="rewards")
             except cgroup.CgroupError as e:
                 why = str(e)
         if self.pool is None:

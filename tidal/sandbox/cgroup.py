@@ -188,7 +188,7 @@ def _sweep_stale(parents: tuple[Path, ...]) -> None:
     """Remove the empty pool directories of tidal processes that are gone (a process that
     died without closing its pools); a populated one is left alone."""
     for parent in parents:
-        for d in parent.glob("tidal-sandbox-*-*"):
+        for d in [*parent.glob("tidal-sandbox-*-*"), *parent.glob("tidal-rewards-*-*")]:
             try:
                 pid = int(d.name.split("-")[2])
             except ValueError:
@@ -232,12 +232,14 @@ def _delegate_v2(parent: Path, controllers: list[str]) -> None:
 class PoolCgroups:
     """The directory of one pool in each hierarchy, and the runs' cgroups below it."""
 
-    def __init__(self, layout: Layout, sandboxes: int = 1):
+    def __init__(self, layout: Layout, sandboxes: int = 1, kind: str = "sandbox"):
         """`sandboxes`: how many of the pool's sandboxes run or start at once (concurrency
-        plus warm ones): the pool's CPU weight is that many processes' (see `_weigh`)."""
+        plus warm ones): the pool's CPU weight is that many processes' (see `_weigh`).
+        `kind` names the directory (`tidal-<kind>-<pid>-<n>`): "sandbox", or "rewards" for
+        the reward workers' cgroups (tidal/rewards/limits.py)."""
         self.layout = layout
         _sweep_stale(layout.hierarchies)
-        name = f"tidal-sandbox-{os.getpid()}-{next(_pool_numbers)}"
+        name = f"tidal-{kind}-{os.getpid()}-{next(_pool_numbers)}"
         self.dirs = tuple(parent / name for parent in layout.hierarchies)
         # Each controller's pool directory (v2: the same one for all).
         self.controller_dirs = {c: parent / name for c, parent in layout.parents.items()}
