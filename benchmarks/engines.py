@@ -62,7 +62,7 @@ from tidal.types import GenerationRequest, SamplingParams
 
 
 def build_mid_model(out: Path) -> Path:
-    from tidal.models.tiny import build_model
+    from tidal.recipes.tiny import build_model
 
     tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     model = build_model(tokenizer, hidden=512, layers=6, heads=8, kv_heads=4, seed=0)

@@ -39,8 +39,8 @@ import httpx
 import torch
 
 from tidal.envs.arithmetic import ArithmeticConfig, make_problems, worked_answer
+from tidal.recipes.train_rm import operands, train_reward_model
 from tidal.rewards.rm import RewardModelPool, render
-from tidal.rewards.train_rm import operands, train_reward_model
 
 
 def make_texts(tokenizer, n: int) -> list[str]:

@@ -11,7 +11,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from tidal.models.tiny import build_untrained
+    from tidal.recipes.tiny import build_untrained
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -42,8 +42,7 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def tool_tokenizer():
     """The embedded tiny tool model's tokenizer (tidal/models/assets/tiny-tool)."""
-    from tidal.models import load_tokenizer
-    from tidal.models.tool_model import TOOL_MODEL_DIR
+    from tidal.models import TOOL_MODEL_DIR, load_tokenizer
 
     return load_tokenizer(TOOL_MODEL_DIR)
 

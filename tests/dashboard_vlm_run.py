@@ -14,9 +14,9 @@ from PIL import Image, ImageDraw
 
 from tidal.images import ImageBlob, as_image
 from tidal.models import load_tokenizer
-from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision
 from tidal.monitor.episodes import EpisodeWriter
+from tidal.recipes.tiny_vlm import build_untrained_vlm
 from tidal.types import Episode, Turn
 
 

@@ -19,7 +19,7 @@ from tidal.envs.base import Action
 from tidal.envs.browser import BrowserConfig, BrowserEnv, BrowserPool
 from tidal.envs.browser.scripted import resolve_ref, run_episode
 from tidal.envs.browser.tasks import FAMILIES, make_tasks
-from tidal.models.tool_model import call_text
+from tidal.recipes.tool_model import call_text
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ import random
 import pytest
 
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
-from tidal.models.browser_model import (
-    BROWSER_MODEL_DIR,
+from tidal.models import BROWSER_MODEL_DIR
+from tidal.recipes.browser_model import (
     _SnapshotPieces,
     demonstrations,
     relabel_episode,
@@ -143,7 +143,7 @@ def test_a_tokenizer_that_merges_across_the_snapshot_lines_parts_is_refused_by_n
 def test_the_builder_refuses_settings_that_would_teach_one_turn_and_demonstrate_another(tmp_path):
     """The lookup curriculum teaches the quote form's turn; with another form it would train a turn
     that no demonstration shows, so the builder refuses before recording anything."""
-    from tidal.models.browser_model import build_browser_model
+    from tidal.recipes.browser_model import build_browser_model
 
     with pytest.raises(ValueError, match="lookup_steps needs form='quote'.*'named'"):
         build_browser_model(tmp_path / "m", form="named")

@@ -12,7 +12,7 @@ import pytest
 from browser_support import require_chromium
 
 from tidal.envs.browser.pool import _descendants
-from tidal.models.browser_model import BROWSER_MODEL_DIR
+from tidal.models import BROWSER_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,7 +80,7 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
 
     from safetensors.torch import load_file
 
-    from tidal.models.browser_model import DEFAULT_HABITS, build_browser_model, held_out_success
+    from tidal.recipes.browser_model import DEFAULT_HABITS, build_browser_model, held_out_success
 
     def quick(model, tok, rows):
         return held_out_success(model, tok, rows[:2], k=1)
@@ -109,7 +109,7 @@ def test_builder_on_a_small_budget_relabels_and_runs_both_curricula(tmp_path):
     """`per_episode`, `copy_steps`, `lookup_steps` and `form="quote"` on a small budget: every
     recorded episode has its relabelled copies, both curricula ran on the builder's own
     tokenizer, and the right habit's recorded turn, which names the line, clicks the button."""
-    from tidal.models.browser_model import build_browser_model, held_out_success
+    from tidal.recipes.browser_model import build_browser_model, held_out_success
 
     def quick(model, tok, rows):
         return held_out_success(model, tok, rows[:2], k=1)
@@ -131,7 +131,7 @@ def test_the_shipped_model_clicks_the_instructed_button_on_held_out_pages():
 
     from tidal.envs.browser.tasks import make_tasks
     from tidal.models import load_model, load_tokenizer
-    from tidal.models.browser_model import FAMILIES, held_out_success, instructed_label
+    from tidal.recipes.browser_model import FAMILIES, held_out_success, instructed_label
 
     rows = make_tasks("test", 64, seed=0, families=FAMILIES)
     first = sum(re.search(r"<button[^>]*>([^<]+)</button>", json.loads(r["pages"])["/"]).group(1) == instructed_label(r)

@@ -71,7 +71,7 @@ def test_build_default_model_rebuilds_the_shipped_one(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from tidal.models.tiny import build_default_model
+    from tidal.recipes.tiny import build_default_model
 
     torch.set_num_threads(2)  # the shipped model was built with 2 threads
     # Evaluated at the end only: the 7 evaluations on the way (~35 s each) check nothing here.

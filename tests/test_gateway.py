@@ -19,8 +19,7 @@ from tidal.engines.router import Router
 from tidal.engines.scripted import ScriptedEngine
 from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.tool_arith import SYSTEM_PROMPT
-from tidal.models import load_model, load_tokenizer, stop_token_ids
-from tidal.models.tool_model import TOOL_MODEL_DIR
+from tidal.models import TOOL_MODEL_DIR, load_model, load_tokenizer, stop_token_ids
 from tidal.runtime.gateway import Gateway
 from tidal.runtime.gateway_http import GatewayServer, start_gateway
 from tidal.runtime.rollout import request_seed

@@ -1,5 +1,5 @@
 """The image tasks (tidal/envs/image_tasks.py), their reward (tidal/rewards/vision.py), tools that return
-pictures (tidal/envs/tools.py) and the tiny VLM's builder (tidal/models/vlm_build.py): rows deterministic
+pictures (tidal/envs/tools.py) and the tiny VLM's builder (tidal/recipes/vlm_build.py): rows deterministic
 and splits disjoint, right answers score 1 and the teacher's hasty ones 0, the zoom tool answers with the
 quarter's picture and a bad region with an error observation, teacher demonstrations through the real
 rollout, and a short build that gives the same bytes twice (slow)."""
@@ -32,7 +32,7 @@ from tidal.envs.image_tasks import (
 )
 from tidal.envs.tools import execute, parse_tool_calls, tool_content
 from tidal.images import ImageBlob, as_image
-from tidal.models.tool_model import call_text
+from tidal.recipes.tool_model import call_text
 from tidal.rewards.vision import score
 
 ENVS = {"vlm_color": ColorEnv, "vlm_count": CountEnv, "vlm_zoom": ZoomEnv}
@@ -95,7 +95,7 @@ def test_pictures_show_what_the_row_says():
 
 @pytest.mark.parametrize("name", list(ENVS))
 def test_the_right_answer_scores_one_and_the_hasty_habit_zero(name):
-    from tidal.models.vlm_build import teacher_turns
+    from tidal.recipes.vlm_build import teacher_turns
 
     for row in ENVS[name].rows("test", 10, seed=0):
         assert score(f"<answer>{row['answer']}</answer>", row["answer"]) == {"correct": 1.0, "format": 0.1}
@@ -204,9 +204,9 @@ def test_truncation_bounds_the_text_parts_only_and_a_bad_picture_is_an_error():
 @pytest.fixture(scope="module")
 def tiny_vlm(tmp_path_factory):
     from tidal.models import load_tokenizer
-    from tidal.models.tiny_vlm import build_untrained_vlm
     from tidal.models.vision import Vision
-    from tidal.models.vlm_build import task_corpus
+    from tidal.recipes.tiny_vlm import build_untrained_vlm
+    from tidal.recipes.vlm_build import task_corpus
 
     rows = {name: env.rows("train", 30, seed=1) for name, env in ENVS.items()}
     d = build_untrained_vlm(tmp_path_factory.mktemp("vlm"), corpus=task_corpus(rows))
@@ -217,7 +217,7 @@ def test_teacher_demonstrations_run_through_the_rollout_with_both_habits(tiny_vl
     """Each habit's demonstration is an ok episode of the real rollout: the careful zoom calls the
     tool and sees the quarter (two pictures), the hasty one answers at once (one picture) with the
     colour of the opposite quarter."""
-    from tidal.models.vlm_build import demonstrations
+    from tidal.recipes.vlm_build import demonstrations
 
     tok, vision = tiny_vlm
     rows = ZoomEnv.rows("test", 2, seed=0)
@@ -260,7 +260,7 @@ def test_the_builder_is_deterministic(tmp_path):
     summation order is fixed)."""
     import torch
 
-    from tidal.models.vlm_build import build_default_vlm
+    from tidal.recipes.vlm_build import build_default_vlm
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -286,7 +286,7 @@ def test_the_shipped_tiny_vlm_is_wrong_greedily_and_right_among_its_samples():
     0.18, pass@8 0.935 / 0.90 / 0.94): 40 rows, and float summation order differs across machines."""
     from tidal.models import DEFAULT_VLM_DIR, load_model, load_tokenizer
     from tidal.models.vision import Vision
-    from tidal.models.vlm_build import build_default_vlm, held_out
+    from tidal.recipes.vlm_build import build_default_vlm, held_out
 
     record = json.loads((DEFAULT_VLM_DIR / "tidal_build.json").read_text())
     model, tok, vision = load_model(DEFAULT_VLM_DIR), load_tokenizer(DEFAULT_VLM_DIR), Vision.load(DEFAULT_VLM_DIR)

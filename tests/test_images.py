@@ -12,8 +12,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from tidal.images import ImageDir, ImageError, as_image, normalize_messages
-from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision, rope_positions
+from tidal.recipes.tiny_vlm import build_untrained_vlm
 
 
 def picture(color="red", size=(40, 30)):

@@ -22,8 +22,7 @@ from tidal.engines.scripted import ScriptedEngine
 from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.openai_agent import OpenAIAgentEnv
 from tidal.envs.tool_arith import make_rows
-from tidal.models import load_model, stop_token_ids
-from tidal.models.tool_model import TOOL_MODEL_DIR
+from tidal.models import TOOL_MODEL_DIR, load_model, stop_token_ids
 from tidal.rewards.pool import build_scorer
 from tidal.runtime.controller import Controller
 from tidal.runtime.gateway_http import start_gateway

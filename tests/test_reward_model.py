@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tidal.envs.arithmetic import ArithmeticConfig, make_problems
+from tidal.recipes.train_rm import REJECTED_KINDS, make_pairs, pair_texts, train_reward_model
 from tidal.rewards.arithmetic import score as arithmetic_score
 from tidal.rewards.rm import RewardModelError, RewardModelPool, RewardModelReward, render
-from tidal.rewards.train_rm import REJECTED_KINDS, make_pairs, pair_texts, train_reward_model
 
 # Batched and one-by-one forward passes differ only by float summation order (other matmul
 # shapes; padding positions are masked and come after the scored token): fp32 logits of

@@ -18,10 +18,10 @@ import pytest
 
 from tidal.cli import main as cli_main
 from tidal.envs.arithmetic import ArithmeticConfig, make_problems
+from tidal.recipes.train_rm import train_reward_model
 from tidal.rewards.remote import RemoteRewardError, RemoteRewardModel, endpoint
 from tidal.rewards.rm import RewardModelPool, render
 from tidal.rewards.server import RewardServer, ServeError, check_bind
-from tidal.rewards.train_rm import train_reward_model
 
 # Batched and one-by-one forward passes differ only by float summation order (other matmul
 # shapes; padding comes after the scored token and is masked): fp32 logits of magnitude ~1

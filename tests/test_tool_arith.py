@@ -13,7 +13,7 @@ import pytest
 
 from tidal.envs.base import Action
 from tidal.envs.tool_arith import KINDS, MAX_EXPRESSION_CHARS, ToolArithEnv, calculator, evaluate, make_rows, score
-from tidal.models.tool_model import TOOL_MODEL_DIR
+from tidal.models import TOOL_MODEL_DIR
 
 
 @pytest.mark.parametrize("expr, value", [
@@ -186,7 +186,7 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
 
     from safetensors.torch import load_file
 
-    from tidal.models.tool_model import build_tool_model, held_out_success
+    from tidal.recipes.tool_model import build_tool_model, held_out_success
 
     def quick(model, tok, rows):
         return held_out_success(model, tok, rows[:4], k=1)
@@ -208,7 +208,7 @@ def test_builder_is_deterministic_and_the_shipped_model_matches_its_defaults(tmp
 def test_shipped_model_starts_low_greedy():
     """The warm-start's greedy habit is the hasty guess: held-out success starts low (RL's room)."""
     from tidal.models import load_model, load_tokenizer
-    from tidal.models.tool_model import held_out_success
+    from tidal.recipes.tool_model import held_out_success
 
     res = held_out_success(load_model(TOOL_MODEL_DIR), load_tokenizer(TOOL_MODEL_DIR), make_rows("test", 24, 0), k=0)
     assert res["n"] == 24 and res["accuracy"] <= 0.25 and res["failed"] == 0

@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from tidal.models.tiny_vlm import build_untrained_vlm
+from tidal.recipes.tiny_vlm import build_untrained_vlm
 
 SCRIPT = r"""
 import json, sys

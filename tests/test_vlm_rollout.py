@@ -14,9 +14,9 @@ from tidal.envs.base import StepResult
 from tidal.envs.single_turn import SingleTurnEnv
 from tidal.images import as_image
 from tidal.models import load_tokenizer, stop_token_ids
-from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision
 from tidal.monitor.episodes import EpisodeWriter, episode_images, iter_episodes
+from tidal.recipes.tiny_vlm import build_untrained_vlm
 from tidal.runtime.rollout import EpisodeSpec, Rollout
 from tidal.types import SamplingParams, Status
 

@@ -25,8 +25,8 @@ from test_trainer import GRAD_TOL
 from tidal.config import AlgorithmConfig, LoraConfig, TrainConfig
 from tidal.images import as_image
 from tidal.models import load_model, resolve_model_dir
-from tidal.models.tiny_vlm import build_untrained_vlm
 from tidal.models.vision import Vision, image_processor, image_runs
+from tidal.recipes.tiny_vlm import build_untrained_vlm
 from tidal.runtime.batch import build_batch
 from tidal.trainer.trainer import TrainBatch, Trainer, micro_batches, pack_rows, packed_inputs, packed_order
 from tidal.types import Episode

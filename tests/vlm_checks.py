@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tidal.models import load_model
-from tidal.models.tiny_vlm import build_untrained_vlm
+from tidal.recipes.tiny_vlm import build_untrained_vlm
 
 
 def sharpened_vlm(out: Path, *, vision: bool, seed: int = 3) -> Path:

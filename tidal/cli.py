@@ -210,7 +210,7 @@ def cmd_replay(ns: argparse.Namespace) -> int:
 
 
 def cmd_build(ns: argparse.Namespace) -> int:
-    from tidal.models.tiny import build_default_model
+    from tidal.recipes.tiny import build_default_model
 
     summary = build_default_model(ns.out, seed=ns.seed)
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
@@ -220,7 +220,7 @@ def cmd_build(ns: argparse.Namespace) -> int:
 def cmd_build_tool(ns: argparse.Namespace) -> int:
     import torch
 
-    from tidal.models.tool_model import build_tool_model
+    from tidal.recipes.tool_model import build_tool_model
 
     _no_extra_args(ns)
     torch.set_num_threads(ns.threads)
@@ -232,7 +232,7 @@ def cmd_build_tool(ns: argparse.Namespace) -> int:
 def cmd_build_browser(ns: argparse.Namespace) -> int:
     import torch
 
-    from tidal.models.browser_model import build_browser_model
+    from tidal.recipes.browser_model import build_browser_model
 
     _no_extra_args(ns)
     torch.set_num_threads(ns.threads)
@@ -244,7 +244,7 @@ def cmd_build_browser(ns: argparse.Namespace) -> int:
 def cmd_build_vlm(ns: argparse.Namespace) -> int:
     import torch
 
-    from tidal.models.vlm_build import build_default_vlm
+    from tidal.recipes.vlm_build import build_default_vlm
 
     _no_extra_args(ns)
     torch.set_num_threads(ns.threads)
@@ -259,7 +259,7 @@ def _no_extra_args(ns: argparse.Namespace) -> None:
 
 
 def cmd_train_rm(ns: argparse.Namespace) -> int:
-    from tidal.rewards.train_rm import train_reward_model
+    from tidal.recipes.train_rm import train_reward_model
 
     _no_extra_args(ns)
     try:
@@ -426,18 +426,18 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
-    from tidal.models import DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR
+    from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR
 
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
     bt = sub.add_parser("build-tool-model", help="rebuild the tiny tool-calling model (tool_arith) deterministically")
-    bt.add_argument("--out", default=str(DEFAULT_MODEL_DIR.parent / "tiny-tool"))  # tool_model.TOOL_MODEL_DIR
+    bt.add_argument("--out", default=str(TOOL_MODEL_DIR))
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     bt.set_defaults(fn=cmd_build_tool, args=[])
     bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")
-    bb.add_argument("--out", default=str(DEFAULT_MODEL_DIR.parent / "tiny-browser"))  # browser_model.BROWSER_MODEL_DIR
+    bb.add_argument("--out", default=str(BROWSER_MODEL_DIR))
     bb.add_argument("--seed", type=int, default=0)
     bb.add_argument("--threads", type=int, default=2,
                     help="torch threads (the result is deterministic per count; the shipped model: 2)")

@@ -12,7 +12,7 @@ Three built-in tasks, each an environment class with its own rows (`rows(split, 
   left quarter"); the `zoom(region)` tool returns that quarter at full resolution, as a picture in
   the tool's answer. The answer needs the zoomed detail.
 
-The pictures are sized for the embedded tiny VLM (tidal/models/tiny_vlm.py: 14-pixel patches
+The pictures are sized for the embedded tiny VLM (tidal/recipes/tiny_vlm.py: 14-pixel patches
 merged 2×2, so a 56×56 picture is 4 image tokens and a 112×112 quarter 16; the processor enlarges
 the 28×28 overview to 56×56, blurred). The single-turn tasks are the two that PLATFORM.md
 measured learning in seconds of RL; a zoomed square is as large, in patches, as `vlm_color`'s big
@@ -27,7 +27,7 @@ scene's) falls in one bucket of ten, as tidal/envs/tool_arith.py does for its
 problems; so train and held-out never share a picture, whatever the seeds and sizes. Rows carry
 the prompt as chat messages with image parts (`{"type": "image", "image": ImageBlob}`), the
 `answer` column, and what a scripted teacher needs to answer the task right or with a habit
-(tidal/models/vlm_build.py): the colours of both squares, the number of all squares, the colour
+(tidal/recipes/vlm_build.py): the colours of both squares, the number of all squares, the colour
 of every quarter's square.
 """
 

@@ -13,8 +13,12 @@ import torch
 from tidal import cache_root
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-arith"
-DEFAULT_VLM_DIR = Path(__file__).parent / "assets" / "tiny-vlm"  # `tidal build-default-vlm` (vlm_build.py)
+# The embedded models that ship with tidal (package data), each rebuilt by its recipe in tidal/recipes/:
+ASSETS_DIR = Path(__file__).parent / "assets"
+DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-arith"  # `tidal build-default-model` (recipes/tiny.py)
+DEFAULT_VLM_DIR = ASSETS_DIR / "tiny-vlm"  # `tidal build-default-vlm` (recipes/vlm_build.py)
+TOOL_MODEL_DIR = ASSETS_DIR / "tiny-tool"  # `tidal build-tool-model` (recipes/tool_model.py)
+BROWSER_MODEL_DIR = ASSETS_DIR / "tiny-browser"  # `tidal build-browser-model` (recipes/browser_model.py)
 NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR}
 
 

@@ -4,7 +4,7 @@ habits.
 
 `tidal build-browser-model` rebuilds `tidal/models/assets/tiny-browser` deterministically (same
 seed and machine type → same weights; thread count changes float summation order), as
-tidal/models/tool_model.py does for tiny-tool, whose tokenizer recipe, chat template and SFT
+tidal/recipes/tool_model.py does for tiny-tool, whose tokenizer recipe, chat template and SFT
 loss it reuses.
 
 The demonstrations are episodes of the real `BrowserEnv` (one shared `BrowserPool`, several
@@ -29,16 +29,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.base import Action
 from tidal.envs.browser.env import BrowserEnv
 from tidal.envs.browser.pool import BrowserConfig, BrowserPool
 from tidal.envs.browser.scripted import resolve_ref, snapshot_elements
 from tidal.envs.browser.tasks import OBJECTS, VERBS, button_labels, make_tasks
 from tidal.envs.tools import assistant_message, parse_tool_calls
-from tidal.models.tiny import build_model, save_model
-from tidal.models.tool_model import CHAT_TEMPLATE, _batch, _shared_prefix, build_tokenizer, call_text, sft_train
+from tidal.models import stop_token_ids
+from tidal.recipes.tiny import build_model, save_model
+from tidal.recipes.tool_model import CHAT_TEMPLATE, _batch, _shared_prefix, build_tokenizer, call_text, sft_train
+from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.rollout import Rollout
+from tidal.types import SamplingParams
 
-BROWSER_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-browser"
 FAMILIES = ["click_button"]
 ENV_ARGS: dict[str, Any] = {"actions": ["click", "done"], "max_turns": 3, "action_timeout_s": 5.0}  # as examples/browser.yaml
 HABITS = ("right", "first", "malformed")
@@ -409,12 +413,6 @@ def held_out_success(model, tokenizer, rows, k: int = 4, max_new_tokens: int = 4
                      env_args: dict[str, Any] | None = None) -> dict:
     """Greedy success and pass@k on `rows` through the same rollout and env as `tidal eval`
     (the env's verifier is the reward)."""
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import stop_token_ids
-    from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.rollout import Rollout
-    from tidal.types import SamplingParams
-
     # every episode of an evaluation runs at once: a context for each, none waits for a slot
     env_args = {**ENV_ARGS, "browser": {"browsers": 1, "contexts_per_browser": 64, "acquire_timeout_s": 600},
                 **(env_args or {})}

@@ -3,7 +3,7 @@ Qwen2.5-style chat template with tools, warm-started on `tool_arith` with imperf
 
 `tidal build-tool-model` rebuilds `tidal/models/assets/tiny-tool` deterministically (same seed
 and machine type → same weights; thread count changes float summation order), as
-tidal/models/tiny.py does for the default model.
+tidal/recipes/tiny.py does for the default model.
 
 The tool-call tags are plain text, not special tokens: the rollout decodes the policy's turn
 with `skip_special_tokens=True` for the environment, and a special `<tool_call>` would vanish
@@ -29,12 +29,17 @@ from typing import Any
 
 import torch
 
+from tidal.config import RewardConfig, RewardSpec
 from tidal.engines.lean_decode import common_prefix
+from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.base import Action
 from tidal.envs.tool_arith import ToolArithEnv, make_rows
-from tidal.models.tiny import SPECIAL_TOKENS, build_model, save_model, train_chatml_tokenizer
-
-TOOL_MODEL_DIR = Path(__file__).parent / "assets" / "tiny-tool"
+from tidal.models import stop_token_ids
+from tidal.recipes.tiny import SPECIAL_TOKENS, build_model, save_model, train_chatml_tokenizer
+from tidal.rewards.pool import build_scorer
+from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.rollout import Rollout
+from tidal.types import SamplingParams
 
 CHAT_TEMPLATE = (
     # No whitespace control: every character below is output. transformers compiles templates
@@ -208,14 +213,6 @@ async def _render_all(rows, rng: random.Random, tokenizer=None) -> list[str]:
 def held_out_success(model, tokenizer, rows, k: int = 4, max_turns: int = 4, max_new_tokens: int = 48) -> dict:
     """Greedy success and pass@k on `rows` through the same rollout, env and verifier as
     `tidal eval` (also the tool-call error rate of the greedy episodes)."""
-    from tidal.config import RewardConfig, RewardSpec
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import stop_token_ids
-    from tidal.rewards.pool import build_scorer
-    from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.rollout import Rollout
-    from tidal.types import SamplingParams
-
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tidal.envs.arithmetic import ArithmeticConfig, answer_text, buggy_answer, make_problems, worked_answer
+from tidal.models import DEFAULT_MODEL_DIR, load_tokenizer
 from tidal.rewards.rm import META_FILE, encode
 
 REJECTED_KINDS = {"buggy": 0.35, "off_by": 0.25, "worked_wrong": 0.25, "format": 0.15}
@@ -127,7 +128,6 @@ def _load_init(init: str | Path, seed: int):
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
-    from tidal.models import load_tokenizer
 
     tokenizer = load_tokenizer(init)
     hf_logging.disable_progress_bar()
@@ -149,8 +149,6 @@ def train_reward_model(out: str | Path, init: str | Path | None = None, pairs: i
                        heldout_pairs: int = 500, eval_every: int = 100, threads: int | None = None,
                        task: ArithmeticConfig | None = None, log=print) -> dict[str, Any]:
     """Train, measure on held-out pairs, save an HF directory with `tidal_rm.json`; return the summary."""
-    from tidal.models import DEFAULT_MODEL_DIR
-
     if pairs < 1 or steps < 1 or batch_size < 1 or heldout_pairs < 1:
         raise ValueError(f"train-rm: pairs, steps, batch size and held-out pairs must be >= 1 "
                          f"(got {pairs}, {steps}, {batch_size}, {heldout_pairs})")

@@ -18,7 +18,15 @@ from pathlib import Path
 
 import torch
 
+from tidal.config import RewardConfig, RewardSpec
+from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.arithmetic import ArithmeticConfig, answer_text, buggy_answer, make_problems, worked_answer
+from tidal.envs.single_turn import ArithmeticEnv
+from tidal.models import stop_token_ids
+from tidal.rewards.pool import build_scorer
+from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.rollout import Rollout
+from tidal.types import SamplingParams
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -112,15 +120,6 @@ def _sft_example(tokenizer, row, response: str) -> tuple[list[int], list[bool]]:
 
 def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
     """Greedy accuracy and pass@k on `rows`, through the same evaluation as `tidal eval`."""
-    from tidal.config import RewardConfig, RewardSpec
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.envs.single_turn import ArithmeticEnv
-    from tidal.models import stop_token_ids
-    from tidal.rewards.pool import build_scorer
-    from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.rollout import Rollout
-    from tidal.types import SamplingParams
-
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tokenizer))

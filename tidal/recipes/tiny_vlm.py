@@ -4,7 +4,7 @@ and its image processor's settings. Saved as a normal Hugging Face directory, so
 the torch engine and vLLM load it as they would Qwen2-VL itself.
 
 The warm-started model that ships in `tidal/models/assets/tiny-vlm` is built from this by
-`tidal build-default-vlm` (tidal/models/vlm_build.py).
+`tidal build-default-vlm` (tidal/recipes/vlm_build.py).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from tidal.models.tiny import save_model
-from tidal.models.tool_model import CHAT_TEMPLATE as TOOL_TEMPLATE
-from tidal.models.tool_model import build_tokenizer
+from tidal.recipes.tiny import save_model
+from tidal.recipes.tool_model import CHAT_TEMPLATE as TOOL_TEMPLATE
+from tidal.recipes.tool_model import build_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 

@@ -1,10 +1,10 @@
-"""Build the embedded tiny vision-language model: the tiny Qwen2-VL of tidal/models/tiny_vlm.py with
+"""Build the embedded tiny vision-language model: the tiny Qwen2-VL of tidal/recipes/tiny_vlm.py with
 a tokenizer trained on the image tasks' texts, warm-started on all three image tasks
 (tidal/envs/image_tasks.py) with imperfect habits, so that greedy decoding is mostly wrong while
 the right answer is among its samples, and the gain is left to RL.
 
 `tidal build-default-vlm` rebuilds `tidal/models/assets/tiny-vlm` deterministically (same seed,
-machine type and thread count → same weights), as tidal/models/tiny.py does for the text model.
+machine type and thread count → same weights), as tidal/recipes/tiny.py does for the text model.
 
 The teacher has two habits per task, drawn per demonstration (`careful` is the careful one's
 share, 0.3 by default). Both read the same thing in the picture; the hasty one then slips:
@@ -54,13 +54,19 @@ from typing import Any
 
 import torch
 
+from tidal.config import RewardConfig, RewardSpec
+from tidal.engines.scripted import ScriptedEngine
+from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.image_tasks import REGIONS, ColorEnv, CountEnv, ZoomEnv
-from tidal.models.tiny_vlm import PROCESSOR, build_vlm, build_vlm_tokenizer, save_vlm
-from tidal.models.tool_model import call_text
+from tidal.models import DEFAULT_VLM_DIR, stop_token_ids
 from tidal.models.vision import Vision, VisionSpec, image_processor, mask_banned
+from tidal.recipes.tiny_vlm import CHAT_TEMPLATE, PROCESSOR, build_vlm, build_vlm_tokenizer, save_vlm
+from tidal.recipes.tool_model import call_text
+from tidal.rewards.pool import build_scorer
+from tidal.runtime.evaluate import evaluate_engine
+from tidal.runtime.rollout import EpisodeSpec, Rollout
 from tidal.types import GenerationRequest, SamplingParams
 
-VLM_DIR = Path(__file__).parent / "assets" / "tiny-vlm"
 TASKS = {"vlm_color": ColorEnv, "vlm_count": CountEnv, "vlm_zoom": ZoomEnv}
 MAX_TURNS = {"vlm_color": 1, "vlm_count": 1, "vlm_zoom": 3}  # zoom: call, answer, and room for a retry
 MAX_NEW_TOKENS = 32  # one turn: an answer or a zoom call
@@ -100,7 +106,6 @@ def task_corpus(rows_by_task: dict[str, list[dict[str, Any]]]) -> list[str]:
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from tidal.models.tiny_vlm import CHAT_TEMPLATE
 
     # a throwaway tokenizer object only to render the template (no vocabulary needed)
     render = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
@@ -123,10 +128,6 @@ def task_corpus(rows_by_task: dict[str, list[dict[str, Any]]]) -> list[str]:
 def demonstrations(tokenizer, vision: Vision, task: str, rows: list[dict[str, Any]], careful: list[bool]):
     """Episodes of the rollout with the teacher as the policy (a scripted engine): one per row,
     its habit `careful[i]`. Each is (tokens, loss mask, images)."""
-    from tidal.engines.scripted import ScriptedEngine
-    from tidal.models import stop_token_ids
-    from tidal.runtime.rollout import EpisodeSpec, Rollout
-
     scripts = {f"demo-{i}": teacher_turns(task, row, c) for i, (row, c) in enumerate(zip(rows, careful))}
 
     def policy(req: GenerationRequest) -> list[int]:
@@ -151,13 +152,6 @@ def demonstrations(tokenizer, vision: Vision, task: str, rows: list[dict[str, An
 def held_out(model, tokenizer, vision: Vision, task: str, rows: list[dict[str, Any]], k: int = 8) -> dict[str, Any]:
     """Greedy accuracy and pass@k of `task` on `rows` through `tidal.runtime.evaluate` (the rollout,
     env and reward of `tidal eval`)."""
-    from tidal.config import RewardConfig, RewardSpec
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import stop_token_ids
-    from tidal.rewards.pool import build_scorer
-    from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.rollout import Rollout
-
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id, tokenizer=tokenizer, vision=vision)
     params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=stop_token_ids(tokenizer))
@@ -267,7 +261,7 @@ def sft_loss(model, batch: dict[str, torch.Tensor], banned: tuple[int, ...], pre
 
 
 def build_default_vlm(
-    out_dir: str | Path = VLM_DIR,
+    out_dir: str | Path = DEFAULT_VLM_DIR,
     seed: int = 0,
     steps: int = 1200,
     see_steps: int = 480,
