@@ -17,7 +17,6 @@ Errors a person can act on are printed as one message (no traceback) with exit c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import sys
@@ -146,43 +145,19 @@ def _config_for_model(model: str, config: str | None, overrides: list[str]) -> T
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from tidal.config import RewardSpec
-    from tidal.engines.factory import build_engine, choose_engine_kind
-    from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
-    from tidal.models.vision import Vision
-    from tidal.rewards.pool import build_scorer, spec_keys
-    from tidal.runtime.controller import make_rollout, start_run_gateway
+    from tidal.runtime.assemble import build_run
     from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.tasks import build_task
-    from tidal.types import SamplingParams
 
     config, overrides = _split_args(ns.args)
     cfg = _config_for_model(ns.model, config, overrides)
-    model_dir = resolve_model_dir(ns.model)
-    tokenizer = load_tokenizer(model_dir)
-    task = build_task(cfg.task)
-    vision = Vision.load(model_dir)
-    # the engine `engine.kind` names, as the run's rollout would (auto: the torch engine on a CPU)
-    kind, _ = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
-    engine = build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
-                          pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    scorer = gateway = None
+    run = build_run(cfg, "eval", model=ns.model)  # the engine `engine.kind` names, as the run's rollout would
+    model_dir, kind = run.model_dir, run.engine_kind
     try:  # whatever fails from here, the engine (a vLLM process or server) is closed
-        if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
-            scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-        elif task.rewards:
-            scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task))
-        t0 = time.time()  # wall_s: the evaluation, as before (not the engine's or the scorer's start)
-        gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
-        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, vision),
-                              task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
+        t0 = time.time()  # wall_s: the evaluation (not the engine's or the scorer's start)
+        res = evaluate_engine(run.engine, run.rollout, run.task.eval_rows[: cfg.eval.n], run.make_env, k=cfg.eval.k,
+                              temperature=cfg.eval.temperature)
     finally:
-        if gateway is not None:
-            gateway.close()
-        if scorer is not None:
-            asyncio.run(scorer.close())
-        engine.close()
+        run.close()
     res = {"model": str(model_dir), "engine": kind, **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
@@ -313,10 +288,7 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
 
     import torch
 
-    from tidal.engines.factory import build_engine, choose_engine_kind
-    from tidal.engines.router import Router
-    from tidal.models import load_tokenizer, resolve_model_dir
-    from tidal.runtime.gateway_http import start_gateway
+    from tidal.runtime.assemble import build_run
 
     config, overrides = _split_args(ns.args)
     flags = [f"gateway.host={ns.host}"] if ns.host else []
@@ -336,16 +308,10 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
         return 2
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    model_dir = resolve_model_dir(ns.model)
-    tokenizer = load_tokenizer(model_dir)
-    kind, why = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
-    engines = [build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
-                            pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed) for _ in range(cfg.engine.replicas)]
-    router = Router(engines, [f"{kind}{i}" for i in range(len(engines))], max_inflight=cfg.engine.max_inflight,
-                    timeout_s=cfg.engine.request_timeout_s)
-    server = start_gateway(router, tokenizer, model_dir, cfg.gateway)
-    print(f"tidal: serving {model_dir} as `{server.gateway.model_name}` on {server.url} ({len(engines)} {kind} "
-          f"replica(s): {why}; POST /v1/chat/completions, /v1/completions, GET /v1/models"
+    run = build_run(cfg, "serve", model=ns.model)
+    server, engines, kind = run.gateway, run.engines, run.engine_kind
+    print(f"tidal: serving {run.model_dir} as `{server.gateway.model_name}` on {server.url} ({len(engines)} {kind} "
+          f"replica(s): {run.engine_why}; POST /v1/chat/completions, /v1/completions, GET /v1/models"
           f"{'; token required' if server.token else ''})", file=sys.stderr, flush=True)
     stop = threading.Event()
     previous = _catch_stop_signals()  # SIGINT or SIGTERM: close the server and the engines, exit 0
@@ -356,11 +322,7 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
         pass
     finally:
         _restore_signals(previous)
-        server.close()
-        for e in engines:
-            close = getattr(e, "close", None)
-            if close is not None:
-                close()
+        run.close()  # the server, then the engines
     return 0
 
 

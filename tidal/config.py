@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidal.algorithms import AGGREGATIONS, ESTIMATORS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS
+from tidal.algorithms.advantages import BUILTIN_NEEDS
 from tidal.envs.arithmetic import ArithmeticConfig
 
 
@@ -117,7 +118,8 @@ class CriticConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage: Literal[ESTIMATORS] = Field("grpo", description=f"Advantage estimator, one of {ESTIMATORS}; `gae` trains a critic (PPO proper), `remax` adds one greedy rollout per prompt as baseline.")
+    advantage: str = Field("grpo", description=f"Advantage estimator: one of {ESTIMATORS} (`gae` trains a critic, PPO proper; `remax` adds one greedy rollout per prompt as baseline), or a dotted or file path (`my_pkg.adv:MyEstimator`) to a class built with this section and `advantage_args`, or a function of tidal.algorithms.AdvantageInputs, declaring `needs_values` / `needs_greedy_baseline` (tidal/algorithms/advantages.py).")
+    advantage_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of an `advantage` estimator of your own (a class gets them after this section; a function after its inputs).")
     std_scale: Literal["group", "batch", "none"] = Field("group", description="GRPO reward scaling: group std, batch std or none (Dr.GRPO).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over policy tokens (gae, reinforce++).")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE λ.")
@@ -127,6 +129,7 @@ class AlgorithmConfig(_Section):
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1 bounding the loss of negative advantages (ppo only); None: off.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (the loss subtracts coef × entropy).")
     loss: str | None = Field(None, description="The per-token objective: a dotted or file path (`my_pkg.losses:MyLoss`) to a class built with this section, or a function, called with tidal.algorithms.objective.LossInputs and returning a LossOutput (tidal/algorithms/objective.py); None: tidal's PolicyObjective (policy_loss, IS weight, rejection, KL, entropy, loss_agg).")
+    loss_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of a `loss` of your own (a class gets them after this section; a function after its LossInputs).")
     loss_agg: str = Field("token-mean", description=f"Loss aggregation, one of {AGGREGATIONS}.")
     loss_norm_len: int | None = Field(None, ge=1, description="Constant length of seq-mean-token-sum-norm (Dr.GRPO); None: rollout.max_new_tokens.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient against the frozen reference; 0 loads no reference model.")
@@ -149,6 +152,14 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
+        if self.advantage not in ESTIMATORS and not any(c in self.advantage for c in ".:/"):
+            raise ValueError(f"advantage must be one of {ESTIMATORS} or a path to an estimator of your own "
+                             f"(`my_pkg.module:Estimator`), got {self.advantage!r}")
+        if self.advantage_args and self.advantage in ESTIMATORS:
+            raise ValueError(f"advantage_args is for an estimator of your own; `{self.advantage}` takes its settings "
+                             "from this section (std_scale, gamma, lam)")
+        if self.loss_args and not self.loss:
+            raise ValueError("loss_args is for a `loss` of your own: set algorithm.loss")
         if self.loss_agg not in AGGREGATIONS:
             raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {self.loss_agg!r}")
         if self.kl_target is not None and self.kl_coef == 0:
@@ -355,8 +366,8 @@ class TidalConfig(_Section):
 
     @model_validator(mode="after")
     def _derived(self) -> TidalConfig:
-        if self.algorithm.advantage == "remax" and self.rollout.temperature == 0:
-            raise ValueError("algorithm.advantage=remax compares samples with the greedy response: rollout.temperature must be > 0")
+        if "greedy_baseline" in BUILTIN_NEEDS.get(self.algorithm.advantage, ()) and self.rollout.temperature == 0:
+            raise ValueError(f"algorithm.advantage={self.algorithm.advantage} compares samples with the greedy response: rollout.temperature must be > 0")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be below rollout.max_new_tokens={self.rollout.max_new_tokens}")
         pl = self.placement
@@ -385,8 +396,9 @@ class TidalConfig(_Section):
                              f"resolves to {self.model.resolved_device()!r}")
         if pl.mode == "ray" and self.engine.kind == "vllm" and self.engine.vllm_mode == "server":
             raise ValueError("engine.vllm_mode=server with placement.mode=ray: each engine actor runs vLLM in process; use engine.vllm_mode=in_process")
-        if self.rollout.prefix_policy == "split" and self.algorithm.advantage == "gae" and self.rollout.max_turns > 1:
-            raise ValueError("rollout.prefix_policy=split with algorithm.advantage=gae: a critic cannot value a segment "
+        if (self.rollout.prefix_policy == "split" and "values" in BUILTIN_NEEDS.get(self.algorithm.advantage, ())
+                and self.rollout.max_turns > 1):
+            raise ValueError(f"rollout.prefix_policy=split with algorithm.advantage={self.algorithm.advantage}: a critic cannot value a segment "
                              "apart from its episode; use rollout.prefix_policy=continue")
         if self.rollout.global_batch % self.train.mini_batches:
             raise ValueError(

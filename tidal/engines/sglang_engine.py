@@ -75,6 +75,7 @@ from typing import Any, Self
 
 import torch
 
+from tidal.engines.base import EngineBase
 from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.engines.served import http_call, server_workspace, stop_process_group, tail, wait_healthy
 from tidal.engines.stop_strings import check_stop_strings
@@ -205,7 +206,7 @@ SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}  # log-probs after temp
 
 
 # -- the engine --------------------------------------------------------------------------------
-class SGLangEngine:
+class SGLangEngine(EngineBase):
     """The Engine protocol over a supervised SGLang server (see the module docstring)."""
 
     def __init__(

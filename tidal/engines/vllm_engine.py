@@ -69,6 +69,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 import numpy as np
 import torch
 
+from tidal.engines.base import EngineBase
 from tidal.engines.gate import UpdateGate, with_tied_head
 from tidal.engines.stop_strings import check_stop_strings
 from tidal.engines.vllm_requests import (
@@ -105,7 +106,7 @@ def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
     return env
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """The Engine protocol over vLLM (see the module docstring for the two modes)."""
 
     def __init__(

@@ -24,7 +24,7 @@ from tidal.engines.router import Router
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher, choose_transport
-from tidal.runtime.trainer_group import TrainerGroup
+from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
 from tidal.runtime.workers import (
     EngineWorker,
     EnvWorker,
@@ -32,7 +32,6 @@ from tidal.runtime.workers import (
     RemoteEnvs,
     RewardActors,
     RewardWorker,
-    TrainerWorker,
     make_engine,
 )
 
@@ -86,9 +85,8 @@ class Roles:
     envs: object = None  # RemoteEnvs: environments on the env workers; None: in the driver
 
     def close(self) -> None:
-        for engine in getattr(self.engine, "replicas", [self.engine]):
-            if hasattr(engine, "close"):
-                engine.close()
+        for engine in self.engine.replicas if isinstance(self.engine, Router) else [self.engine]:
+            engine.close()
         if self.placement_group is None:
             return
         import ray

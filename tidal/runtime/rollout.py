@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride
+from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride, is_agent_env, optional
 from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
 from tidal.rewards.contract import RewardInput, RewardOutcome
@@ -237,7 +237,7 @@ class Rollout:
         ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
         group = (groups or {}).get(spec.group_id)
         try:
-            if getattr(spec.env, "agent", False):
+            if is_agent_env(spec.env):
                 return await self._run_agent_episode(spec, ep, group)
             return await self._run_episode(spec, ep, client, group)
         finally:
@@ -254,8 +254,8 @@ class Rollout:
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset raised {type(e).__name__}({e})")
         try:
             history, images = self._images(history, f"env `{name}` reset", spec.row)
-            tools = getattr(env, "tools", None) or None
-            override = getattr(env, "sampling", None)
+            tools = optional(env, "tools") or None
+            override = optional(env, "sampling")
             context_text, ep.tokens = self._opening(history, tools, images, f"env `{name}` reset", client.prompts)
         except Exception as e:  # noqa: BLE001 - a bad image or a message the template cannot render
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset: its messages cannot be rendered: "
@@ -413,7 +413,7 @@ class Rollout:
         """An agent environment (tidal/envs/openai_agent.py): the agent calls the gateway under
         the episode's session; its recorded calls become the episode's tokens and turns."""
         env, name, t0 = spec.env, spec.env.name, time.perf_counter()
-        who = getattr(env, "agent_path", name)
+        who = optional(env, "agent_path") or name
         if self.gateway is None:
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` runs an agent, but this rollout has no gateway")
         params = replace(self.params, temperature=0.0) if spec.greedy else self.params
@@ -478,7 +478,7 @@ class Rollout:
 
     async def _close(self, spec: EpisodeSpec, ep: Episode) -> None:
         """Release the environment (sandboxes, sessions) on every path, bounded."""
-        close = getattr(spec.env, "close", None)
+        close = optional(spec.env, "close")
         if close is None:
             return
         try:

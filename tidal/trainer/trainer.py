@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.algorithms import entropy_from_logits, kl_estimate, token_logprobs
+from tidal.algorithms import build_estimator, entropy_from_logits, kl_estimate, needs, token_logprobs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.importing import import_object
@@ -96,6 +96,8 @@ class Trainer:
                  norm_len: int = 1):
         self.train_cfg, self.algo = train, algo
         self.objective = build_objective(algo, import_object)  # algorithm.loss, or tidal's PolicyObjective
+        # An estimator that declares needs_values (gae) gets a critic, trained beside the policy.
+        self.needs_values = needs(build_estimator(algo, import_object), "values")
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
@@ -105,8 +107,8 @@ class Trainer:
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
         self._banned = None if self.vision is None else torch.tensor(self.vision.banned_token_ids, device=self.device)
-        if self.vision is not None and algo.advantage == "gae":
-            raise ValueError(f"algorithm.advantage=gae trains a critic (a token-classification value model), which "
+        if self.vision is not None and self.needs_values:
+            raise ValueError(f"algorithm.advantage={algo.advantage} trains a critic (a token-classification value model), which "
                              f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
                              "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
         # Eager attention under CPU mixed precision: torch's fused CPU attention backward is slow in
@@ -144,7 +146,7 @@ class Trainer:
             if self.world_size > 1:
                 dp.shard_model(self.ref_model, mixed_precision=mixed, reshard_root=True)
         self.critic = None
-        if algo.advantage == "gae":
+        if self.needs_values:
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
                                  warmup_steps=train.warmup_steps, betas=train.betas)
         self.optimizer = torch.optim.AdamW(
@@ -375,7 +377,7 @@ class Trainer:
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
         if self.critic is None:
-            raise RuntimeError("no critic: algorithm.advantage is not gae")
+            raise RuntimeError(f"no critic: algorithm.advantage={self.algo.advantage} declares no needs_values")
         return self._per_position(batch, self.critic.model, lambda toks, _i, _p, _u: self.critic.forward(*self._inputs(toks)))
 
     def _dummy_backward(self, kl_in_loss: bool, with_critic: bool) -> None:
@@ -550,7 +552,7 @@ class Trainer:
         self.version = st["version"]
         if self.critic is not None:
             if "critic" not in st:
-                raise ValueError(f"checkpoint {path} has no critic, but algorithm.advantage=gae needs one")
+                raise ValueError(f"checkpoint {path} has no critic, but algorithm.advantage={self.algo.advantage} needs one")
             self.critic.load(path / "critic", st["critic"])
         set_rng_state(st["rng"])
 
