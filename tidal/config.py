@@ -201,7 +201,15 @@ class TrainConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["auto", "torch", "vllm", "sglang"] = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), or auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang).")
+    kind: str = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang); or a dotted or file path to a builder of your own (`my_pkg.engines:build`, called as tidal.engines.factory.build_engine calls the built-in ones).")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in ("auto", "torch", "vllm", "sglang") and not any(c in v for c in ".:/"):
+            raise ValueError(f"kind must be auto, torch, vllm, sglang or a path to an engine builder "
+                             f"(`my_pkg.engines:build`), got {v!r}")
+        return v
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="The engine's parameter dtype; None: model.dtype. bfloat16 engines under a float32 (or mixed-precision) trainer receive the trainer's weights cast at the weight sync; the mismatch metrics (logprob_abs_diff, mismatch_kl) show what it costs and algorithm.is_level corrects it.")
     vllm_mode: Literal["in_process", "server"] = Field("in_process", description="vllm: the engine in this process, or an OpenAI-compatible vLLM server started and supervised by tidal on 127.0.0.1.")
