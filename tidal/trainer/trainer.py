@@ -419,50 +419,66 @@ class Trainer:
             if idx is None:
                 self._dummy_backward(kl_in_loss, with_critic)
                 continue
-            toks = [batch.tokens[i] for i in idx]
-            ims = None if batch.images is None else [batch.images[i] for i in idx]
-            pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
-            # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
-            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
-            prompts = self._prompts(batch, idx)
-            logits, targets = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
-            logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
-            ref_logp = None
-            if kl_in_loss:
-                with torch.no_grad():
-                    ref_logits = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)[0]
-                    ref_logp = at_mask(mask, token_logprobs(ref_logits, targets, self.temperature))
-            behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
-            x = LossInputs(
-                logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
-                                                                                           for i in idx]),
-                behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
-                entropy=at_mask(mask, entropy_from_logits(
-                    logits if self.objective.entropy_grad else logits.detach(), self.temperature)),
-                total_tokens=total_tokens, total_seqs=total_seqs, norm_len=self.norm_len, ref_logp=ref_logp,
-                kl_coef=kl_coef)
-            # loss
-            out = self.objective(x)
-            # backward
-            if with_critic:
-                ids, attn = self._inputs(toks)
-                v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
-                                                  pad([batch.returns[i] for i in idx]), mask, total_tokens)
-                v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
-                for k, v in v_sums.items():
-                    sums[k] += v
-            out.loss.backward()
-            for k, v in out.sums.items():
-                if k in sums:
-                    sums[k] += v
-            with torch.no_grad():  # what the trainer itself reports: the loss, entropy, engine/trainer mismatch
-                m = mask.float()
-                sums["loss"] += float(out.loss)
-                sums["entropy"] += float((x.entropy.detach() * m).sum())
-                diff = (logp.detach() - behav).abs() * m
-                sums["logprob_abs_diff"] += float(diff.sum())
-                sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
-                max_diff = max(max_diff, float(diff.max()) if diff.numel() else 0.0)
+            diff = self._micro_backward(batch, idx, masks, sums, kl_coef=kl_coef, kl_in_loss=kl_in_loss,
+                                        with_critic=with_critic, totals=(total_tokens, total_seqs), unit_len=unit_len)
+            max_diff = max(max_diff, diff)
+        return self._global_metrics(sums, masks, max_diff, kl_in_loss)
+
+    def _micro_backward(self, batch: TrainBatch, idx: list[int], masks: list[list[bool]], sums: dict[str, float], *,
+                        kl_coef: float, kl_in_loss: bool, with_critic: bool, totals: tuple[float, float],
+                        unit_len: int | None) -> float:
+        """One micro-batch's forward and backward (policy, and critic when it trains); its sums
+        are added to `sums`. Returns its largest |trainer − engine| log-prob difference."""
+        toks = [batch.tokens[i] for i in idx]
+        ims = None if batch.images is None else [batch.images[i] for i in idx]
+        pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
+        # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
+        mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
+        prompts = self._prompts(batch, idx)
+        logits, targets = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
+        logp = at_mask(mask, token_logprobs(logits, targets, self.temperature))
+        ref_logp = None
+        if kl_in_loss:
+            with torch.no_grad():
+                ref_logits = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)[0]
+                ref_logp = at_mask(mask, token_logprobs(ref_logits, targets, self.temperature))
+        behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
+        x = LossInputs(
+            logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
+                                                                                       for i in idx]),
+            behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
+            entropy=at_mask(mask, entropy_from_logits(
+                logits if self.objective.entropy_grad else logits.detach(), self.temperature)),
+            total_tokens=totals[0], total_seqs=totals[1], norm_len=self.norm_len, ref_logp=ref_logp,
+            kl_coef=kl_coef)
+        # loss
+        out = self.objective(x)
+        # backward
+        if with_critic:
+            ids, attn = self._inputs(toks)
+            v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
+                                              pad([batch.returns[i] for i in idx]), mask, totals[0])
+            v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
+            for k, v in v_sums.items():
+                sums[k] += v
+        out.loss.backward()
+        for k, v in out.sums.items():
+            if k in sums:
+                sums[k] += v
+        with torch.no_grad():  # what the trainer itself reports: the loss, entropy, engine/trainer mismatch
+            m = mask.float()
+            sums["loss"] += float(out.loss)
+            sums["entropy"] += float((x.entropy.detach() * m).sum())
+            diff = (logp.detach() - behav).abs() * m
+            sums["logprob_abs_diff"] += float(diff.sum())
+            sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
+            return float(diff.max()) if diff.numel() else 0.0
+
+    def _global_metrics(self, sums: dict[str, float], masks: list[list[bool]], max_diff: float,
+                        kl_in_loss: bool) -> dict[str, float]:
+        """The batch's metrics per policy token (data parallel: of the global batch, the same on
+        every rank); those of parts that are off are left out."""
+        algo = self.algo
         denom = max(float(sum(sum(m) for m in masks)), 1.0)  # this batch's tokens: metrics are local
         if self.world_size > 1:  # ... unless data parallel: then global, the same on every rank
             keys = list(sums)
