@@ -61,25 +61,30 @@ def test_default_job_reaches_90_percent_held_out(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3000)
+@pytest.mark.timeout(1200)
 def test_build_default_model_rebuilds_the_shipped_one(tmp_path):
-    """`tidal build-default-model` rebuilds a warm start as good as the shipped one (about 15
-    minutes). Not the same weights: 2000 SFT steps amplify the last bits in which two CPUs of
-    this kind sum differently (MKL picks kernels by CPU, PLATFORM.md), and a rebuild here was
-    measured 0.42 away in max-abs weight while its held-out accuracy was 0.02 from the shipped
-    one's. What must reproduce is what the model is for."""
+    """`tidal build-default-model` still builds the warm start it shipped: the first 500 of its
+    2000 steps, on the full build's schedule (`stop_after`), reach the shipped build's recorded
+    step-500 accuracy (about 4 minutes, where the whole rebuild took about 18 in CI). At step 500
+    the shipped model had 0.30 greedy accuracy and 0.59 pass@8 from 0.0 at initialisation: a build
+    that no longer learns (wrong labels, a broken tokenizer, a broken teacher) scores near 0 there,
+    and one that learns something else (only the careful teacher, no bugs) scores far above.
+    Not the same weights: SFT steps amplify the last bits in which two CPUs of this kind sum
+    differently (MKL picks kernels by CPU), so the comparison is of what the model is for."""
     import torch
     from safetensors.torch import load_file
 
     from tidal.recipes.tiny import build_default_model
 
     torch.set_num_threads(2)  # the shipped model was built with 2 threads
-    # Evaluated at the end only: the 7 evaluations on the way (~35 s each) check nothing here.
-    summary = build_default_model(tmp_path / "m", eval_every=2000)
+    summary = build_default_model(tmp_path / "m", eval_every=2000, stop_after=500)
     shipped = json.loads((DEFAULT_MODEL_DIR / "tidal_build.json").read_text())
-    # 400 held-out problems: the accuracy of one build has a binomial std of about 0.025, so two
-    # equally good builds lie within 0.05 (2 std) of each other; pass@8 (near 0.95) is tighter.
-    assert summary["val"]["accuracy"] == pytest.approx(shipped["val"]["accuracy"], abs=0.05)
-    assert summary["val"]["pass_at_k"] == pytest.approx(shipped["val"]["pass_at_k"], abs=0.05)
+    at_500 = next(h for h in shipped["history"] if h["step"] == 500)
+    assert summary["val"]["step"] == 500 and summary["steps"] == shipped["steps"]
+    # 400 held-out problems: an accuracy near 0.3 has a binomial std of about 0.023 and pass@8
+    # near 0.6 one of about 0.025, so two equally good builds lie within 0.05 (2 std) of each
+    # other; 0.07 adds room for the step-500 point being on a steeper part of the curve than the end.
+    assert summary["val"]["accuracy"] == pytest.approx(at_500["accuracy"], abs=0.07), summary["val"]
+    assert summary["val"]["pass_at_k"] == pytest.approx(at_500["pass_at_k"], abs=0.07), summary["val"]
     new, old = load_file(str(tmp_path / "m" / "model.safetensors")), load_file(str(DEFAULT_MODEL_DIR / "model.safetensors"))
     assert new.keys() == old.keys() and all(new[k].shape == old[k].shape for k in new)
