@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from tidal.config import AlertsConfig, ConfigError, load_config
-from tidal.monitor.alerts import ALERTS, Alerts
+from tidal.config import ALERTS, AlertsConfig, ConfigError, load_config
+from tidal.monitor.alerts import Alerts
 from tidal.monitor.hacking import HackingEvent
 from tidal.runtime.controller import Controller, RunFailed
 

@@ -102,3 +102,23 @@ def test_lora_settings_are_checked_and_nested_overrides_apply():
     assert cfg.train.lora.rank == 16 and cfg.train.lora.targets == ["q_proj", "v_proj"]
     with pytest.raises(ConfigError, match="train.lora.dropout"):
         load_config(None, ["train.lora.dropout=1.5"])
+
+
+def test_the_arithmetic_settings_are_the_generated_tasks_env_args(tmp_path):
+    """`task.arithmetic` (config files and run directories written before it moved) lands in
+    task.env_args, where the generated task reads its problem distribution; a clash or a bad
+    value is named with its key."""
+    from tidal.runtime.tasks import build_task
+
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"task": {"arithmetic": {"min_digits": 3, "max_digits": 3, "ops": "+"}}}))
+    old, new = load_config(path), load_config(None, ["task.env_args={min_digits: 3, max_digits: 3, ops: '+'}"])
+    assert old.task.env_args == new.task.env_args == {"min_digits": 3, "max_digits": 3, "ops": "+"}
+    rows = build_task(old.task).train_rows
+    assert rows == build_task(new.task).train_rows
+    assert all(len(a) == 3 and len(b) == 3 for a, b in (r["prompt"][0]["content"][8:-1].split(" + ") for r in rows[:50]))
+    assert load_config(None, ["task.env=tool_arith", "task.arithmetic.max_digits=3"]).task.env_args == {}
+    with pytest.raises(ConfigError, match=r"task.env_args.max_digits"):
+        load_config(None, ["task.arithmetic.max_digits=3", "task.env_args.max_digits=4"])
+    with pytest.raises(ConfigError, match=r"task.env_args.*min_digits"):
+        build_task(load_config(None, ["task.env_args.min_digits=0"]).task)

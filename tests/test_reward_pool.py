@@ -19,7 +19,8 @@ import pytest
 
 from tidal.config import RewardConfig, RewardSpec
 from tidal.rewards.contract import RewardInput
-from tidal.rewards.pool import GRACE_S, InlineScorer, ProcessScorer, RewardLoadError, build_scorer
+from tidal.rewards.pool import InlineScorer, ProcessScorer, RewardLoadError, build_scorer
+from tidal.rewards.pool_base import GRACE_S
 
 TIMEOUT_S = 1.0
 # The brief's bound: a hung call ends within reward.timeout_s plus 2 s. The pool answers by

@@ -7,6 +7,7 @@ global batch (prompts × samples per prompt) and a token budget per micro-batch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidal.algorithms import AGGREGATIONS, ESTIMATORS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS
 from tidal.algorithms.advantages import BUILTIN_NEEDS
-from tidal.envs.arithmetic import ArithmeticConfig
+
+# The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
+# without importing the monitors: they sit above config in the package order and read these.
+ALERTS = ("entropy_collapse", "kl_spike", "grad_norm_spike", "mismatch_growth", "staleness_over_bound",
+          "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "reward_up_eval_down", "reward_hacking")
+HACKING_KINDS = ("divergence", "length_correlation", "part_dominance", "verifier_errors", "judge_disagreement")
+# What each optional metric sink (run.loggers) imports, and the extra that installs it.
+SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 
 class _Section(BaseModel):
@@ -50,7 +58,7 @@ AGENT_ENVS = ("openai_agent", "tidal.envs.openai_agent", "tidal.envs.openai_agen
 class TaskConfig(_Section):
     name: str | None = Field(None, description="Task name recorded on every episode (Episode.env); None: the environment's name (arithmetic for the default task).")
     env: str = Field("single_turn", description="Environment class: a built-in name (single_turn, tool_arith, code, shell) or a dotted path `my_pkg.envs:MyEnv` or a file path `path/to/envs.py:MyEnv`; built as `Env(row, seed=..., **env_args)`.")
-    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class.")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class (and of its row generator `Env.rows` when there is no dataset); for the generated arithmetic task, its problem distribution: min_digits, max_digits, ops (tidal/envs/arithmetic.py).")
     agent: str | None = Field(None, description="With task.env=openai_agent: the agent, `solve(row, client)` (sync or async) as a dotted path `my_pkg.agents:solve` or a file path; `client` is an `openai.OpenAI` (sync) or `openai.AsyncOpenAI` (async) client pointed at the gateway's session of the episode.")
     agent_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the agent: `solve(row, client, **agent_args)`.")
     dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: the environment's own generated task (the arithmetic task for single_turn).")
@@ -58,10 +66,31 @@ class TaskConfig(_Section):
     reward: str | None = Field(None, description="Reward function as a dotted path `pkg.module:function` or a file path `path/to/rewards.py:function`; None: the environment's default (tidal.rewards.arithmetic:score for the arithmetic task).")
     reward_form: Literal["tidal", "trl", "verl"] = Field("tidal", description="Calling convention of `reward` (see task.rewards[].form).")
     rewards: list[RewardSpec] = Field(default_factory=list, description="Several rewards combined with weights, each logged as a part (instead of `reward`).")
-    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="Problem distribution of the generated arithmetic task.")
     train_size: int = Field(10_000, ge=1, description="Generated train problems.")
     eval_size: int = Field(500, ge=1, description="Held-out problems used by evaluation.")
     seed: int = Field(0, description="Seed of the generated problems.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _arithmetic_is_env_args(cls, data: Any) -> Any:
+        """`task.arithmetic` (configs and run directories written before it moved) is the arithmetic
+        task's `task.env_args`: carried there for the generated task, dropped (as it always was
+        ignored) for any other environment."""
+        if not isinstance(data, dict) or "arithmetic" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("arithmetic")
+        if not isinstance(old, dict):  # ValueError: pydantic names the key with it (a TypeError escapes)
+            raise ValueError("task.arithmetic is now task.env_args (e.g. task.env_args.max_digits=3): got "  # noqa: TRY004
+                             f"{type(old).__name__}, not a mapping")
+        if data.get("env", "single_turn") == "single_turn" and data.get("dataset") is None:
+            args = dict(data.get("env_args") or {})
+            clash = [k for k in old if k in args and args[k] != old[k]]
+            if clash:
+                raise ValueError(f"task.arithmetic is now task.env_args: task.arithmetic.{clash[0]} and "
+                                 f"task.env_args.{clash[0]} disagree; set only task.env_args.{clash[0]}")
+            data["env_args"] = {**old, **args}
+        return data
 
     @model_validator(mode="after")
     def _one_reward_list(self) -> TaskConfig:
@@ -291,9 +320,8 @@ class RunConfig(_Section):
     @field_validator("loggers")
     @classmethod
     def _loggers_installed(cls, v: list[str]) -> list[str]:
-        from tidal.monitor.sinks import missing_extras
-
-        problems = missing_extras(v)
+        problems = [f"{name} needs the `{SINK_EXTRAS[name][0]}` package: pip install 'tidal[{SINK_EXTRAS[name][1]}]'"
+                    for name in v if name in SINK_EXTRAS and importlib.util.find_spec(SINK_EXTRAS[name][0]) is None]
         if problems:
             raise ValueError("; ".join(problems))
         return list(dict.fromkeys(v))
@@ -335,15 +363,11 @@ class AlertsConfig(_Section):
     @field_validator("hacking_kinds")
     @classmethod
     def _known_kinds(cls, v: list[str]) -> list[str]:
-        from tidal.monitor.hacking import KINDS
-
-        return _only_known(v, KINDS, "hacking monitor(s)")
+        return _only_known(v, HACKING_KINDS, "hacking monitor(s)")
 
     @field_validator("stop_on")
     @classmethod
     def _known_alerts(cls, v: list[str]) -> list[str]:
-        from tidal.monitor.alerts import ALERTS
-
         return _only_known(v, ALERTS, "alert(s)")
 
 

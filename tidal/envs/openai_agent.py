@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from tidal.envs import BUILTIN_ENVS
+from tidal.envs.tools import run_sync_in_thread
 from tidal.importing import import_object
 
 
@@ -75,8 +77,6 @@ class OpenAIAgentEnv:
         if rows_from is None:
             raise ValueError("task.env=openai_agent has no rows of its own: name task.dataset, or "
                              "task.env_args.rows_from (a built-in env whose generated rows to use, e.g. tool_arith)")
-        from tidal.runtime.tasks import BUILTIN_ENVS
-
         if rows_from not in BUILTIN_ENVS or rows_from in ("openai_agent", "tidal.envs.openai_agent"):
             raise ValueError(f"task.env_args.rows_from={rows_from!r}: not a built-in env with rows "
                              f"({', '.join(k for k in BUILTIN_ENVS if '.' not in k and k != 'openai_agent')})")
@@ -106,8 +106,6 @@ class OpenAIAgentEnv:
             finally:
                 await client.close()
         else:
-            from tidal.envs.tools import _run_sync_in_thread
-
             client = openai.OpenAI(**kwargs)
 
             def call() -> Any:
@@ -116,7 +114,7 @@ class OpenAIAgentEnv:
                 finally:
                     client.close()
 
-            value = await _run_sync_in_thread(call, {})
+            value = await run_sync_in_thread(call, {})
             if inspect.isawaitable(value):  # a sync function that returned a coroutine
                 value = await value
         return result_of(value, self.agent_path)

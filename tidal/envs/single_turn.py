@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tidal.envs.arithmetic import ArithmeticConfig, make_problems
 from tidal.envs.base import Action, Message, StepResult
 
 
@@ -34,13 +35,16 @@ class SingleTurnEnv:
 
 class ArithmeticEnv(SingleTurnEnv):
     """The default task: generated arithmetic problems (tidal/envs/arithmetic.py), scored by
-    the exact answer plus a format part."""
+    the exact answer plus a format part. Its `task.env_args` are the problem distribution
+    (ArithmeticConfig: min_digits, max_digits, ops); they shape the rows, not the episode."""
 
     name = "arithmetic"
     default_reward = "tidal.rewards.arithmetic:score"
 
-    @classmethod
-    def rows(cls, split: str, n: int, seed: int, **kwargs: Any) -> list[dict[str, Any]]:
-        from tidal.envs.arithmetic import ArithmeticConfig, make_problems
+    def __init__(self, row: dict[str, Any], seed: int = 0, **problem_args: Any):
+        ArithmeticConfig(**problem_args)  # a misspelt or out-of-range setting is named at build_task
+        super().__init__(row, seed)
 
-        return make_problems(ArithmeticConfig(**kwargs), split, n, seed)
+    @classmethod
+    def rows(cls, split: str, n: int, seed: int, **problem_args: Any) -> list[dict[str, Any]]:
+        return make_problems(ArithmeticConfig(**problem_args), split, n, seed)

@@ -432,7 +432,7 @@ def tool_content(out: Any, max_chars: int, where: str = "tool output") -> tuple[
     return parts, total
 
 
-async def _run_sync_in_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+async def run_sync_in_thread(fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
     """Run `fn` in a daemon thread of its own: a hung tool keeps its thread but never blocks
     the loop, a shared executor (whose threads it would use up) or the interpreter's exit."""
     loop = asyncio.get_running_loop()
@@ -492,7 +492,7 @@ async def _run_one(call: ToolCall, tools: dict[str, Tool], timeout_s: float,
         if tool.is_async:
             out = await asyncio.wait_for(tool.fn(**kwargs), timeout_s)
         else:
-            out = await asyncio.wait_for(_run_sync_in_thread(tool.fn, kwargs), timeout_s)
+            out = await asyncio.wait_for(run_sync_in_thread(tool.fn, kwargs), timeout_s)
             if inspect.isawaitable(out):  # a sync function that returned a coroutine
                 out = await asyncio.wait_for(out, max(0.0, timeout_s - (time.perf_counter() - t0)))
     except TimeoutError:

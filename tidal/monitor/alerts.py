@@ -32,9 +32,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-ALERTS = ("entropy_collapse", "kl_spike", "grad_norm_spike", "mismatch_growth", "staleness_over_bound",
-          "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "reward_up_eval_down", "reward_hacking")
-
 
 @dataclass
 class AlertEvent:

@@ -34,11 +34,12 @@ from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from tidal.config import HACKING_KINDS
 from tidal.types import Episode, Status
 
 log = logging.getLogger("tidal.hacking")
 
-KINDS = ("divergence", "length_correlation", "part_dominance", "verifier_errors", "judge_disagreement")
+KINDS = HACKING_KINDS  # the monitors' names, which alerts.hacking_kinds is validated against
 _FUNCTION = re.compile(r"reward function `([^`]+)`")
 
 

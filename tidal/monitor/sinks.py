@@ -16,34 +16,21 @@ record is never given up.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-# What each optional sink imports, and the extra that installs it.
-EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 CONSOLE_KEYS = (("reward", "reward", "{:.3f}"), ("accuracy", "acc", "{:.3f}"), ("eval/accuracy", "eval", "{:.3f}"),
                 ("kl", "kl", "{:.4f}"), ("entropy", "entropy", "{:.3f}"), ("episodes/failed_frac", "failed", "{:.2f}"),
                 ("tokens_per_s", "tok/s", "{:.0f}"), ("time/step_s", "s/step", "{:.2f}"))
-
-
-def missing_extras(loggers: Sequence[str]) -> list[str]:
-    """The sinks among `loggers` whose client library is not installed, as messages."""
-    out = []
-    for name in loggers:
-        if name in EXTRAS and importlib.util.find_spec(EXTRAS[name][0]) is None:
-            out.append(f"{name} needs the `{EXTRAS[name][0]}` package: pip install 'tidal[{EXTRAS[name][1]}]'")
-    return out
 
 
 def numeric(metrics: dict[str, Any]) -> dict[str, float]:

@@ -24,9 +24,11 @@ import math
 import numbers
 import traceback as tb_module
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from tidal.rewards.contract import RewardInput, RewardOutcome, RewardParts
+from tidal.rewards.loading import load_reward
 
 log = logging.getLogger("tidal.rewards")
 
@@ -105,10 +107,6 @@ def reward_meta(specs: list[dict[str, Any]]) -> list[LoadedReward]:
 
 def load_rewards(specs: list[dict[str, Any]]) -> list[LoadedReward]:
     """Import every reward (a ValueError names the key of the first that fails)."""
-    from types import SimpleNamespace
-
-    from tidal.rewards import load_reward
-
     out = reward_meta(specs)
     for r, d in zip(out, specs):
         r.fn = load_reward(SimpleNamespace(fn=d["fn"], args=d.get("args") or {}), key=d["key"])

@@ -15,11 +15,11 @@ import threading
 import time
 from typing import Any
 
-from tidal.rewards.pool import (
-    _Call,
-    _PoolScorer,
-    _Slot,
-    _wire,
+from tidal.rewards.pool_base import (
+    Call,
+    PoolScorer,
+    Slot,
+    wire,
 )
 
 
@@ -39,7 +39,7 @@ class _Proc:
     """One worker process: its pipes, a reader thread and a sender thread (a full pipe blocks
     only the sender, never the caller's event loop or the bookkeeping)."""
 
-    def __init__(self, pool: ProcessPool, slot: _Slot):
+    def __init__(self, pool: ProcessPool, slot: Slot):
         from multiprocessing.connection import Connection
 
         self.pool, self.slot = pool, slot
@@ -111,24 +111,24 @@ class _Proc:
         self.outbox.put(None)
 
 
-class ProcessPool(_PoolScorer):
+class ProcessPool(PoolScorer):
     """Rewards in `reward.workers` worker processes on this machine."""
 
     def __init__(self, specs: list[dict[str, Any]], cfg):
         super().__init__(specs, cfg, int(cfg.workers), int(cfg.max_concurrency))
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: Slot) -> None:
         slot.transport = _Proc(self, slot)
         slot.pid = slot.transport.proc.pid
 
-    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
-        slot.transport.send(pickle.dumps(_wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
+    def _send(self, slot: Slot, calls: list[Call]) -> None:
+        slot.transport.send(pickle.dumps(wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _kill(self, slot: _Slot) -> None:
+    def _kill(self, slot: Slot) -> None:
         if slot.transport is not None:
             slot.transport.kill()
 
-    def _stop(self, slots: list[_Slot]) -> None:
+    def _stop(self, slots: list[Slot]) -> None:
         procs = [s.transport for s in slots if s.transport is not None]
         for p in procs:
             p.send(pickle.dumps({"close": True}))

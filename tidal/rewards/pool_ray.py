@@ -8,18 +8,18 @@ import queue
 import threading
 from typing import Any
 
-from tidal.rewards.pool import (
+from tidal.rewards.pool_base import (
     RAY_ACTOR_CONCURRENCY,
-    _Call,
-    _PoolScorer,
-    _Slot,
-    _unscored,
-    _wire,
+    Call,
+    PoolScorer,
+    Slot,
+    unscored,
+    wire,
 )
 
 
 # -- Ray reward actors -------------------------------------------------------------------------
-class RayPool(_PoolScorer):
+class RayPool(PoolScorer):
     """Rewards in Ray actors (`RewardWorker`, placement.reward_workers). `actors` is
     placement's `RewardActors`: `spawn(i, specs, timeout_s)` starts the actor of slot i (in
     its placement-group bundle), also to replace one that was killed or died."""
@@ -41,11 +41,11 @@ class RayPool(_PoolScorer):
     def _on(self, ref, handler) -> None:
         ref.future().add_done_callback(lambda f: self._events.put(lambda: handler(f)))
 
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, slot: Slot) -> None:
         slot.transport = self.actors.spawn(slot.index, self.specs, self.timeout_s)
         self._on(slot.transport.ready.remote(), lambda f: self._ray_ready(slot, f))
 
-    def _ray_ready(self, slot: _Slot, f) -> None:
+    def _ray_ready(self, slot: Slot, f) -> None:
         try:
             info = f.result()
         except Exception as e:  # noqa: BLE001 - the actor's constructor raised (a reward failed to load) or it died
@@ -60,14 +60,14 @@ class RayPool(_PoolScorer):
                 self._on_ready(slot, info)
             self._flush_wakes()
 
-    def _send(self, slot: _Slot, calls: list[_Call]) -> None:
+    def _send(self, slot: Slot, calls: list[Call]) -> None:
         """One streaming actor call for the lot: answers come back in bunches as they finish
         (a synchronous call's answer tells that the next one started, as with the processes)."""
-        gen = slot.transport.run_batch.options(num_returns="streaming").remote(_wire(calls))
+        gen = slot.transport.run_batch.options(num_returns="streaming").remote(wire(calls))
         threading.Thread(target=self._consume, args=(slot, gen, calls), name=f"tidal-reward-ray{slot.index}",
                          daemon=True).start()
 
-    def _consume(self, slot: _Slot, gen, calls: list[_Call]) -> None:
+    def _consume(self, slot: Slot, gen, calls: list[Call]) -> None:
         import ray
         from ray.exceptions import RayActorError
 
@@ -84,17 +84,17 @@ class RayPool(_PoolScorer):
         except Exception as e:  # noqa: BLE001 - the host itself failed: its calls are errors, not hangs
             why = f"the reward worker raised {_ray_cause(e)}"
             with self._lock:
-                self._on_results(slot, [(c.id, _unscored(why, len(c.inputs)), False) for c in calls])
+                self._on_results(slot, [(c.id, unscored(why, len(c.inputs)), False) for c in calls])
                 self._flush_wakes()
 
-    def _kill(self, slot: _Slot) -> None:
+    def _kill(self, slot: Slot) -> None:
         if slot.transport is not None:
             import ray
 
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(slot.transport, no_restart=True)
 
-    def _stop(self, slots: list[_Slot]) -> None:
+    def _stop(self, slots: list[Slot]) -> None:
         for s in slots:
             self._kill(s)
         self._events.put(None)

@@ -13,21 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidal.config import ConfigError, RewardSpec, TaskConfig
+from tidal.envs import BUILTIN_ENVS, GENERATED_TASK
 from tidal.envs.dataset import load_prompts
 from tidal.importing import import_object
-
-BUILTIN_ENVS = {
-    "single_turn": "tidal.envs.single_turn:SingleTurnEnv",
-    "tool_arith": "tidal.envs.tool_arith:ToolArithEnv",
-    "vlm_color": "tidal.envs.image_tasks:ColorEnv",
-    "vlm_count": "tidal.envs.image_tasks:CountEnv",
-    "vlm_zoom": "tidal.envs.image_tasks:ZoomEnv",
-    "code": "tidal.envs.code:CodeEnv",
-    "shell": "tidal.envs.shell:ShellEnv",
-    "browser": "tidal.envs.browser:BrowserEnv",
-    "openai_agent": "tidal.envs.openai_agent:OpenAIAgentEnv",
-    "tidal.envs.openai_agent": "tidal.envs.openai_agent:OpenAIAgentEnv",
-}
 
 
 @dataclass
@@ -47,10 +35,9 @@ class Task:
 
 def load_env_class(cfg: TaskConfig):
     if cfg.env == "single_turn" and cfg.dataset is None:
-        from tidal.envs.single_turn import ArithmeticEnv
-
-        return ArithmeticEnv  # the generated default task
-    path = BUILTIN_ENVS.get(cfg.env, cfg.env)
+        path = GENERATED_TASK  # the generated default task
+    else:
+        path = BUILTIN_ENVS.get(cfg.env, cfg.env)
     try:
         cls = import_object(path, "task.env")
     except ValueError as e:
@@ -68,14 +55,17 @@ def build_task(cfg: TaskConfig) -> Task:
         rows_of = getattr(env_cls, "rows", None)
         if rows_of is None:
             raise ConfigError(f"invalid config: `task.dataset`: env `{cfg.env}` generates no rows of its own; name a dataset")
-        gen_args = cfg.arithmetic.model_dump() if cfg.env == "single_turn" else dict(cfg.env_args)
-        gen_args = _accepted(rows_of, gen_args)
-        train = rows_of("train", cfg.train_size, cfg.seed, **gen_args)
-        held_out = rows_of("test", cfg.eval_size, cfg.seed, **gen_args)
+        gen_args = _accepted(rows_of, dict(cfg.env_args))
+        try:
+            train = rows_of("train", cfg.train_size, cfg.seed, **gen_args)
+            held_out = rows_of("test", cfg.eval_size, cfg.seed, **gen_args)
+        except (TypeError, ValueError) as e:  # e.g. the arithmetic task's min_digits=0
+            raise ConfigError(f"invalid config: `task.env_args`: env `{cfg.env}` cannot generate rows with "
+                              f"{gen_args}: {e}") from None
     else:
         train = load_prompts(cfg.dataset)
         held_out = load_prompts(cfg.eval_dataset) if cfg.eval_dataset else []
-    env_args = {} if cfg.env == "single_turn" else dict(cfg.env_args)
+    env_args = dict(cfg.env_args)
     if cfg.agent:  # an agent environment (task.env=openai_agent) runs task.agent
         env_args = {**env_args, "agent": cfg.agent, "agent_args": dict(cfg.agent_args)}
     name = cfg.name or getattr(env_cls, "name", None) or cfg.env

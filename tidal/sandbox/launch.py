@@ -25,7 +25,6 @@ import functools
 import glob
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from tidal.sandbox import supervisor, thread_user
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.result import SandboxUnavailable
+from tidal.sandbox.supervisor import readable_by
 
 RUNNER_SOURCE = (Path(__file__).with_name("_runner.py")).read_text()
 # Started with `-c`: reads the runner's code object (the first frame on the request pipe,
@@ -90,21 +90,6 @@ def _runs_as_root() -> bool:
     return os.geteuid() == 0
 
 
-def _readable_by(path: str, uid: int) -> bool:
-    """Whether `uid` can reach and read `path` through ordinary permissions."""
-    if uid == os.geteuid():
-        return os.access(path, os.R_OK)
-    parts = Path(path).resolve().parts
-    for i in range(1, len(parts) + 1):
-        node = os.stat(os.path.join(*parts[:i]))
-        needed = stat.S_IROTH if i == len(parts) else stat.S_IXOTH
-        if node.st_uid == uid:
-            needed <<= 6
-        if not node.st_mode & needed:
-            return False
-    return True
-
-
 def sandbox_uid(config: SandboxConfig) -> int:
     return config.sandbox_uid if _runs_as_root() else os.geteuid()
 
@@ -140,9 +125,9 @@ def resolve_python(config: SandboxConfig) -> SandboxPython:
         candidates = [os.path.realpath(base), "/usr/bin/python3"]
     for candidate in candidates:
         path = shutil.which(candidate) or candidate
-        if os.path.exists(path) and _readable_by(path, uid):
+        if os.path.exists(path) and readable_by(path, uid):
             described = _describe_python(os.path.realpath(path))
-            if all(_readable_by(p, uid) for p in described.prefixes):
+            if all(readable_by(p, uid) for p in described.prefixes):
                 return described
     raise SandboxUnavailable(
         f"no Python interpreter readable by the sandbox uid {uid} among {candidates}; set sandbox.python "

@@ -82,12 +82,25 @@ def _compile(source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
+def readable_by(path: str, uid: int) -> bool:
+    """Whether `uid` can reach and read `path` through ordinary permissions."""
+    if uid == os.geteuid():
+        return os.access(path, os.R_OK)
+    parts = Path(path).resolve().parts
+    for i in range(1, len(parts) + 1):
+        node = os.stat(os.path.join(*parts[:i]))
+        needed = stat.S_IROTH if i == len(parts) else stat.S_IXOTH
+        if node.st_uid == uid:
+            needed <<= 6
+        if not node.st_mode & needed:
+            return False
+    return True
+
+
 @functools.lru_cache(maxsize=8)
 def binary(sandbox_uid: int) -> str | None:
     """The path of the built supervisor, built now if needed; None (with a warning, once) if
     it cannot be built or used safely, in which case the runner supervises itself."""
-    from tidal.sandbox.launch import _readable_by
-
     source = SOURCE.read_bytes()
     directory = cache_dir()
     target = directory / f"supervisor-{hashlib.sha256(source).hexdigest()[:16]}"
@@ -99,7 +112,7 @@ def binary(sandbox_uid: int) -> str | None:
             target.unlink()
         if not target.exists():
             _compile(SOURCE, target)
-        if not _readable_by(str(target), sandbox_uid) or stat.S_IMODE(os.stat(target).st_mode) & 0o111 != 0o111:
+        if not readable_by(str(target), sandbox_uid) or stat.S_IMODE(os.stat(target).st_mode) & 0o111 != 0o111:
             raise OSError(f"the sandbox uid {sandbox_uid} cannot read and execute {target}")
     except (OSError, subprocess.TimeoutExpired) as e:
         log.warning("sandbox: the native supervisor is unavailable (%s); each run's interpreter forks its own "
