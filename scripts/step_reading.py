@@ -4,16 +4,21 @@
 
 Runs the default job (`tidal train` with no arguments, run.dir in a temporary directory) for
 one warm-up step, then traces one more `Controller.train_step` with a profile hook on every
-thread, and counts the functions a reader must read to follow it:
+thread, and counts the functions a reader must read to follow it, two ways:
 
-- every tidal function that runs during the step in the loop's own package (`tidal/runtime/`, and
-  `tidal/envs/loop_scoped.py`, which runs the loop's coroutines),
-  reached from `train_step` (frames on the same call stack; asyncio tasks and threads that
-  runtime code starts count as reached);
-- of every other package (the components: trainer, engines, envs, rewards, algorithms,
-  weightsync, monitor, models, config), only the entry function the loop calls (the first
-  frame of that package on the stack), not what it calls in turn: a reader of the step
-  reads `Trainer.forward_backward`, not the micro-batch layout under it.
+- the path (the count the architecture issue bounds: at most 8 files and 900 lines): every
+  tidal function that runs during the step in the loop's own package (`tidal/runtime/`),
+  reached from `train_step` through runtime functions only, plus the two the path ends in,
+  `Trainer.forward_backward` and `Trainer.optim_step`. A call into any other package (the
+  components: trainer internals, engines, envs, rewards, algorithms, weightsync, monitor,
+  models, config, types) is read at its call site, not opened;
+- with every component entry: the same, plus the first function of each other package that
+  the loop calls (`HackingMonitor.update`, `estimate_advantages`, `Engine.generate`, ...), but
+  not what that function calls in turn.
+
+Frames on the same call stack count as reached; asyncio tasks count through the event loop
+that `tidal/envs/loop_scoped.py` runs for the loop (that runner itself is not counted), and a
+thread that runtime code starts counts as reached.
 
 Lines: the sum over those functions of `end_lineno - lineno + 1` (their definition, docstring
 and body, as `ast` gives them); files: the files that define them. Module docstrings,
