@@ -45,13 +45,13 @@ from tidal.monitor.progress import Progress
 from tidal.monitor.run_log import RunLog
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
+from tidal.monitor.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime.assemble import build_run
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
 from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.health import Health, RunFailed
 from tidal.runtime.rollout import group_specs
-from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
 from tidal.types import Episode
 
 log = logging.getLogger("tidal")

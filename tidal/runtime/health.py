@@ -28,11 +28,21 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.monitor.alerts import AlertEvent, Alerts
 from tidal.monitor.hacking import HackingMonitor
-from tidal.runtime.recovery import role_restarts
 from tidal.types import Episode
 
 log = logging.getLogger("tidal")
 FAILURE_STATUSES = ("env_error", "reward_error", "engine_error", "timeout")
+
+
+def role_restarts(roles, step: int) -> list[dict]:
+    """The engine replicas and env workers replaced since the last call, as `restart` events
+    of `step` (`Health.watch` writes them to RUN/events.jsonl with the step's alerts)."""
+    out = []
+    for source in (roles.pusher, roles.envs):
+        pending = getattr(source, "restart_events", None)
+        while pending:
+            out.append({"kind": "restart", "step": step, **pending.pop(0)})
+    return out
 
 
 class RunFailed(RuntimeError):

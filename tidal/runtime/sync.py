@@ -35,7 +35,7 @@ class WeightPusher:
         self.describe = describe
         self.restarts = 0  # engine replicas replaced so far
         self.events: list[str] = []  # what happened to replicas, newest last
-        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (recovery.role_restarts)
+        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (health.role_restarts)
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:

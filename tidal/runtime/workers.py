@@ -310,7 +310,7 @@ class RemoteEnvs:
         self.live = [0] * len(handles)
         self.served = [0] * len(handles)  # episodes started, per worker
         self.respawn, self.max_restarts, self.restarts = respawn, max_restarts, 0
-        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (recovery.role_restarts)
+        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (health.role_restarts)
         self._replacing: dict[int, asyncio.Future] = {}
         self._ids = iter(range(1 << 62))
 
