@@ -12,7 +12,6 @@ TIDAL = Path(__file__).resolve().parent.parent / "tidal"
 
 # file:function -> why it is still longer than LIMIT (tracked in the architecture issue).
 STAYS = {
-    "runtime/gateway.py:prepare": "the OpenAI request's validation, one branch per field, in the order the API documents",
     "monitor/dashboard/server.py:build_app": "a FastAPI app: its routes are closures over the runs",
     "runtime/gateway_http.py:build_app": "a FastAPI app: its routes are closures over the gateway",
     "rewards/server.py:create_app": "a FastAPI app: its routes are closures over the reward model pool",
