@@ -15,7 +15,6 @@ STAYS = {
     "monitor/dashboard/server.py:build_app": "a FastAPI app: its routes are closures over the runs",
     "runtime/gateway_http.py:build_app": "a FastAPI app: its routes are closures over the gateway",
     "rewards/server.py:create_app": "a FastAPI app: its routes are closures over the reward model pool",
-    "cli.py:main": "argparse: one parser per command",
     "recipes/vlm_build.py:build_default_vlm": "a recipe: the tiny VLM's curriculum, stage by stage",
     "recipes/browser_model.py:build_browser_model": "a recipe: the tiny browser model's curriculum, stage by stage",
     "monitor/dashboard/synthetic.py:make_run": "a synthetic run directory for the dashboard's tests, file by file",

@@ -375,9 +375,16 @@ def _stacks_on_sigusr1() -> None:
             pass  # no stderr descriptor at all: nothing to print the stacks on
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
+    _run_commands(sub)
+    _build_commands(sub)
+    _serve_commands(sub)
+    return p
+
+
+def _run_commands(sub) -> None:
     t = sub.add_parser("train", help="train a policy with RL")
     t.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides")
     t.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint")
@@ -387,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (eval.n, eval.k, ...)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
+
+
+def _build_commands(sub) -> None:
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
     from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR
 
@@ -421,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--init", default=None, help="initial weights and tokenizer (default: the embedded tiny model)")
     r.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     r.set_defaults(fn=cmd_train_rm, args=[])
+
+
+def _serve_commands(sub) -> None:
     s = sub.add_parser("serve-rm", help="serve a reward model over HTTP (tidal /score and OpenRLHF /get_reward)")
     s.add_argument("model", help="HF sequence-classification directory (e.g. from tidal train-rm)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback only with a token")
@@ -459,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--port", type=int, default=8765, help="port (0: a free one, printed; default 8765)")
     d.add_argument("--token-env", default=None, help="name of an environment variable holding the token")
     d.set_defaults(fn=cmd_dashboard, args=[])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
     ns, rest = p.parse_known_args(argv)
     if any(r.startswith("-") for r in rest):
