@@ -18,7 +18,6 @@ STAYS = {
     "recipes/vlm_build.py:build_default_vlm": "a recipe: the tiny VLM's curriculum, stage by stage",
     "recipes/browser_model.py:build_browser_model": "a recipe: the tiny browser model's curriculum, stage by stage",
     "monitor/dashboard/synthetic.py:make_run": "a synthetic run directory for the dashboard's tests, file by file",
-    "runtime/placement.py:_ray_roles": "the placement group's bundles and every actor of a Ray run",
 }
 
 
