@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from tidal.runtime.handles import Handle, gather
-from tidal.runtime.threads import on_own_thread
+from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
 
 log = logging.getLogger("tidal")
@@ -44,7 +44,7 @@ class WeightPusher:
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
-            # On a thread that ends with it, as the trainer's calls (threads.py): copying the
+            # On a thread that ends with it, as the trainer's calls (trainer_group.on_own_thread): copying the
             # weights into the engine is a parallel op whose OpenMP team must not stay on the loop's thread.
             return on_own_thread(lambda: {"time/weight_sync_s": sync.push(trainer.version,
                                                                           trainer.named_weights())["seconds"]})
