@@ -11,9 +11,8 @@ What it compares (generated tokens per second of wall clock, one `Rollout.run` e
   run, an HTTP call), and its answer is appended as a `tool` message; the next turn's
   prompt is the whole conversation so far (the torch engine has no prefix cache, so each
   turn prefills it again);
-- multi-turn without the engine's scheduler (`TorchEngine(cross_call_batching=False)`, the
-  engine before it had one): each `generate` call runs its own decode loop, so the next turn
-  of an episode whose tool answered cannot join the batch that is running.
+- multi-turn without the prefix cache (`TorchEngine(prefix_cache_bytes=0)`): each turn
+  prefills the whole conversation again.
 
 The same number of tokens is generated in every run: lengths are forced with
 `max_new_tokens` and no stop tokens (every turn runs to its limit). The model is a Qwen2 with
@@ -21,9 +20,7 @@ random weights (hidden 256, 4 layers, the embedded model's tokenizer; built as i
 benchmarks/async.py, with its special tokens blocked: `build_random_qwen2`), so the text is
 random; nothing is scored. Each round runs the three in
 turn, the order reversed every other round; the table gives medians over rounds. The process
-is pinned to one core (`--cores`): an engine has one device, and the engine without a
-scheduler, whose concurrent calls each run a decode loop in a thread, would otherwise also
-take more cores of a CPU, where on a GPU it could only share the one. Two
+is pinned to one core (`--cores`): an engine has one device. Two
 workloads: more episodes than batch slots (`--episodes`, default 2 x max batch: while some
 episodes wait on their tool the others fill the batch, the regime an agentic run is in) and
 exactly one batch of episodes (every episode's tool wait is visible, nobody can fill it).
@@ -153,7 +150,6 @@ RUNS = [
     ("single-turn", "default", False),
     ("multi-turn", "default", True),
     ("multi-turn, no prefix cache", "no prefix cache", True),
-    ("multi-turn, engine before (no scheduler, no prefix cache)", "before", True),
 ]
 
 
@@ -210,9 +206,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.cores:
-        # One engine has one device: the engine without a scheduler runs a decode loop per
-        # call in threads, which on a CPU would otherwise also take more cores (a GPU it
-        # would only share).
+        # One engine has one device: on a CPU it would otherwise take more cores than a GPU it stands for.
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cores])
 
     from tidal.engines.torch_engine import TorchEngine
@@ -223,9 +217,7 @@ def main() -> None:
         tokenizer = load_tokenizer(model_dir)
         model = load_model(model_dir)
     engines = {"default": TorchEngine(model, tokenizer.pad_token_id, args.max_batch),
-               "no prefix cache": TorchEngine(model, tokenizer.pad_token_id, args.max_batch, prefix_cache_bytes=0),
-               "before": TorchEngine(model, tokenizer.pad_token_id, args.max_batch, cross_call_batching=False,
-                                     prefix_cache_bytes=0)}
+               "no prefix cache": TorchEngine(model, tokenizer.pad_token_id, args.max_batch, prefix_cache_bytes=0)}
     for eng in engines.values():  # warm-up (allocator, first-call costs)
         run_once(eng, tokenizer, True, 8, 2, 8, (1.0, 2.0), seed=99)
     many = args.episodes or 2 * args.max_batch

@@ -21,7 +21,7 @@ from tidal.types import GenerationRequest, SamplingParams
 # engine's / the trainer's full pass). The largest measured |Δ| is 1.3e-4 (above); the 5e-4 once used
 # left ~4x, too little for another CPU's kernels (AVX2/AVX-512/AMX summation orders) on the perturbed
 # weights. 2e-3 leaves ~15x and is still 100x under the error it exists to catch: a stale tied output
-# layer is off by 0.2-0.7 (PLATFORM.md).
+# layer is off by 0.2-0.7 (docs/weightsync.md, "Tied embeddings").
 LOGPROB_TOL = 2e-3
 MODEL = DEFAULT_MODEL_DIR
 
@@ -106,7 +106,7 @@ def check_greedy_equals_reference(engine, reference, prompts, tok) -> None:
 
 def check_update_follows_new_weights(engine, reference, prompts, tok) -> None:
     """Outputs and log-probs follow new weights (a stale tied output layer would be off by
-    0.2-0.7, PLATFORM.md), the version is reported, and the old weights restore old outputs."""
+    0.2-0.7, docs/weightsync.md), the version is reported, and the old weights restore old outputs."""
     reqs = requests(prompts[:16], tok)
     before = run(engine.generate(reqs))
     new = perturbed_weights(seed=1)

@@ -8,7 +8,8 @@ import pytest
 
 from tidal.config import ConfigError, EngineConfig, load_config
 from tidal.engines.factory import build_engine, choose_engine_kind
-from tidal.engines.vllm_engine import _sampling_fields, vllm_env
+from tidal.engines.vllm_engine import vllm_env
+from tidal.engines.vllm_requests import vllm_sampling_fields
 from tidal.types import SamplingParams
 
 
@@ -54,11 +55,11 @@ def test_engine_config_is_validated():
 
 
 def test_sampling_params_map_to_vllm():
-    greedy = _sampling_fields(SamplingParams(max_new_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=9,
+    greedy = vllm_sampling_fields(SamplingParams(max_new_tokens=5, temperature=0.0, top_p=0.5, top_k=3, seed=9,
                                              stop_token_ids=(2, 7)))
     assert greedy == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 9,
                       "stop_token_ids": [2, 7], "ignore_eos": True, "logprobs": 0}
-    sampled = _sampling_fields(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1))
+    sampled = vllm_sampling_fields(SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=1))
     assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.9, 40)
 
 

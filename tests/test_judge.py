@@ -160,9 +160,9 @@ def test_score_formats_parse(reply, score):
 
 @pytest.mark.parametrize("reply", ["It is good.", "Score: 12", "4/5", "Score: -1", "", '{"score": "high"}'])
 def test_malformed_scores_are_refused(reply):
-    from tidal.rewards.judge import _Malformed
+    from tidal.rewards.judge_client import MalformedVerdict
 
-    with pytest.raises(_Malformed):
+    with pytest.raises(MalformedVerdict):
         parse_score(reply, 0, 10)
 
 

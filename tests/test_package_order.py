@@ -176,3 +176,25 @@ def test_the_checker_finds_climbs_package_pairs_and_cycles(tmp_path):
         "packages `envs` and `rewards` import each other",
         "import cycle: tidal.runtime.helper <-> tidal.runtime.loop",
     ], found
+
+
+def third_party_imports(path: Path, top: str) -> set[str]:
+    """The dotted names under the package `top` (a third-party one) that a file imports."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        out.update(n for n in names if n.split(".")[0] == top)
+    return out
+
+
+def test_ray_is_imported_in_the_runtime_and_the_ray_reward_pool_only():
+    """docs/architecture.md: Ray is the runtime's (placement, handles, workers, weight sync) and
+    the Ray backend of the reward pool's; Ray's private modules only in placement's loopback switch."""
+    users = {str(p.relative_to(TIDAL.parent)): third_party_imports(p, "ray") for p in TIDAL.rglob("*.py")}
+    users = {p: names for p, names in users.items() if names}
+    assert users, "no module imports ray: the check reads nothing"
+    outside = sorted(p for p in users if not p.startswith("tidal/runtime/") and p != "tidal/rewards/pool_ray.py")
+    assert not outside, f"ray imported outside tidal/runtime/ and tidal/rewards/pool_ray.py: {outside}"
+    private = sorted(p for p, names in users.items() if any("._" in n or n.startswith("ray._") for n in names))
+    assert private == ["tidal/runtime/placement.py"], private

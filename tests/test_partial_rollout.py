@@ -1,4 +1,4 @@
-"""Weight updates during generation in the torch engine (DESIGN.md: every token carries its
+"""Weight updates during generation in the torch engine (docs/architecture.md, "Invariants": every token carries its
 policy version). Partial rollouts: the update lands between decode steps and the running
 batch continues on the new weights, each token recording the version of the logits it was
 sampled from. partial_rollout=False: the update waits for the calls in flight."""

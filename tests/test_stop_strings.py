@@ -183,9 +183,9 @@ def test_vllm_gets_stop_strings_with_the_completing_token_kept():
     """The vLLM request fields (no vLLM needed): stop strings go as `stop`, matched in text with
     special tokens skipped, the stop string kept in the output (the slow vLLM test checks that
     vLLM then returns the completing token)."""
-    from tidal.engines.vllm_engine import _sampling_fields
+    from tidal.engines.vllm_requests import vllm_sampling_fields
 
-    fields = _sampling_fields(SamplingParams(stop=("</tool_call>",), stop_token_ids=(2,)))
+    fields = vllm_sampling_fields(SamplingParams(stop=("</tool_call>",), stop_token_ids=(2,)))
     assert fields["stop"] == ["</tool_call>"] and fields["include_stop_str_in_output"] is True
     assert fields["skip_special_tokens"] is True and fields["stop_token_ids"] == [2]
-    assert "stop" not in _sampling_fields(SamplingParams())
+    assert "stop" not in vllm_sampling_fields(SamplingParams())

@@ -1,4 +1,4 @@
-"""Trainer: gradients independent of the micro-batch split (DESIGN.md invariant), KL
+"""Trainer: gradients independent of the micro-batch split (docs/architecture.md invariant), KL
 reference only when needed, checkpoints that restore exactly."""
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIR
 
 # fp32, the same weights, two computations of one log-prob: vLLM (its own image processor, vision
 # tower, mRoPE and paged attention) vs one teacher-forced transformers forward of the whole sequence.
-# Measured here <= 1e-6 (PLATFORM.md: 1e-6); 1e-4 leaves 100x for another CPU's kernels. What it
+# Measured here <= 1e-6 (docs/multimodal.md: 1e-6); 1e-4 leaves 100x for another CPU's kernels. What it
 # catches moves log-probs by far more: 1-D positions instead of mRoPE, the old vision tower's
 # features after an update, an unmasked vision token (each asserted below to exceed 100 x TOL).
 TOL = 1e-4

@@ -218,13 +218,6 @@ def message_images(messages: Iterable[dict[str, Any]]) -> list[ImageBlob]:
             for p in m["content"] if isinstance(p, dict) and isinstance(p.get("image"), ImageBlob)]
 
 
-def message_text(content: Any) -> str:
-    """The text of a message content: a string as it is; the text parts of a list, joined."""
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    return "" if content is None else str(content)
-
-
 class ImageDir:
     """A run's images on disk, by id: `ROOT/ab/abcdef....png`. Written once (content-addressed),
     through a temporary file and a rename, so a reader never sees half a file."""

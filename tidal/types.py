@@ -6,7 +6,6 @@ process or a Ray actor boundary cheaply and can be written to Parquet as they ar
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum
@@ -124,7 +123,7 @@ class Turn:
 
 @dataclass
 class Episode:
-    """One rollout: the unit that goes to the trainer and to disk (DESIGN.md, Data)."""
+    """One rollout: the unit that goes to the trainer and to disk (docs/architecture.md, "Data")."""
 
     episode_id: str
     group_id: str
@@ -143,9 +142,10 @@ class Episode:
     step: int = 0
     seed: int = 0  # the environment's seed: same seed and same actions, same observations
     turns: list[Turn] = field(default_factory=list)
-    # Start offsets in `tokens` of separately trained sequences (DESIGN.md, prefix policy):
-    # [0] for an episode whose context grew by appending only. A chat template that re-renders
-    # earlier turns differently starts a new segment holding the re-rendered context.
+    # Start offsets in `tokens` of separately trained sequences (docs/architecture.md,
+    # "Invariants": rollout.prefix_policy): [0] for an episode whose context grew by appending
+    # only. A chat template that re-renders earlier turns differently starts a new segment
+    # holding the re-rendered context.
     segments: list[int] = field(default_factory=lambda: [0])
     outcome_reward: float = 0.0  # the reward functions' share of `reward` (the rest: turn rewards)
     # Image ids (tidal.images: content hashes), one per run of image pads in `tokens`, in order;
@@ -165,13 +165,3 @@ class Episode:
     def image_list(self) -> list[Any]:
         """The episode's ImageBlobs in order (one per image run of `tokens`)."""
         return [self.image_blobs[i] for i in self.images]
-
-    def to_row(self) -> dict[str, Any]:
-        blobs, self.image_blobs = self.image_blobs, {}
-        try:
-            row = dataclasses.asdict(self)
-        finally:
-            self.image_blobs = blobs
-        del row["image_blobs"]
-        row["status"] = self.status.value
-        return row

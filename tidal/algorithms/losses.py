@@ -8,7 +8,7 @@ importance weights of tidal.algorithms.corrections.
 A loss is computed per token, then `aggregate` reduces it with a denominator fixed for
 the whole (mini-)batch *before* it is split into micro-batches or ranks. Each
 micro-batch returns its share, the shares add up to the batch loss, and so gradients do
-not depend on the split (DESIGN.md invariant).
+not depend on the split (docs/architecture.md, "Invariants").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Engine protocol. The built-in torch engine, vLLM and SGLang each implement it, as do
+"""The Engine protocol (docs/architecture.md, "Roles"). The built-in torch engine, vLLM and SGLang each implement it, as do
 the router over replicas and the driver's proxy of an engine actor; the rest of tidal never
 knows which one runs.
 

@@ -16,7 +16,12 @@ from pathlib import Path
 
 from tidal.config import ConfigError, EngineConfig
 from tidal.engines.base import Engine
+from tidal.engines.sglang_engine import SGLangEngine, sglang_available
+from tidal.engines.torch_engine import TorchEngine
+from tidal.engines.vllm_engine import VLLMEngine
 from tidal.importing import import_object
+from tidal.models import load_model, load_tokenizer, resolve_model_dir
+from tidal.models.vision import Vision
 
 
 def choose_engine_kind(kind: str, device: str) -> tuple[str, str]:
@@ -32,10 +37,6 @@ def choose_engine_kind(kind: str, device: str) -> tuple[str, str]:
 
 def _torch(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int, seed: int,
            log_dir: str | Path | None) -> Engine:
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import load_model, load_tokenizer, resolve_model_dir
-    from tidal.models.vision import Vision
-
     # The tokenizer lets the engine see text: stop strings (SamplingParams.stop). Vision: a
     # vision-language model's image processor and tokens (None for a text model).
     return TorchEngine(load_model(model_dir, dtype=dtype, device=device), pad_token_id,
@@ -52,10 +53,6 @@ def _vllm(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, 
     if cfg.vllm_mode == "in_process" and cfg.replicas > 1:
         raise ConfigError(f"engine.replicas={cfg.replicas} with engine.vllm_mode=in_process: one process holds one "
                           "in-process vLLM engine; use engine.vllm_mode=server for several replicas")
-    from tidal.engines.vllm_engine import VLLMEngine
-    from tidal.models import resolve_model_dir
-    from tidal.models.vision import Vision
-
     # A vision-language model: vLLM gets the images, each run collapsed to one pad (vllm_engine.py).
     return VLLMEngine(model_dir, mode=cfg.vllm_mode, device=device, dtype=dtype, seed=seed,
                       max_batch_size=cfg.max_batch_size, kv_cache_gib=cfg.kv_cache_gib,
@@ -66,8 +63,6 @@ def _vllm(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, 
 
 def _sglang(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int, seed: int,
             log_dir: str | Path | None) -> Engine:
-    from tidal.engines.sglang_engine import SGLangEngine, sglang_available
-
     if not device.startswith("cuda") or not sglang_available():
         raise ConfigError("engine.kind=sglang needs a CUDA GPU and `pip install sglang`: SGLang has no CPU kernels "
                           f"(model.device resolves to {device!r}; sglang installed: "

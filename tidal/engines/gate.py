@@ -4,7 +4,7 @@
 new calls back until it is done, so each result's `version` produced all of its tokens;
 `pause()` holds new calls back too. `with_tied_head`: engines that keep a separately packed
 output layer need `lm_head.weight` in every update, even when the model ties it to the
-input embedding (PLATFORM.md).
+input embedding (docs/weightsync.md, "Tied embeddings": log-probs off by 0.2–0.7 without it).
 """
 
 from __future__ import annotations

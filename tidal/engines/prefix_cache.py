@@ -44,7 +44,7 @@ class PrefixCache:
         self.bytes = 0
         self.hits = 0  # requests that found their session's prefix
         self._entries: OrderedDict[str, Prefix] = OrderedDict()
-        self._lock = threading.Lock()  # loops of several calls (cross_call_batching=False) share it
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)

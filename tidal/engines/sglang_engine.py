@@ -76,6 +76,7 @@ import torch
 
 from tidal.engines.served import ServedEngine, http_call, server_workspace, stop_process_group, tail, wait_healthy
 from tidal.engines.stop_strings import check_stop_strings
+from tidal.models import context_length, load_tokenizer
 from tidal.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger("tidal")
@@ -224,8 +225,6 @@ class SGLangEngine(ServedEngine):
         self._start_serving()
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
-        from tidal.models import context_length, load_tokenizer
-
         self.max_model_len = context_length(cfg) or 0  # 0: unknown, not checked
 
         self._eos = model_eos_ids(self.model_dir, load_tokenizer(self.model_dir))

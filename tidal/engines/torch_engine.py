@@ -16,9 +16,7 @@ one background thread (started when work arrives, gone when the engine is idle) 
 decode loop, and queued requests join the running batch between two decode steps. So the
 next turn of an episode whose tool just answered joins the requests already decoding
 instead of waiting for them or running a second loop that contends with the first; a
-call returns when all of its own requests have finished. `cross_call_batching=False`
-keeps the earlier behaviour (each call runs its own loop in its own thread), for
-benchmarks/agents.py to measure the difference.
+call returns when all of its own requests have finished.
 
 New weights during generation (the asynchronous loop calls `update_weights` from another
 thread while the engine decodes). With `partial_rollout=True` (the default) the update
@@ -108,7 +106,7 @@ class WeightUpdateTimeout(TimeoutError):
 
 class TorchEngine(PromptForward, EngineBase):
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
-                 update_timeout_s: float = 600.0, tokenizer=None, cross_call_batching: bool = True,
+                 update_timeout_s: float = 600.0, tokenizer=None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, lean_decode: bool = True,
                  vision: Vision | None = None, image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES):
         self.model = model.eval()
@@ -128,7 +126,6 @@ class TorchEngine(PromptForward, EngineBase):
         self.max_batch_size = max_batch_size
         self.partial_rollout = partial_rollout
         self.update_timeout_s = update_timeout_s
-        self.cross_call_batching = cross_call_batching
         self.tokenizer = tokenizer
         self._stops = StopStringMatcher(tokenizer) if tokenizer is not None else None
         self.decode_steps = 0  # sampling steps run so far (all calls): lets a watcher see progress
@@ -225,8 +222,6 @@ class TorchEngine(PromptForward, EngineBase):
         self._check_open(f"generate ({len(requests)} requests)")
         if not self._running.is_set():
             await asyncio.to_thread(self._running.wait)
-        if not self.cross_call_batching:
-            return await asyncio.to_thread(self.generate_sync, requests)
         # A thread of the engine's own pool waits for the scheduler, so any number of calls
         # can be in flight at once (and join one batch).
         if self._callers is None:
@@ -240,8 +235,6 @@ class TorchEngine(PromptForward, EngineBase):
         if not requests:
             return []
         call = Call(requests)
-        if not self.cross_call_batching:
-            return self._run_alone(call)
         with self._cv:
             self._check_open(f"generate ({len(requests)} requests)")
             self._queue.append(call)
@@ -273,20 +266,6 @@ class TorchEngine(PromptForward, EngineBase):
                              "(Qwen2-VL family; build_engine passes Vision.load(model_dir)) or send no images")
         if self.vision is not None:
             self.vision.check_expanded(r.prompt_ids, r.images, f"request {r.request_id}")
-
-    def _run_alone(self, call: Call) -> list[GenerationResult]:
-        """One call's own decode loop (cross_call_batching=False)."""
-        waiting = Waiting(call.seqs())
-        rows: Rows | None = None
-        step_lock = self._weights.shared if self.partial_rollout else contextlib.nullcontext
-        with contextlib.ExitStack() as whole:
-            if not self.partial_rollout:
-                whole.enter_context(self._weights.shared())  # the whole call on one version
-            with torch.inference_mode():
-                while not waiting.empty or rows is not None:
-                    with step_lock():  # weight updates land between iterations, never inside one
-                        rows = self._step(waiting, rows)
-        return call.future.result(timeout=0)
 
     def _schedule(self) -> None:
         """The scheduler thread: admit queued calls between decode steps, decode, resolve

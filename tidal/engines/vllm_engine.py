@@ -73,13 +73,15 @@ from tidal.engines.stop_strings import check_stop_strings
 from tidal.engines.vllm_requests import (
     Completion,
     VLLMEngineError,
-    _check_expanded,
-    _finish_reason,
-    _sampling_fields,
     banned_words,
+    check_expanded,
+    checked_finish_reason,
     vllm_prompt,
+    vllm_sampling_fields,
 )
 from tidal.engines.vllm_server import VLLMServer
+from tidal.models import load_tokenizer
+from tidal.models.vision_shims import apply_vllm_shims, plugin_registered, torchvision_usable
 from tidal.types import GenerationRequest
 
 if TYPE_CHECKING:
@@ -185,9 +187,6 @@ class VLLMEngine(ServedEngine):
     def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:
         """Set up a vision-language model: torchvision shims, image-only limits; the texts that
         ban the vision special tokens."""
-        from tidal.models import load_tokenizer
-        from tidal.models.vision_shims import apply_vllm_shims, plugin_registered, torchvision_usable
-
         if not torchvision_usable() and not plugin_registered():
             raise VLLMEngineError(
                 f"vLLM engine: {self.model_dir} is a vision-language model and torchvision cannot be imported here, "
@@ -205,7 +204,7 @@ class VLLMEngine(ServedEngine):
 
     def _check_images(self, r: GenerationRequest) -> None:
         """A request's images pair up with its image runs, each run as long as tidal's processor
-        makes it (vLLM's answer is checked against the same lengths: _check_expanded)."""
+        makes it (vLLM's answer is checked against the same lengths: check_expanded)."""
         if not r.images:
             return
         if self.vision is None:
@@ -356,7 +355,7 @@ class _InProcess:
 
         prompts = [vllm_prompt(r, vision) for r in requests]
         # Text only where stop strings need it (vLLM matches them in its detokenizer).
-        params = [VParams(**_sampling_fields(r.params, banned), detokenize=bool(r.params.stop),
+        params = [VParams(**vllm_sampling_fields(r.params, banned), detokenize=bool(r.params.stop),
                           output_kind=RequestOutputKind.FINAL_ONLY) for r in requests]
         results = [concurrent.futures.Future() for _ in requests]
         ids: list[str] = []
@@ -383,14 +382,14 @@ class _InProcess:
         parsed = []
         for r, out in zip(requests, outs):
             if r.images:
-                _check_expanded(r, out.prompt_token_ids, vision)
+                check_expanded(r, out.prompt_token_ids, vision)
             c = out.outputs[0]
             toks = list(c.token_ids)
             if c.logprobs is None or len(c.logprobs) != len(toks):
                 raise VLLMEngineError(f"request {r.request_id}: {len(toks)} tokens but "
                                       f"{len(c.logprobs or ())} log-probs in vLLM's output")
             lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
-            parsed.append((toks, lps, _finish_reason(c.finish_reason, f"request {r.request_id}")))
+            parsed.append((toks, lps, checked_finish_reason(c.finish_reason, f"request {r.request_id}")))
         return parsed
 
     def _abort(self, ids: list[str]) -> None:

@@ -1,9 +1,9 @@
 """What a vLLM engine sends for a tidal request and how it reads the answer, the same in both modes.
 
-tidal's SamplingParams become vLLM's (`_sampling_fields`: vLLM's EOS ignored, stop strings kept
+tidal's SamplingParams become vLLM's (`vllm_sampling_fields`: vLLM's EOS ignored, stop strings kept
 in the output, the vision special tokens banned by their texts, `banned_words`); a request with
 images goes with each image run collapsed to one pad and its pictures alongside (`vllm_prompt`),
-and vLLM's expansion of that prompt must give back the request's own tokens (`_check_expanded`).
+and vLLM's expansion of that prompt must give back the request's own tokens (`check_expanded`).
 tidal/engines/vllm_engine.py's docstring says why each of these is so.
 """
 
@@ -23,7 +23,7 @@ class VLLMEngineError(RuntimeError):
     """A vLLM engine call failed; the message names the engine, the call and the request."""
 
 
-def _sampling_fields(p: SamplingParams, banned: tuple[str, ...] = ()) -> dict[str, Any]:
+def vllm_sampling_fields(p: SamplingParams, banned: tuple[str, ...] = ()) -> dict[str, Any]:
     """tidal SamplingParams → vLLM's. Only the request's own stop tokens end it (`ignore_eos`:
     the model's EOS is in stop_token_ids when the caller wants it, as with the torch engine).
     Stop strings: vLLM matches them in the text of the generated tokens with special tokens
@@ -67,7 +67,7 @@ def banned_words(tokenizer, token_ids: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(words)
 
 
-def _check_expanded(r: GenerationRequest, got: list[int] | None, vision: Vision) -> None:
+def check_expanded(r: GenerationRequest, got: list[int] | None, vision: Vision) -> None:
     """vLLM's expansion of a request's collapsed prompt must be the request's prompt: the same
     image runs, token for token (its processor and tidal's disagree otherwise, e.g. on resizing)."""
     if got is None:
@@ -82,7 +82,8 @@ def _check_expanded(r: GenerationRequest, got: list[int] | None, vision: Vision)
                           "preprocessor_config.json)")
 
 
-def _finish_reason(reason: str | None, where: str) -> str:
+def checked_finish_reason(reason: str | None, where: str) -> str:
+    """vLLM's finish reason of a completion, which must be `stop` or `length` (else an error naming `where`)."""
     if reason in ("stop", "length"):
         return reason
     raise VLLMEngineError(f"{where}: vLLM finished it with reason {reason!r} (expected 'stop' or 'length')")

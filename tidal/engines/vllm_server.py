@@ -25,10 +25,10 @@ from tidal.engines.served import http_call, server_workspace, stop_process_group
 from tidal.engines.vllm_requests import (
     Completion,
     VLLMEngineError,
-    _check_expanded,
-    _finish_reason,
-    _sampling_fields,
+    check_expanded,
+    checked_finish_reason,
     vllm_prompt,
+    vllm_sampling_fields,
 )
 from tidal.types import GenerationRequest
 
@@ -105,7 +105,7 @@ class VLLMServer:
         return json.loads(text)
 
     async def _complete(self, session, r: GenerationRequest, banned: tuple[str, ...] = ()) -> Completion:
-        body = {"model": "policy", "prompt": list(r.prompt_ids), **_sampling_fields(r.params, banned),
+        body = {"model": "policy", "prompt": list(r.prompt_ids), **vllm_sampling_fields(r.params, banned),
                 "return_token_ids": True}
         where = f"request {r.request_id}"
         choice = (await self._post(session, "/v1/completions", body, where))["choices"][0]
@@ -113,7 +113,7 @@ class VLLMServer:
         lps = list(choice["logprobs"]["token_logprobs"])
         if len(lps) != len(toks):
             raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
-        return toks, [float(x) for x in lps], _finish_reason(choice["finish_reason"], where)
+        return toks, [float(x) for x in lps], checked_finish_reason(choice["finish_reason"], where)
 
     async def _complete_images(self, session, r: GenerationRequest, vision: Vision,
                                banned: tuple[str, ...]) -> Completion:
@@ -124,16 +124,16 @@ class VLLMServer:
         parts = [{"type": "image_url", "url": "data:image/png;base64," + base64.b64encode(b.png).decode("ascii"),
                   "uuid": b.id} for b in r.images]
         body = {"model": "policy", "token_ids": prompt["prompt_token_ids"], "content_parts": parts,
-                "sampling_params": _sampling_fields(r.params, banned), "return_token_ids": True}
+                "sampling_params": vllm_sampling_fields(r.params, banned), "return_token_ids": True}
         where = f"request {r.request_id}"
         answer = await self._post(session, "/inference/v1/generate", body, where)
-        _check_expanded(r, answer.get("prompt_token_ids"), vision)
+        check_expanded(r, answer.get("prompt_token_ids"), vision)
         choice = answer["choices"][0]
         toks = list(choice["token_ids"])
         lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or ()]
         if len(lps) != len(toks):
             raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
-        return toks, lps, _finish_reason(choice["finish_reason"], where)
+        return toks, lps, checked_finish_reason(choice["finish_reason"], where)
 
     def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
         from safetensors.torch import save_file

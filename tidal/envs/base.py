@@ -3,8 +3,8 @@
 An environment speaks chat messages, never tokens: `reset` gives the opening messages,
 `step` takes one policy turn (its decoded text and finish reason) and answers with the
 messages to append (tool results, a user reply) or ends the episode. The rollout owns
-tokenization: tokens of earlier turns are never re-tokenized (DESIGN.md, token in, token
-out). A single-turn task ends at its first `step`; a multi-turn or tool-using one returns
+tokenization: tokens of earlier turns are never re-tokenized (docs/architecture.md, "Invariants":
+token in, token out). A single-turn task ends at its first `step`; a multi-turn or tool-using one returns
 `done=False` with more messages, through the same calls. `close` is always called once the
 episode ends, however it ends (done, out of turns or tokens, an error, a timeout), so
 sandboxes and sessions are released.
@@ -128,7 +128,3 @@ def is_agent_env(env: Any) -> bool:
 class RewardError(Exception):
     """The reward failed (raised, returned a bad value): the episode ends `reward_error`,
     never scored 0."""
-
-
-class RewardTimeout(Exception):
-    """The reward did not answer within its timeout: the episode ends `timeout`."""

@@ -14,8 +14,8 @@ Three built-in tasks, each an environment class with its own rows (`rows(split, 
 
 The pictures are sized for the embedded tiny VLM (tidal/recipes/tiny_vlm.py: 14-pixel patches
 merged 2×2, so a 56×56 picture is 4 image tokens and a 112×112 quarter 16; the processor enlarges
-the 28×28 overview to 56×56, blurred). The single-turn tasks are the two that PLATFORM.md
-measured learning in seconds of RL; a zoomed square is as large, in patches, as `vlm_color`'s big
+the 28×28 overview to 56×56, blurred). The single-turn tasks are the two measured learning in seconds
+of RL (docs/multimodal.md, "The embedded tiny vision-language model"); a zoomed square is as large, in patches, as `vlm_color`'s big
 square, which the tiny model's vision tower learns to read quickly (a 10–14 px one it did not
 learn to read in the warm start's budget). Rendering uses integer rectangles only (no
 anti-aliasing, no fonts), so the same seed gives the same pixels and, through `ImageBlob`, the

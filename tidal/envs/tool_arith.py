@@ -107,11 +107,6 @@ def question(expression: str) -> str:
     return f"What is {expression}?"
 
 
-def expression_of(row: dict[str, Any]) -> str:
-    """The expression a row asks about (the builder's teacher reads it)."""
-    return row["expression"]
-
-
 def make_rows(split: str, n: int, seed: int, kinds: tuple[str, ...] = KINDS) -> list[dict[str, Any]]:
     """`n` distinct problems of `split` ("train" or "test"): prompt, answer, expression, kind, task_id."""
     if split not in ("train", "test"):

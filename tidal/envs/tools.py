@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
-from tidal.images import ImageError
+from tidal.images import ImageBlob, ImageError, as_image, is_image_part
 from tidal.types import ToolCallRecord
 
 ERROR_KINDS = ("parse", "unknown", "args", "timeout", "raised", "limit")
@@ -380,8 +380,6 @@ def _render_output(out: Any) -> str:
 
 def _is_picture(value: Any) -> bool:
     """An image a tool returned as a value (not a part): an ImageBlob or a PIL image."""
-    from tidal.images import ImageBlob
-
     if isinstance(value, ImageBlob):
         return True
     try:
@@ -392,7 +390,6 @@ def _is_picture(value: Any) -> bool:
 
 
 def _has_picture(item: Any) -> bool:
-    from tidal.images import is_image_part
 
     return _is_picture(item) or is_image_part(item)
 
@@ -404,8 +401,6 @@ def tool_content(out: Any, max_chars: int, where: str = "tool output") -> tuple[
     `{"type": "image", "image": ImageBlob}`, the rest as text parts that share the `max_chars`
     budget (a text part past it keeps only the truncation marker). Raises ImageError when a
     picture cannot be read."""
-    from tidal.images import as_image, is_image_part
-
     if _has_picture(out):
         items = [out]
     elif isinstance(out, (list, tuple)) and any(_has_picture(x) for x in out):

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tidal import cache_root
+from tidal.models.vision import is_vision_config, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The embedded models that ship with tidal (package data), each rebuilt by its recipe in tidal/recipes/:
@@ -77,7 +78,6 @@ def merged_adapter_dir(adapter: Path) -> Path:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tidal.models.vision import is_vision_config, read_config
 
     auto = AutoModelForImageTextToText if is_vision_config(read_config(base_dir)) else AutoModelForCausalLM
     model = auto.from_pretrained(str(base_dir), dtype="auto")
@@ -122,7 +122,6 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", at
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
-    from tidal.models.vision import is_vision_config, read_config
 
     hf_logging.disable_progress_bar()  # tidal's own progress bar is the one on the console
     p = resolve_model_dir(path)
@@ -132,13 +131,6 @@ def load_model(path: str | Path, dtype: str = "float32", device: str = "cpu", at
     kwargs = {"attn_implementation": attention} if attention else {}
     model = cls.from_pretrained(str(p), dtype=DTYPES[dtype], **kwargs)
     return model.to(device)
-
-
-def is_vision_model(path: str | Path) -> bool:
-    """Whether the model directory holds a vision-language model (tidal/models/vision.py)."""
-    from tidal.models.vision import is_vision_config, read_config
-
-    return is_vision_config(read_config(resolve_model_dir(path)))
 
 
 def context_length(config: dict) -> int | None:

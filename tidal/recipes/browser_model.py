@@ -38,7 +38,7 @@ from tidal.envs.browser.tasks import OBJECTS, VERBS, button_labels, make_tasks
 from tidal.envs.tools import assistant_message, parse_tool_calls
 from tidal.models import stop_token_ids
 from tidal.recipes.tiny import build_model, save_model
-from tidal.recipes.tool_model import CHAT_TEMPLATE, _batch, _shared_prefix, build_tokenizer, call_text, sft_train
+from tidal.recipes.tool_model import CHAT_TEMPLATE, build_tokenizer, call_text, sft_batch, sft_train, shared_prefix
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.rollout import Rollout
 from tidal.types import SamplingParams
@@ -196,7 +196,7 @@ def demonstrations(episodes: list[dict[str, Any]], per_episode: int, rng: random
 
 def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, batch_size: int, lr: float,
                       level=lambda step: 0, desc: str = "curriculum") -> float:
-    """AdamW on sequences from `make(rng, level)` -> (ids, loss mask), padded right (`_batch`);
+    """AdamW on sequences from `make(rng, level)` -> (ids, loss mask), padded right (`sft_batch`);
     linear warm-up over 50 steps, then `lr`; a progress bar named `desc`. Returns the last
     batch's loss."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
@@ -205,7 +205,7 @@ def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, ba
     for step in tqdm(range(steps), desc=desc, unit="step", mininterval=5.0):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50)
-        ids, _, labels = _batch([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
+        ids, _, labels = sft_batch([make(rng, level(step)) for _ in range(batch_size)], tokenizer.pad_token_id)
         logits = model(ids).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  labels[:, 1:].reshape(-1), ignore_index=-100)
@@ -219,7 +219,7 @@ def _curriculum_train(model, tokenizer, steps: int, make, rng: random.Random, ba
 @torch.no_grad()
 def _accuracy(model, tokenizer, examples: list[tuple[list[int], list[bool]]]) -> float:
     """Greedy next-token accuracy on the positions with loss (teacher-forced)."""
-    ids, _, labels = _batch(examples, tokenizer.pad_token_id)
+    ids, _, labels = sft_batch(examples, tokenizer.pad_token_id)
     model.eval()
     pred = model(ids).logits[:, :-1].argmax(-1)
     model.train()
@@ -504,7 +504,7 @@ def build_browser_model(
             curricula[name] = {**run(model, tokenizer, steps_of, rng), "train_s": round(time.time() - t0, 1)}
             print(f"browser {name} curriculum: {json.dumps(curricula[name])}", flush=True)
     examples = [episode_tokens(tokenizer, e) for e in demos]
-    prefix_len = _shared_prefix(examples)
+    prefix_len = shared_prefix(examples)
     history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate or held_out_success, rng,
                         steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every,
                         label="browser")

@@ -227,13 +227,15 @@ def held_out_success(model, tokenizer, rows, k: int = 4, max_turns: int = 4, max
     return res
 
 
-def _shared_prefix(examples) -> int:
+def shared_prefix(examples) -> int:
     """Length of the token prefix every example shares (the system turn with the tools)."""
     tokens = [t for t, _ in examples]
     return common_prefix(tokens, min(map(len, tokens)))
 
 
-def _batch(examples, pad_id: int):
+def sft_batch(examples, pad_id: int):
+    """(token ids, loss mask) examples as right-padded tensors: ids, attention mask, and labels
+    that are -100 wherever the mask is off (the SFT loss's ignore index)."""
     L = max(len(t) for t, _ in examples)
     ids = torch.full((len(examples), L), pad_id)
     labels = torch.full((len(examples), L), -100)
@@ -257,7 +259,7 @@ def sft_loss(model, examples, prefix_len: int, pad_id: int) -> torch.Tensor:
     cache = DynamicCache()
     model(input_ids=prefix, cache=cache, use_cache=True)
     cache.batch_repeat_interleave(B)
-    ids, attn, labels = _batch([(t[prefix_len:], m[prefix_len:]) for t, m in examples], pad_id)
+    ids, attn, labels = sft_batch([(t[prefix_len:], m[prefix_len:]) for t, m in examples], pad_id)
     S = ids.shape[1]
     mask = torch.cat([torch.ones(B, prefix_len, dtype=attn.dtype), attn], 1)
     pos = torch.arange(prefix_len, prefix_len + S).unsqueeze(0).expand(B, S)
@@ -306,7 +308,7 @@ def build_tool_model(
     names, weights = list(habits), list(habits.values())
     drawn = [rng.choices(names, weights)[0] for _ in train]
     examples = demonstrations(tokenizer, train, drawn, rng)
-    prefix_len = _shared_prefix(examples)
+    prefix_len = shared_prefix(examples)
     evaluate = evaluate or held_out_success
     history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate, rng, steps=steps,
                         batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every, label="tool")

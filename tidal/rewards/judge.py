@@ -52,11 +52,11 @@ from tidal.rewards.contract import RewardParts
 from tidal.rewards.injection import detect_injection
 from tidal.rewards.judge_client import (  # noqa: F401 - the errors are this module's public names too
     RETRYABLE_STATUS,
+    JudgeClient,
     JudgeError,
     JudgeRequestError,
     JudgeVerdictError,
-    _Client,
-    _Malformed,
+    MalformedVerdict,
 )
 
 log = logging.getLogger("tidal")
@@ -170,7 +170,7 @@ def _json_field(text: str, keys: tuple[str, ...]) -> Any:
 def parse_score(reply: str, lo: float, hi: float) -> float:
     """The score in [lo, hi] a judge's reply states: `{"score": 7}`, `Score: 7`, `7/10`, `8 out of
     10` or a bare number as the whole reply. The last stated verdict wins (judges reason first).
-    A fraction's denominator must be `hi`. Raises _Malformed otherwise."""
+    A fraction's denominator must be `hi`. Raises MalformedVerdict otherwise."""
     text = _strip(reply)
     value: float | None = None
     found = _json_field(text, ("score", "rating", "grade", "verdict"))
@@ -178,7 +178,7 @@ def parse_score(reply: str, lo: float, hi: float) -> float:
         try:
             value = float(found)
         except (TypeError, ValueError):
-            raise _Malformed(f"the JSON verdict's score {found!r} is not a number") from None
+            raise MalformedVerdict(f"the JSON verdict's score {found!r} is not a number") from None
     else:
         labelled = list(_LABELLED_SCORE.finditer(text))
         fractions = list(_FRACTION.finditer(text))
@@ -186,29 +186,29 @@ def parse_score(reply: str, lo: float, hi: float) -> float:
         if m is not None:
             value = float(m.group(1))
             if m.group(2) is not None and float(m.group(2)) != hi:
-                raise _Malformed(f"the verdict {m.group(0)!r} is not on the scale {lo:g}..{hi:g}")
+                raise MalformedVerdict(f"the verdict {m.group(0)!r} is not on the scale {lo:g}..{hi:g}")
         else:
             bare = re.fullmatch(rf"[\s*_`\"'(\[]*({_NUM})[\s*_`\"')\].]*", text)
             if bare:
                 value = float(bare.group(1))
     if value is None:
-        raise _Malformed(f"no score found (expected `Score: N` with N in {lo:g}..{hi:g})")
+        raise MalformedVerdict(f"no score found (expected `Score: N` with N in {lo:g}..{hi:g})")
     if not (math.isfinite(value) and lo <= value <= hi):
-        raise _Malformed(f"the score {value:g} is outside {lo:g}..{hi:g}")
+        raise MalformedVerdict(f"the score {value:g} is outside {lo:g}..{hi:g}")
     return value
 
 
 def parse_choice(reply: str, labels: tuple[str, ...]) -> str:
     """The label (one of `labels`, e.g. A, B, tie) a judge's reply chooses: `{"winner": "A"}`,
     `Winner: A`, `[[A]]`, `Response A is better` or the label as the whole reply. The last
-    stated choice wins. Raises _Malformed otherwise."""
+    stated choice wins. Raises MalformedVerdict otherwise."""
     text = _strip(reply)
     by_key = {lab.casefold(): lab for lab in labels}
     found = _json_field(text, ("winner", "choice", "verdict", "answer", "better", "preferred"))
     if found is not None:
         lab = by_key.get(str(found).strip().strip("[]()").casefold())
         if lab is None:
-            raise _Malformed(f"the JSON verdict's choice {found!r} is not one of {list(labels)}")
+            raise MalformedVerdict(f"the JSON verdict's choice {found!r} is not one of {list(labels)}")
         return lab
     # A one-letter label matches in its own case only ("the answer is a number" is not A).
     alts = "|".join(re.escape(lab) if len(lab) == 1 else f"(?i:{re.escape(lab)})"
@@ -228,7 +228,7 @@ def parse_choice(reply: str, labels: tuple[str, ...]) -> str:
         if bare:
             hits = [(0, bare.group(1))]
     if not hits:
-        raise _Malformed(f"no choice found (expected one of {list(labels)}, e.g. `Winner: {labels[0]}`)")
+        raise MalformedVerdict(f"no choice found (expected one of {list(labels)}, e.g. `Winner: {labels[0]}`)")
     return by_key[max(hits)[1].casefold()]
 
 
@@ -328,7 +328,7 @@ class LLMJudge:
         self.injection_penalty = float(injection_penalty)
         self.reference_column = reference_column
         self.part = part
-        self.client = _Client(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
+        self.client = JudgeClient(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
                               backoff_s, max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
         self.__tidal_name__ = f"LLMJudge({model})"
 
@@ -440,7 +440,7 @@ class PairwiseJudge:
         self.allow_tie = allow_tie
         self.on_injection = on_injection
         self.reference_column = reference_column
-        self.client = _Client(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
+        self.client = JudgeClient(base_url, model, _api_key(api_key, api_key_env), temperature, max_tokens, max_retries,
                               backoff_s, max_backoff_s, max_concurrency, timeout_s, cache, cache_size, extra_body)
         self.__tidal_name__ = f"PairwiseJudge({model})"
 

@@ -37,7 +37,7 @@ class JudgeRequestError(JudgeError):
         self.status = status
 
 
-class _Malformed(ValueError):
+class MalformedVerdict(ValueError):
     """A reply without a verdict of the expected form (retried, then JudgeVerdictError).
     `raw`: the answer's text when it is not the reply being parsed (a body that is not JSON)."""
 
@@ -57,14 +57,14 @@ def _reply_text(body: Any) -> str:
     try:
         msg = body["choices"][0]["message"]
     except (KeyError, IndexError, TypeError):
-        raise _Malformed("the answer is not an OpenAI chat completion", raw=json.dumps(body)) from None
+        raise MalformedVerdict("the answer is not an OpenAI chat completion", raw=json.dumps(body)) from None
     content = msg.get("content") if isinstance(msg, dict) else None
     if not content and isinstance(msg, dict):
         content = msg.get("reasoning_content")  # reasoning models that put everything there
     return content if isinstance(content, str) else ""
 
 
-class _Client:
+class JudgeClient:
     """One endpoint and model: requests with retries and backoff under a concurrency limit,
     and a content-addressed cache of parsed verdicts with in-flight sharing."""
 
@@ -183,7 +183,7 @@ class _Client:
             except _Retryable as e:
                 last_error, last_status, malformed, retry_after = str(e), e.status, False, e.retry_after
                 self.stats["http_retries" if e.status else "transport_retries"] += 1
-            except _Malformed as e:
+            except MalformedVerdict as e:
                 self.stats["malformed"] += 1
                 last_raw = e.raw if e.raw is not None else raw
                 last_error, last_status, malformed = str(e), None, True
@@ -220,7 +220,7 @@ class _Client:
             try:
                 return _reply_text(resp.json())
             except json.JSONDecodeError:
-                raise _Malformed("the answer is not JSON", raw=resp.text) from None
+                raise MalformedVerdict("the answer is not JSON", raw=resp.text) from None
         detail = f"HTTP {resp.status_code}: {resp.text[:300]}"
         if resp.status_code in RETRYABLE_STATUS or resp.status_code >= 500:
             raise _Retryable(detail, resp.status_code, _retry_after(resp))

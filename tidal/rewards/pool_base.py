@@ -100,8 +100,8 @@ class PoolScorer:
         self.timeout_s = float(cfg.timeout_s)
         self.max_async = max_async
         self.kinds: list[bool] | None = None  # per reward: async (from the first worker that started)
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self.lock = threading.Lock()
+        self._cond = threading.Condition(self.lock)
         self._heap: list = []
         self._seq = itertools.count()
         self._ids = itertools.count()
@@ -117,7 +117,7 @@ class PoolScorer:
         self._starting = True  # a worker that fails now fails build_scorer
         self._timer = threading.Thread(target=self._run_timer, name="tidal-reward-deadlines", daemon=True)
         self._timer.start()
-        with self._lock:
+        with self.lock:
             for i in range(n_workers):
                 self.slots.append(self._new_slot(i))
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -134,16 +134,20 @@ class PoolScorer:
             raise RewardLoadError(broken)
 
     # -- transport (subclasses) -----------------------------------------------------------
-    def _start(self, slot: Slot) -> None:
+    def start_worker(self, slot: Slot) -> None:
+        """Start the worker of `slot`; it reports back through on_ready or on_start_failed."""
         raise NotImplementedError
 
-    def _send(self, slot: Slot, calls: list[Call]) -> None:
+    def send_calls(self, slot: Slot, calls: list[Call]) -> None:
+        """Send `calls` to the worker of `slot` in one message (`wire`); answers come to on_results."""
         raise NotImplementedError
 
-    def _kill(self, slot: Slot) -> None:
+    def kill_worker(self, slot: Slot) -> None:
+        """Kill the worker of `slot` now (its process group, or its actor)."""
         raise NotImplementedError
 
-    def _stop(self, slots: list[Slot]) -> None:
+    def stop_workers(self, slots: list[Slot]) -> None:
+        """Stop these workers for good (shutdown), politely first."""
         raise NotImplementedError
 
     # -- the caller's side ------------------------------------------------------------------
@@ -155,7 +159,7 @@ class PoolScorer:
         kinds = self.kinds or [False] * len(self.rewards)
         calls = [Call(next(self._ids), si, [inputs[j] for j in rows], kinds[si], loop, loop.create_future())
                  for si, rows in plan]
-        with self._lock:
+        with self.lock:
             self._pending.extend(calls)
             soon, self._dispatch_soon = not self._dispatch_soon, True
         if soon:  # the calls of every `score` started in this turn of the loop leave together
@@ -163,21 +167,21 @@ class PoolScorer:
         try:
             answers = [await calls[0].future] if len(calls) == 1 else await asyncio.gather(*(c.future for c in calls))
         except asyncio.CancelledError:
-            with self._lock:
+            with self.lock:
                 for c in calls:
                     c.finished = True  # in flight it stays on its worker's books until it answers or its deadline
             raise
         return outcomes(self.rewards, inputs, plan, answers)
 
     def _dispatch_now(self) -> None:
-        with self._lock:
+        with self.lock:
             self._dispatch_soon = False
             self._dispatch()
-            self._flush_wakes()
+            self.flush_wakes()
 
     def pids(self) -> list[int]:
         """Process ids of the live workers, by slot."""
-        with self._lock:
+        with self.lock:
             return [s.pid for s in self.slots if s.ready and not s.dead and s.pid is not None]
 
     async def close(self) -> None:
@@ -185,7 +189,7 @@ class PoolScorer:
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and end every waiting call."""
-        with self._lock:
+        with self.lock:
             if self._closed:
                 return
             self._closed = True
@@ -197,14 +201,14 @@ class PoolScorer:
             for s in slots:
                 s.dead = True
             self._cond.notify_all()
-            self._flush_wakes()
-        self._stop(slots)
+            self.flush_wakes()
+        self.stop_workers(slots)
 
     # -- bookkeeping (every method below runs with the lock held) ----------------------------
     def _new_slot(self, index: int) -> Slot:
         slot = Slot(index, next(self._generation))
         self._push(time.monotonic() + START_TIMEOUT_S, "start", slot)
-        self._start(slot)
+        self.start_worker(slot)
         return slot
 
     def _push(self, when: float, kind: str, obj: Any) -> None:
@@ -217,7 +221,8 @@ class PoolScorer:
             c.finished = True
             self._wake.append((c.loop, c.future, results))
 
-    def _flush_wakes(self) -> None:
+    def flush_wakes(self) -> None:
+        """Settle the futures that answers finished, on their loops (call with `lock` let go)."""
         by_loop: dict[Any, list] = {}
         for loop, fut, value in self._wake:
             by_loop.setdefault(loop, []).append((fut, value))
@@ -271,13 +276,14 @@ class PoolScorer:
             sends.setdefault(slot.generation, (slot, []))[1].append(c)
         self._pending = waiting
         for slot, calls in sends.values():
-            self._send(slot, calls)
+            self.send_calls(slot, calls)
 
     def _set_deadline(self, c: Call, start: float) -> None:
         c.deadline = start + self.timeout_s + GRACE_S
         self._push(c.deadline, "call", c)
 
-    def _on_ready(self, slot: Slot, info: dict) -> None:
+    def on_ready(self, slot: Slot, info: dict) -> None:
+        """The transport's report that the worker of `slot` started (`info`: its pid and reward kinds); under `lock`."""
         if slot.dead:
             return
         slot.ready, slot.pid = True, info.get("pid")
@@ -286,11 +292,12 @@ class PoolScorer:
         self._cond.notify_all()
         self._dispatch()
 
-    def _on_start_failed(self, slot: Slot, why: str, traceback: str = "") -> None:
+    def on_start_failed(self, slot: Slot, why: str, traceback: str = "") -> None:
+        """The transport's report that the worker of `slot` could not start; under `lock`."""
         if slot.dead or slot.ready:
             return
         slot.dead = True
-        self._kill(slot)
+        self.kill_worker(slot)
         if traceback and not self._broken:
             log.warning("reward worker %d failed to load the rewards: %s\n%s", slot.index, why, traceback.rstrip())
         if self._starting:  # build_scorer raises it
@@ -302,7 +309,8 @@ class PoolScorer:
         self._cond.notify_all()
         self._dispatch()
 
-    def _on_results(self, slot: Slot, batch: list) -> None:
+    def on_results(self, slot: Slot, batch: list) -> None:
+        """The transport's report of answers from the worker of `slot`: (call id, results, hung); under `lock`."""
         if slot.dead:
             return  # it was killed: these calls were sent again already
         now = time.monotonic()
@@ -347,7 +355,7 @@ class PoolScorer:
         if slot.dead:
             return
         slot.dead = True
-        self._kill(slot)
+        self.kill_worker(slot)
         running = {c.id for c in slot.inflight.values() if c.is_async}
         if head_running and slot.lane:
             running.add(slot.lane[0].id)
@@ -371,16 +379,17 @@ class PoolScorer:
             self.slots[slot.index] = self._new_slot(slot.index)
         self._dispatch()
 
-    def _on_exit(self, slot: Slot, why: str) -> None:
+    def on_exit(self, slot: Slot, why: str) -> None:
+        """The transport's report that the worker of `slot` is gone; under `lock`."""
         if slot.dead:
             return
         if not slot.ready:
-            self._on_start_failed(slot, f"the worker exited before it was ready ({why})")
+            self.on_start_failed(slot, f"the worker exited before it was ready ({why})")
         else:
             self._lose(slot, f"its reward worker died ({why})", head_running=True)
 
     def _run_timer(self) -> None:
-        with self._lock:
+        with self.lock:
             while not self._closed:
                 now = time.monotonic()
                 while self._heap and self._heap[0][0] <= now:
@@ -389,8 +398,8 @@ class PoolScorer:
                         if obj.slot is not None and obj.deadline == when and not obj.slot.dead:
                             self._expire(obj)
                     elif not obj.ready and not obj.dead:
-                        self._on_start_failed(obj, f"it did not start within {START_TIMEOUT_S:g} s")
-                self._flush_wakes()
+                        self.on_start_failed(obj, f"it did not start within {START_TIMEOUT_S:g} s")
+                self.flush_wakes()
                 self._cond.wait(self._heap[0][0] - now if self._heap else None)
 
 

@@ -82,21 +82,21 @@ class _Proc:
                 msg = pickle.loads(self.rx.recv_bytes())
             except (EOFError, OSError):
                 break
-            with self.pool._lock:
+            with self.pool.lock:
                 if "results" in msg:
-                    self.pool._on_results(self.slot, msg["results"])
+                    self.pool.on_results(self.slot, msg["results"])
                 elif "ready" in msg:
-                    self.pool._on_ready(self.slot, msg["ready"])
+                    self.pool.on_ready(self.slot, msg["ready"])
                 elif "failed" in msg:
-                    self.pool._on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
-                self.pool._flush_wakes()
+                    self.pool.on_start_failed(self.slot, msg["failed"], msg.get("traceback", ""))
+                self.pool.flush_wakes()
         code = self.proc.wait()
         self.outbox.put(None)
         with contextlib.suppress(OSError):
             self.rx.close()
-        with self.pool._lock:
-            self.pool._on_exit(self.slot, _exit_text(code))
-            self.pool._flush_wakes()
+        with self.pool.lock:
+            self.pool.on_exit(self.slot, _exit_text(code))
+            self.pool.flush_wakes()
 
     def send(self, data: bytes) -> None:
         self.outbox.put(data)
@@ -117,18 +117,18 @@ class ProcessPool(PoolScorer):
     def __init__(self, specs: list[dict[str, Any]], cfg):
         super().__init__(specs, cfg, int(cfg.workers), int(cfg.max_concurrency))
 
-    def _start(self, slot: Slot) -> None:
+    def start_worker(self, slot: Slot) -> None:
         slot.transport = _Proc(self, slot)
         slot.pid = slot.transport.proc.pid
 
-    def _send(self, slot: Slot, calls: list[Call]) -> None:
+    def send_calls(self, slot: Slot, calls: list[Call]) -> None:
         slot.transport.send(pickle.dumps(wire(calls), protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _kill(self, slot: Slot) -> None:
+    def kill_worker(self, slot: Slot) -> None:
         if slot.transport is not None:
             slot.transport.kill()
 
-    def _stop(self, slots: list[Slot]) -> None:
+    def stop_workers(self, slots: list[Slot]) -> None:
         procs = [s.transport for s in slots if s.transport is not None]
         for p in procs:
             p.send(pickle.dumps({"close": True}))

@@ -1,5 +1,10 @@
 """The Ray backend of the reward pools: rewards in Ray actors (`RewardWorker`,
-placement.reward_workers). How the pools work: tidal/rewards/pool.py."""
+placement.reward_workers). How the pools work: tidal/rewards/pool.py.
+
+With tidal/runtime/, the one place that imports Ray (docs/architecture.md, "Packages"): the
+reward pool stays in tidal/rewards/ with its two backends, and the Ray one keeps Ray here,
+including the lookup of a named reward-model actor (`named_actor`, for tidal/rewards/rm.py).
+Ray is imported inside the functions that use it: a run without Ray placement never loads it."""
 
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ class RayPool(PoolScorer):
     def _on(self, ref, handler) -> None:
         ref.future().add_done_callback(lambda f: self._events.put(lambda: handler(f)))
 
-    def _start(self, slot: Slot) -> None:
+    def start_worker(self, slot: Slot) -> None:
         slot.transport = self.actors.spawn(slot.index, self.specs, self.timeout_s)
         self._on(slot.transport.ready.remote(), lambda f: self._ray_ready(slot, f))
 
@@ -49,18 +54,18 @@ class RayPool(PoolScorer):
         try:
             info = f.result()
         except Exception as e:  # noqa: BLE001 - the actor's constructor raised (a reward failed to load) or it died
-            with self._lock:
-                self._on_start_failed(slot, _ray_cause(e))
-                self._flush_wakes()
+            with self.lock:
+                self.on_start_failed(slot, _ray_cause(e))
+                self.flush_wakes()
             return
-        with self._lock:
+        with self.lock:
             if "failed" in info:
-                self._on_start_failed(slot, info["failed"], info.get("traceback", ""))
+                self.on_start_failed(slot, info["failed"], info.get("traceback", ""))
             else:
-                self._on_ready(slot, info)
-            self._flush_wakes()
+                self.on_ready(slot, info)
+            self.flush_wakes()
 
-    def _send(self, slot: Slot, calls: list[Call]) -> None:
+    def send_calls(self, slot: Slot, calls: list[Call]) -> None:
         """One streaming actor call for the lot: answers come back in bunches as they finish
         (a synchronous call's answer tells that the next one started, as with the processes)."""
         gen = slot.transport.run_batch.options(num_returns="streaming").remote(wire(calls))
@@ -74,29 +79,29 @@ class RayPool(PoolScorer):
         try:
             for ref in gen:
                 chunk = ray.get(ref)
-                with self._lock:
-                    self._on_results(slot, chunk)
-                    self._flush_wakes()
+                with self.lock:
+                    self.on_results(slot, chunk)
+                    self.flush_wakes()
         except RayActorError as e:
-            with self._lock:
-                self._on_exit(slot, _ray_cause(e))
-                self._flush_wakes()
+            with self.lock:
+                self.on_exit(slot, _ray_cause(e))
+                self.flush_wakes()
         except Exception as e:  # noqa: BLE001 - the host itself failed: its calls are errors, not hangs
             why = f"the reward worker raised {_ray_cause(e)}"
-            with self._lock:
-                self._on_results(slot, [(c.id, unscored(why, len(c.inputs)), False) for c in calls])
-                self._flush_wakes()
+            with self.lock:
+                self.on_results(slot, [(c.id, unscored(why, len(c.inputs)), False) for c in calls])
+                self.flush_wakes()
 
-    def _kill(self, slot: Slot) -> None:
+    def kill_worker(self, slot: Slot) -> None:
         if slot.transport is not None:
             import ray
 
             with contextlib.suppress(Exception):  # already gone
                 ray.kill(slot.transport, no_restart=True)
 
-    def _stop(self, slots: list[Slot]) -> None:
+    def stop_workers(self, slots: list[Slot]) -> None:
         for s in slots:
-            self._kill(s)
+            self.kill_worker(s)
         self._events.put(None)
 
 
@@ -106,3 +111,10 @@ def _ray_cause(e: BaseException) -> str:
         return str(cause) if isinstance(cause, ValueError) else f"{type(cause).__name__}({cause})"
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first}"
+
+
+def named_actor(name: str, namespace: str | None = None):
+    """The handle of the live Ray actor `name` (e.g. a `RewardModelActor` started by the user)."""
+    import ray
+
+    return ray.get_actor(name, namespace=namespace)

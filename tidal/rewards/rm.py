@@ -33,6 +33,9 @@ from typing import Any, Literal, Self
 
 import torch
 
+from tidal.models import DTYPES
+from tidal.rewards.pool_ray import named_actor
+
 Transform = Literal["raw", "sigmoid", "standard"]
 META_FILE = "tidal_rm.json"  # written by `tidal train-rm`: history, held-out accuracy, score statistics
 
@@ -46,7 +49,6 @@ def load_reward_model(path: str | Path, dtype: str = "float32", device: str = "c
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tidal.models import DTYPES
 
     p = Path(path)
     if not (p / "config.json").is_file():
@@ -333,10 +335,9 @@ class RewardModelReward:
                 self._pool = RewardModelPool(self.path, **self.pool_args)
                 self._tokenizer, self._meta = self._pool.tokenizer, self._pool.meta
                 return
-            import ray
             from transformers import AutoTokenizer
 
-            self._handle = ray.get_actor(self.actor, namespace=self.actor_namespace)
+            self._handle = named_actor(self.actor, namespace=self.actor_namespace)
             self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             meta = Path(self.path) / META_FILE
             self._meta = json.loads(meta.read_text()) if meta.is_file() else {}

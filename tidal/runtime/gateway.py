@@ -18,7 +18,7 @@ Choices made here:
   re-serialized by the chat template: an agent that appends the reply it got keeps the
   episode's token prefix. An edited message is rendered by the template (a prefix break).
 - **Sampling in a training session is the run's.** The trainer scores tokens with the run's
-  temperature (DESIGN.md), so a session's temperature, top_p and top_k are the rollout's; a
+  temperature (docs/architecture.md, "Data"), so a session's temperature, top_p and top_k are the rollout's; a
   request that asks for others is served with the run's and counted
   (`gateway/sampling_overridden`). Seeds come from the episode's seed and the call's index.
   `max_tokens` is capped by `rollout.max_new_tokens` and the episode's token budget.

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tidal.models import context_length, stop_token_ids
 from tidal.net import ThreadedServer, is_loopback
 from tidal.runtime.gateway import Gateway, GatewayError
 
@@ -168,7 +169,6 @@ def start_gateway(engine, tokenizer, model_dir, cfg, *, run_dir=None) -> Gateway
     import secrets
     from pathlib import Path
 
-    from tidal.models import context_length, stop_token_ids
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     max_len = cfg.max_model_len or context_length(config) or 4096

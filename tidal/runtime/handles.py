@@ -1,4 +1,4 @@
-"""One small handle type for a role, in process or a Ray actor (DESIGN.md, roles).
+"""One small handle type for a role, in process or a Ray actor (docs/architecture.md, "Roles").
 
 The controller submits calls and gathers their results the same way in both placement
 modes, so no code path exists only for one of them. `submit` starts a call (a local

@@ -40,8 +40,13 @@ log = logging.getLogger("tidal")
 
 def keep_on_loopback() -> None:
     """Ray resolves "its" address to the machine's external interface unless it believes it
-    runs a single-machine cluster; then every service it starts binds to loopback
-    (PLATFORM.md). Set before Ray starts; the processes it starts inherit it."""
+    runs a single-machine cluster; then every service it starts binds to loopback (measured:
+    docs/architecture.md, "Ray"). Set before Ray starts; the processes it starts inherit it.
+
+    The one use of Ray's private modules in tidal, confined here: Ray 2.60 has no public switch.
+    The environment variable is what Ray reads, but it reads it once, into
+    `ray_constants.ENABLE_RAY_CLUSTER`, when `ray` is first imported, which may have happened
+    already in this process; so the constant is set too. Ray is pinned (pyproject.toml) for it."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray._private import ray_constants
 

@@ -135,6 +135,7 @@ class _GroupScoring:
     def __init__(self, size: int):
         self.size = size
         self.arrived: list[tuple[RewardInput, asyncio.Future]] = []
+        self.submitted: set[str] = set()  # episode ids that reached scoring (the others leave)
         self.left = 0
         self.task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to tasks
 
@@ -260,7 +261,7 @@ class Rollout:
                 return await self._run_agent_episode(spec, ep, group)
             return await self._run_episode(spec, ep, client, group)
         finally:
-            if group is not None and not getattr(ep, "_scored", False):
+            if group is not None and ep.episode_id not in group.submitted:
                 group.leave(self.scorer)  # failed (or cancelled) before scoring: the others go on
 
     async def _run_episode(self, spec: EpisodeSpec, ep: Episode, client: BatchingClient,
@@ -426,7 +427,7 @@ class Rollout:
             inp = self._reward_input(ep, spec, prompt_text, prompt_messages, conversation, last_text)
             async with trace.async_span("reward", spec.episode_id):
                 if group is not None:
-                    ep._scored = True  # type: ignore[attr-defined]
+                    group.submitted.add(ep.episode_id)
                     outcome = await group.submit(self.scorer, inp)
                 else:
                     outcome = (await self.scorer.score([inp]))[0]

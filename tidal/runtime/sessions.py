@@ -5,7 +5,7 @@ A session is a tree of token contexts. Each call's prompt (the chat template's r
 its messages, or a completions prompt) continues the longest earlier context whose text the
 prompt starts with: an earlier prompt, or an earlier prompt with one of its completions. Only
 the text after that context is tokenized, so the engine is given the very tokens it produced
-before (DESIGN.md, token in, token out). A call that continues no earlier reply is a *prefix
+before (docs/architecture.md, "Invariants": token in, token out). A call that continues no earlier reply is a *prefix
 break* (the agent edited or dropped history, or the template re-renders a turn differently):
 it branches off the longest earlier prompt it still starts with (the edited text is masked
 context there), or starts a new root from its own tokenization; breaks are counted.

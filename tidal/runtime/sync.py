@@ -22,7 +22,7 @@ import logging
 import time
 from pathlib import Path
 
-from tidal.runtime.handles import Handle, gather
+from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
 
@@ -174,18 +174,18 @@ class _RemoteSync:
         if self.respawn is None:  # colocated: the engines are the trainer ranks
             return
         live = [i for i, up in enumerate(self.router.up) if up]
-        refs = {i: self.handles[i].target.engine_version.remote() for i in live}
-        import ray
-        from ray.exceptions import RayActorError
-
+        calls = {i: self.handles[i].submit("engine_version") for i in live}
         deadline = time.monotonic() + min(self.timeout_s, 60.0)
-        for i, ref in refs.items():
+        for i, pending in calls.items():  # one by one: a dead engine must not hide the others' answers
             try:
-                ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
-            except RayActorError as e:
-                self.router.mark_down(i, f"found dead before the weight sync of step {step}: {type(e).__name__}")
-            except ray.exceptions.GetTimeoutError:
-                self.router.mark_down(i, f"did not answer a liveness check before the weight sync of step {step}")
+                gather([pending], step=step, timeout_s=max(deadline - time.monotonic(), 0.1))
+            except RoleError as e:
+                if e.kind == "died":
+                    self.router.mark_down(i, f"found dead before the weight sync of step {step}: {e}")
+                elif e.kind == "timeout":
+                    self.router.mark_down(i, f"did not answer a liveness check before the weight sync of step {step}")
+                else:
+                    raise
 
     def push(self, step: int | None) -> dict[str, float]:
         t0 = time.perf_counter()

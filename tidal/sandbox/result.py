@@ -2,7 +2,7 @@
 
 The statuses other than `sandbox_error` are outcomes of the code (it looped, allocated too
 much, printed too much, crashed): a reward should score them as failures. `sandbox_error`
-is an infrastructure failure, which must never be scored (DESIGN.md: typed failures).
+is an infrastructure failure, which must never be scored (docs/architecture.md, "Invariants": failures are typed).
 Since `memory` and `output_limit` are partly read from the program's own stderr, a
 program can make itself look like one of them; it can never make itself look `ok`.
 """

@@ -36,6 +36,7 @@ import torch
 from tidal.algorithms import build_estimator, entropy_from_logits, kl_estimate, needs, token_logprobs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
+from tidal.images import as_image
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
 from tidal.models.vision import Vision, mask_banned
@@ -281,7 +282,6 @@ class Trainer:
     def _dummy_image(self):
         from PIL import Image
 
-        from tidal.images import as_image
 
         return as_image(Image.new("RGB", (56, 56)))  # the processor's usual minimum: 4 tokens
 

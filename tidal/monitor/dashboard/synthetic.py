@@ -15,15 +15,14 @@ import math
 import random
 from pathlib import Path
 
+from tidal.config import dump_config, load_config
+from tidal.models import load_tokenizer
+from tidal.monitor.episodes import EpisodeWriter
 from tidal.types import Episode, Status, ToolCallRecord, Turn
 
 
 def make_run(root: str | Path, *, episodes: int, steps: int, group_size: int = 8, seed: int = 0,
              progress: bool = False) -> Path:
-    from tidal.config import dump_config, load_config
-    from tidal.models import load_tokenizer
-    from tidal.monitor.episodes import EpisodeWriter
-
     if episodes < steps or steps < 1:
         raise ValueError(f"make_run: need at least one episode per step ({episodes} episodes, {steps} steps)")
     root = Path(root)
