@@ -18,6 +18,7 @@ what was started is closed again when a later part cannot be built.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,11 +27,15 @@ from typing import Any
 
 from tidal.config import ConfigError, RewardSpec, TidalConfig
 from tidal.engines.factory import build_engine, choose_engine_kind
+from tidal.engines.router import Router
+from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.base import is_agent_env
 from tidal.envs.dataset import DatasetError, load_prompts
-from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
+from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.models.vision import Vision
 from tidal.rewards.pool import build_scorer, spec_keys
+from tidal.runtime.gateway_http import start_gateway
+from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout
 from tidal.runtime.tasks import Task, build_task
 from tidal.types import SamplingParams
@@ -66,8 +71,6 @@ class RunParts:
     def close(self) -> None:
         """The scorers' workers, the gateway, then the roles or engines (a vLLM server process ends
         with its engine). Each is closed even when another fails to close."""
-        import asyncio
-
         for scorer in {id(s): s for s in (self.scorer, self.eval_scorer) if s is not None}.values():
             try:
                 asyncio.run(scorer.close())
@@ -106,8 +109,6 @@ def start_run_gateway(cfg: TidalConfig, task: Task, engine, tokenizer, model_dir
         raise ConfigError(f"task.env={cfg.task.env} runs its agent through the gateway: gateway.enabled must not be false")
     if not (cfg.gateway.enabled or agent_task):
         return None
-    from tidal.runtime.gateway_http import start_gateway
-
     return start_gateway(engine, tokenizer, model_dir, cfg.gateway, run_dir=run_dir)
 
 
@@ -143,8 +144,6 @@ def _task_scorer(cfg: TidalConfig, task: Task, ray_handles=None):
 
 
 def _training(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
-    from tidal.runtime.placement import build_roles
-
     task, ray_rewards = parts.task, cfg.placement.mode == "ray" and cfg.placement.reward_workers
     # The task's rewards score in worker processes (or reward-worker actors) with hard timeouts;
     # local workers start (and a reward that cannot load is named) before the model loads.
@@ -188,9 +187,6 @@ def _evaluation(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None
 
 
 def _replay(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
-    from tidal.engines.torch_engine import TorchEngine
-    from tidal.models import load_model
-
     # The torch engine: a request's tokens are a function of its seed, so an episode can reproduce.
     model = load_model(parts.model_dir, cfg.engine_dtype(), cfg.model.resolved_device())
     parts.engine = TorchEngine(model, parts.tokenizer.pad_token_id, cfg.engine.max_batch_size,
@@ -202,9 +198,6 @@ def _replay(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
 
 
 def _serving(cfg: TidalConfig, model_dir: Path, tokenizer, kind: str, why: str) -> RunParts:
-    from tidal.engines.router import Router
-    from tidal.runtime.gateway_http import start_gateway
-
     parts = RunParts("serve", model_dir, tokenizer, None, kind, why)
     try:
         for _ in range(cfg.engine.replicas):

@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from tidal.algorithms import ESTIMATORS, AdaptiveKLController, build_estimator, needs
 from tidal.config import TidalConfig, dump_config
 from tidal.envs import loop_scoped
@@ -84,8 +86,6 @@ class Controller:
         """`resume`: continue the run in cfg.run.dir from its newest good checkpoint;
         `resume_record` (the overrides and config changes of this resume, from
         config.load_resume_config) is appended to the run's resumes.jsonl."""
-        import torch
-
         self.cfg = cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
