@@ -24,7 +24,7 @@ LAYERS = [
     {"config"},
     {"models", "sandbox"},
     {"engines", "trainer", "envs", "rewards", "weightsync", "monitor"},
-    {"runtime"},
+    {"runtime", "plan"},
     {"cli", "recipes"},
 ]
 
