@@ -18,7 +18,6 @@ Errors a person can act on are printed as one message (no traceback) with exit c
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import sys
@@ -135,6 +134,14 @@ def _terminated(signum, frame):
     raise Terminated()
 
 
+def _interrupted(signum, frame):
+    """Python's own SIGINT behaviour, but not its handler object: `asyncio.run` replaces that one
+    while a loop runs (the rollout runs one on the main thread at k=0) with a handler that only
+    cancels the loop's main task, and a SIGINT that lands as the task finishes is then lost.
+    This one raises KeyboardInterrupt wherever the main thread is, inside a loop too."""
+    raise KeyboardInterrupt()
+
+
 def _catch_stop_signals() -> dict[int, Any]:
     """SIGTERM raises Terminated and SIGINT KeyboardInterrupt in the main thread, so a run or a
     server stops cleanly on either, also when it was started with SIGINT ignored (a shell's
@@ -144,7 +151,7 @@ def _catch_stop_signals() -> dict[int, Any]:
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
-            signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+            signal.SIGINT: signal.signal(signal.SIGINT, _interrupted)}
 
 
 def _restore_signals(previous: dict[int, Any]) -> None:
@@ -163,43 +170,19 @@ def _config_for_model(model: str, config: str | None, overrides: list[str]) -> T
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    from tidal.config import RewardSpec
-    from tidal.engines.factory import build_engine, choose_engine_kind
-    from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
-    from tidal.models.vision import Vision
-    from tidal.rewards.pool import build_scorer, spec_keys
-    from tidal.runtime.controller import make_rollout, start_run_gateway
+    from tidal.runtime.assemble import build_run
     from tidal.runtime.evaluate import evaluate_engine
-    from tidal.runtime.tasks import build_task
-    from tidal.types import SamplingParams
 
     config, overrides = _split_args(ns.args)
     cfg = _config_for_model(ns.model, config, overrides)
-    model_dir = resolve_model_dir(ns.model)
-    tokenizer = load_tokenizer(model_dir)
-    task = build_task(cfg.task)
-    vision = Vision.load(model_dir)
-    # the engine `engine.kind` names, as the run's rollout would (auto: the torch engine on a CPU)
-    kind, _ = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
-    engine = build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
-                          pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    scorer = gateway = None
+    run = build_run(cfg, "eval", model=ns.model)  # the engine `engine.kind` names, as the run's rollout would
+    model_dir, kind = run.model_dir, run.engine_kind
     try:  # whatever fails from here, the engine (a vLLM process or server) is closed
-        if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
-            scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-        elif task.rewards:
-            scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task))
-        t0 = time.time()  # wall_s: the evaluation, as before (not the engine's or the scorer's start)
-        gateway = start_run_gateway(cfg, task, engine, tokenizer, model_dir, None)  # agent tasks call it
-        res = evaluate_engine(engine, make_rollout(cfg, tokenizer, params, scorer, gateway, vision),
-                              task.eval_rows[: cfg.eval.n], task.make_env, k=cfg.eval.k, temperature=cfg.eval.temperature)
+        t0 = time.time()  # wall_s: the evaluation (not the engine's or the scorer's start)
+        res = evaluate_engine(run.engine, run.rollout, run.task.eval_rows[: cfg.eval.n], run.make_env, k=cfg.eval.k,
+                              temperature=cfg.eval.temperature)
     finally:
-        if gateway is not None:
-            gateway.close()
-        if scorer is not None:
-            asyncio.run(scorer.close())
-        engine.close()
+        run.close()
     res = {"model": str(model_dir), "engine": kind, **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
@@ -330,10 +313,7 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
 
     import torch
 
-    from tidal.engines.factory import build_engine, choose_engine_kind
-    from tidal.engines.router import Router
-    from tidal.models import load_tokenizer, resolve_model_dir
-    from tidal.runtime.gateway_http import start_gateway
+    from tidal.runtime.assemble import build_run
 
     config, overrides = _split_args(ns.args)
     flags = [f"gateway.host={ns.host}"] if ns.host else []
@@ -353,16 +333,10 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
         return 2
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
-    model_dir = resolve_model_dir(ns.model)
-    tokenizer = load_tokenizer(model_dir)
-    kind, why = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
-    engines = [build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
-                            pad_token_id=tokenizer.pad_token_id, seed=cfg.run.seed) for _ in range(cfg.engine.replicas)]
-    router = Router(engines, [f"{kind}{i}" for i in range(len(engines))], max_inflight=cfg.engine.max_inflight,
-                    timeout_s=cfg.engine.request_timeout_s)
-    server = start_gateway(router, tokenizer, model_dir, cfg.gateway)
-    print(f"tidal: serving {model_dir} as `{server.gateway.model_name}` on {server.url} ({len(engines)} {kind} "
-          f"replica(s): {why}; POST /v1/chat/completions, /v1/completions, GET /v1/models"
+    run = build_run(cfg, "serve", model=ns.model)
+    server, engines, kind = run.gateway, run.engines, run.engine_kind
+    print(f"tidal: serving {run.model_dir} as `{server.gateway.model_name}` on {server.url} ({len(engines)} {kind} "
+          f"replica(s): {run.engine_why}; POST /v1/chat/completions, /v1/completions, GET /v1/models"
           f"{'; token required' if server.token else ''})", file=sys.stderr, flush=True)
     stop = threading.Event()
     previous = _catch_stop_signals()  # SIGINT or SIGTERM: close the server and the engines, exit 0
@@ -373,11 +347,7 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
         pass
     finally:
         _restore_signals(previous)
-        server.close()
-        for e in engines:
-            close = getattr(e, "close", None)
-            if close is not None:
-                close()
+        run.close()  # the server, then the engines
     return 0
 
 
@@ -437,9 +407,19 @@ def _plan_errors() -> tuple[type[Exception], ...]:
     return MissingPlanExtra, PlanSpecError
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
+    _run_commands(sub)
+    _build_commands(sub)
+    _serve_commands(sub)
+    from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
+
+    add_plan_parser(sub)
+    return p
+
+
+def _run_commands(sub) -> None:
     t = sub.add_parser("train", help="train a policy with RL")
     t.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides")
     t.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint")
@@ -449,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (eval.n, eval.k, ...)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
+
+
+def _build_commands(sub) -> None:
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
     from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR
 
@@ -483,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--init", default=None, help="initial weights and tokenizer (default: the embedded tiny model)")
     r.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     r.set_defaults(fn=cmd_train_rm, args=[])
+
+
+def _serve_commands(sub) -> None:
     s = sub.add_parser("serve-rm", help="serve a reward model over HTTP (tidal /score and OpenRLHF /get_reward)")
     s.add_argument("model", help="HF sequence-classification directory (e.g. from tidal train-rm)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind; not loopback only with a token")
@@ -521,9 +507,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--port", type=int, default=8765, help="port (0: a free one, printed; default 8765)")
     d.add_argument("--token-env", default=None, help="name of an environment variable holding the token")
     d.set_defaults(fn=cmd_dashboard, args=[])
-    from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
 
-    add_plan_parser(sub)
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     # Options may come before, between or after the overrides (`train a=1 --resume b=2`).
     ns, rest = p.parse_known_args(argv)
     if any(r.startswith("-") for r in rest):

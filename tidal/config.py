@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidal.algorithms import AGGREGATIONS, ESTIMATORS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS
+from tidal.algorithms.advantages import BUILTIN_NEEDS
 
 # The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
 # without importing the monitors: they sit above config in the package order and read these.
@@ -152,7 +153,8 @@ class CriticConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    advantage: Literal[ESTIMATORS] = Field("grpo", description=f"Advantage estimator, one of {ESTIMATORS}; `gae` trains a critic (PPO proper), `remax` adds one greedy rollout per prompt as baseline.")
+    advantage: str = Field("grpo", description=f"Advantage estimator: one of {ESTIMATORS} (`gae` trains a critic, PPO proper; `remax` adds one greedy rollout per prompt as baseline), or a dotted or file path (`my_pkg.adv:MyEstimator`) to a class built with this section and `advantage_args`, or a function of tidal.algorithms.AdvantageInputs, declaring `needs_values` / `needs_greedy_baseline` (tidal/algorithms/advantages.py).")
+    advantage_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of an `advantage` estimator of your own (a class gets them after this section; a function after its inputs).")
     std_scale: Literal["group", "batch", "none"] = Field("group", description="GRPO reward scaling: group std, batch std or none (Dr.GRPO).")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over policy tokens (gae, reinforce++).")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="GAE λ.")
@@ -162,6 +164,7 @@ class AlgorithmConfig(_Section):
     dual_clip: float | None = Field(None, gt=1.0, description="Dual-clip constant c > 1 bounding the loss of negative advantages (ppo only); None: off.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus coefficient (the loss subtracts coef × entropy).")
     loss: str | None = Field(None, description="The per-token objective: a dotted or file path (`my_pkg.losses:MyLoss`) to a class built with this section, or a function, called with tidal.algorithms.objective.LossInputs and returning a LossOutput (tidal/algorithms/objective.py); None: tidal's PolicyObjective (policy_loss, IS weight, rejection, KL, entropy, loss_agg).")
+    loss_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of a `loss` of your own (a class gets them after this section; a function after its LossInputs).")
     loss_agg: str = Field("token-mean", description=f"Loss aggregation, one of {AGGREGATIONS}.")
     loss_norm_len: int | None = Field(None, ge=1, description="Constant length of seq-mean-token-sum-norm (Dr.GRPO); None: rollout.max_new_tokens.")
     kl_coef: float = Field(0.0, ge=0.0, description="KL coefficient against the frozen reference; 0 loads no reference model.")
@@ -184,6 +187,14 @@ class AlgorithmConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> AlgorithmConfig:
+        if self.advantage not in ESTIMATORS and not any(c in self.advantage for c in ".:/"):
+            raise ValueError(f"advantage must be one of {ESTIMATORS} or a path to an estimator of your own "
+                             f"(`my_pkg.module:Estimator`), got {self.advantage!r}")
+        if self.advantage_args and self.advantage in ESTIMATORS:
+            raise ValueError(f"advantage_args is for an estimator of your own; `{self.advantage}` takes its settings "
+                             "from this section (std_scale, gamma, lam)")
+        if self.loss_args and not self.loss:
+            raise ValueError("loss_args is for a `loss` of your own: set algorithm.loss")
         if self.loss_agg not in AGGREGATIONS:
             raise ValueError(f"loss_agg must be one of {AGGREGATIONS}, got {self.loss_agg!r}")
         if self.kl_target is not None and self.kl_coef == 0:
@@ -261,7 +272,15 @@ class TrainConfig(_Section):
 
 
 class EngineConfig(_Section):
-    kind: Literal["auto", "torch", "vllm", "sglang"] = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), or auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang).")
+    kind: str = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang); or a dotted or file path to a builder of your own (`my_pkg.engines:build`, called as tidal.engines.factory.build_engine calls the built-in ones).")
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        if v not in ("auto", "torch", "vllm", "sglang") and not any(c in v for c in ".:/"):
+            raise ValueError(f"kind must be auto, torch, vllm, sglang or a path to an engine builder "
+                             f"(`my_pkg.engines:build`), got {v!r}")
+        return v
     max_batch_size: int = Field(512, ge=1, description="Most sequences the engine decodes at once.")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="The engine's parameter dtype; None: model.dtype. bfloat16 engines under a float32 (or mixed-precision) trainer receive the trainer's weights cast at the weight sync; the mismatch metrics (logprob_abs_diff, mismatch_kl) show what it costs and algorithm.is_level corrects it.")
     vllm_mode: Literal["in_process", "server"] = Field("in_process", description="vllm: the engine in this process, or an OpenAI-compatible vLLM server started and supervised by tidal on 127.0.0.1.")
@@ -421,8 +440,8 @@ class TidalConfig(_Section):
 
     @model_validator(mode="after")
     def _derived(self) -> TidalConfig:
-        if self.algorithm.advantage == "remax" and self.rollout.temperature == 0:
-            raise ValueError("algorithm.advantage=remax compares samples with the greedy response: rollout.temperature must be > 0")
+        if "greedy_baseline" in BUILTIN_NEEDS.get(self.algorithm.advantage, ()) and self.rollout.temperature == 0:
+            raise ValueError(f"algorithm.advantage={self.algorithm.advantage} compares samples with the greedy response: rollout.temperature must be > 0")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be below rollout.max_new_tokens={self.rollout.max_new_tokens}")
         pl = self.placement
@@ -452,8 +471,9 @@ class TidalConfig(_Section):
                              f"resolves to {self.model.resolved_device()!r}")
         if pl.mode == "ray" and self.engine.kind == "vllm" and self.engine.vllm_mode == "server":
             raise ValueError("engine.vllm_mode=server with placement.mode=ray: each engine actor runs vLLM in process; use engine.vllm_mode=in_process")
-        if self.rollout.prefix_policy == "split" and self.algorithm.advantage == "gae" and self.rollout.max_turns > 1:
-            raise ValueError("rollout.prefix_policy=split with algorithm.advantage=gae: a critic cannot value a segment "
+        if (self.rollout.prefix_policy == "split" and "values" in BUILTIN_NEEDS.get(self.algorithm.advantage, ())
+                and self.rollout.max_turns > 1):
+            raise ValueError(f"rollout.prefix_policy=split with algorithm.advantage={self.algorithm.advantage}: a critic cannot value a segment "
                              "apart from its episode; use rollout.prefix_policy=continue")
         if self.rollout.global_batch % self.train.mini_batches:
             raise ValueError(

@@ -2,11 +2,15 @@
 
 from tidal.algorithms.advantages import (
     ESTIMATORS,
+    AdvantageInputs,
+    Estimator,
+    build_estimator,
     discounted_returns,
     estimate_advantages,
     gae,
     group_advantages,
     masked_whiten,
+    needs,
     remax_advantages,
     rloo_advantages,
     terminal_rewards,
@@ -29,8 +33,8 @@ from tidal.algorithms.shaping import informative_groups, overlong_penalty
 
 __all__ = [
     "AGGREGATIONS", "ESTIMATORS", "IS_LEVELS", "KL_ESTIMATORS", "POLICY_LOSSES", "REJECTION_LEVELS",
-    "AdaptiveKLController", "aggregate", "cispo_loss", "discounted_returns", "entropy_from_logits",
-    "estimate_advantages", "gae", "group_advantages", "gspo_loss", "importance_weights", "informative_groups",
-    "kl_estimate", "masked_whiten", "overlong_penalty", "policy_loss", "ppo_clip_loss", "rejection_mask",
+    "AdaptiveKLController", "AdvantageInputs", "Estimator", "aggregate", "build_estimator", "cispo_loss",
+    "discounted_returns", "entropy_from_logits", "estimate_advantages", "gae", "group_advantages", "gspo_loss",
+    "importance_weights", "informative_groups", "kl_estimate", "masked_whiten", "needs", "overlong_penalty", "policy_loss", "ppo_clip_loss", "rejection_mask",
     "remax_advantages", "rloo_advantages", "terminal_rewards", "token_logprobs", "value_loss",
 ]

@@ -4,6 +4,11 @@ Legend: N episodes (= B sequences) in the batch; G groups (the samples of one pr
 T token positions, aligned with the trainer's targets (position t scores token t+1).
 `mask_BT` is True on tokens the policy generated.
 
+An estimator is a callable of `AdvantageInputs` that declares what it needs beyond the rewards
+(`Estimator`): the run gives a critic's values to one that declares `needs_values`, and rolls out
+a greedy response per prompt for one that declares `needs_greedy_baseline`. `build_estimator`
+makes the one `algorithm.advantage` names: a built-in, or a user's class or function by path.
+
 Every estimator ends as a per-token advantage `adv_BT` (0 off the mask), so the trainer
 has one path for all of them. Sequence-level estimators (GRPO, Dr.GRPO, RLOO, ReMax)
 give each token of a sequence the sequence's advantage; token-level ones (GAE,
@@ -13,6 +18,11 @@ a sequence-level estimator scores a sequence by their sum.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -121,6 +131,144 @@ def masked_whiten(x_BT: torch.Tensor, mask_BT: torch.Tensor, eps: float = 1e-8, 
     return torch.where(mask_BT, centred / (var.sqrt() + eps), 0.0).to(torch.float32)
 
 
+@dataclass
+class AdvantageInputs:
+    """What an estimator gets. `values_BT` only for one that declares `needs_values` (the critic's
+    value of the state before each token), `baseline_N` only for one that declares
+    `needs_greedy_baseline` (each episode's prompt's greedy reward)."""
+
+    token_rewards_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    group_N: torch.Tensor
+    values_BT: torch.Tensor | None = None
+    baseline_N: torch.Tensor | None = None
+
+
+class Estimator(Protocol):
+    """An advantage estimator: (adv_BT, returns_BT or None) from AdvantageInputs; 0 off the mask.
+    It declares what it needs, and the run provides it: `needs_values` (a critic is trained, its
+    values computed before the update; the returns are its regression target) and
+    `needs_greedy_baseline` (one more, greedy, rollout per prompt). Both default to False."""
+
+    needs_values: ClassVar[bool]
+    needs_greedy_baseline: ClassVar[bool]
+
+    def __call__(self, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@dataclass(frozen=True)
+class GroupNormalized:
+    """grpo (scale group | batch | none) and drgrpo (none): (r − mean_g) / std."""
+
+    scale: str = "group"
+    needs_values: ClassVar[bool] = False
+    needs_greedy_baseline: ClassVar[bool] = False
+
+    def __call__(self, x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+        return _broadcast(group_advantages(x.token_rewards_BT.sum(-1), x.group_N, self.scale), x.mask_BT), None
+
+
+@dataclass(frozen=True)
+class LeaveOneOut:
+    """rloo: r − mean of the other samples of the group."""
+
+    needs_values: ClassVar[bool] = False
+    needs_greedy_baseline: ClassVar[bool] = False
+
+    def __call__(self, x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+        return _broadcast(rloo_advantages(x.token_rewards_BT.sum(-1), x.group_N), x.mask_BT), None
+
+
+@dataclass(frozen=True)
+class GreedyBaseline:
+    """remax: r − r_greedy."""
+
+    needs_values: ClassVar[bool] = False
+    needs_greedy_baseline: ClassVar[bool] = True
+
+    def __call__(self, x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+        if x.baseline_N is None:
+            raise ValueError("remax needs baseline_N, the reward of each prompt's greedy response")
+        return _broadcast(remax_advantages(x.token_rewards_BT.sum(-1), x.baseline_N), x.mask_BT), None
+
+
+@dataclass(frozen=True)
+class WhitenedReturns:
+    """reinforce++ (whiten_batch(G_t)) and reinforce++-baseline (the group mean reward subtracted
+    first, then scaled by the batch std without shifting)."""
+
+    group_baseline: bool = False
+    gamma: float = 1.0
+    needs_values: ClassVar[bool] = False
+    needs_greedy_baseline: ClassVar[bool] = False
+
+    def __call__(self, x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+        rewards_BT = x.token_rewards_BT
+        if self.group_baseline:
+            _, mean_G = _group_stats(rewards_BT.sum(-1).to(torch.float64), x.group_N)
+            rewards_BT = rewards_BT - terminal_rewards(mean_G[x.group_N].float(), x.mask_BT)
+        returns_BT = discounted_returns(rewards_BT, x.mask_BT, self.gamma)
+        return masked_whiten(returns_BT, x.mask_BT, shift_mean=not self.group_baseline), None
+
+
+@dataclass(frozen=True)
+class GeneralizedAdvantage:
+    """gae: whiten_batch(GAE(γ, λ)) over the critic's values; returns A + V for the critic."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    needs_values: ClassVar[bool] = True
+    needs_greedy_baseline: ClassVar[bool] = False
+
+    def __call__(self, x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.values_BT is None:
+            raise ValueError("gae needs values_BT from a critic")
+        adv_BT, returns_BT = gae(x.token_rewards_BT, x.values_BT, x.mask_BT, self.gamma, self.lam)
+        return masked_whiten(adv_BT, x.mask_BT), returns_BT
+
+
+# The built-in estimators by name, each built from (std_scale, gamma, lam).
+BUILTIN: dict[str, Callable[[str, float, float], Estimator]] = {
+    "grpo": lambda std_scale, gamma, lam: GroupNormalized(std_scale),
+    "drgrpo": lambda std_scale, gamma, lam: GroupNormalized("none"),
+    "rloo": lambda std_scale, gamma, lam: LeaveOneOut(),
+    "reinforce++": lambda std_scale, gamma, lam: WhitenedReturns(False, gamma),
+    "reinforce++-baseline": lambda std_scale, gamma, lam: WhitenedReturns(True, gamma),
+    "remax": lambda std_scale, gamma, lam: GreedyBaseline(),
+    "gae": lambda std_scale, gamma, lam: GeneralizedAdvantage(gamma, lam),
+}
+BUILTIN_NEEDS = {"remax": ("greedy_baseline",), "gae": ("values",)}  # for config checks, without building
+
+
+def needs(estimator: Estimator, what: str) -> bool:
+    """Whether `estimator` declares that it needs `what` ("values" or "greedy_baseline")."""
+    if what not in ("values", "greedy_baseline"):
+        raise ValueError(f"an estimator declares needs_values and needs_greedy_baseline, not needs_{what}")
+    return bool(getattr(estimator, f"needs_{what}", False))
+
+
+def build_estimator(algo: Any, import_object: Callable | None = None) -> Estimator:
+    """`algorithm.advantage`: a built-in name (BUILTIN), or a dotted or file path to a class
+    built as `cls(algo, **algorithm.advantage_args)` or to a function called as
+    `fn(inputs, **algorithm.advantage_args)`; either returns (adv_BT, returns_BT or None) and may
+    declare `needs_values` / `needs_greedy_baseline` (class or function attributes)."""
+    name, args = algo.advantage, dict(getattr(algo, "advantage_args", None) or {})
+    if name in BUILTIN:
+        if args:
+            raise ValueError(f"algorithm.advantage_args is for an estimator of your own; `{name}` takes its "
+                             "settings from the algorithm section (std_scale, gamma, lam)")
+        return BUILTIN[name](algo.std_scale, algo.gamma, algo.lam)
+    obj = import_object(name, "algorithm.advantage")
+    if isinstance(obj, type):
+        return obj(algo, **args)
+    if not callable(obj):
+        raise TypeError(f"`algorithm.advantage`: `{name}` is not a class or function")
+    fn = functools.partial(obj, **args)
+    for what in ("values", "greedy_baseline"):  # a function's own declarations carry over
+        setattr(fn, f"needs_{what}", needs(obj, what))
+    return fn
+
+
 def estimate_advantages(
     name: str,
     token_rewards_BT: torch.Tensor,
@@ -133,7 +281,7 @@ def estimate_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages of the estimator `name` (one of ESTIMATORS) as (adv_BT, returns_BT).
+    """Advantages of the built-in estimator `name` (one of ESTIMATORS) as (adv_BT, returns_BT).
     Returns are only produced by "gae" (the critic's regression target); else None.
 
     grpo                  (r − mean_g) / std (std_scale: group | batch | none)
@@ -144,30 +292,10 @@ def estimate_advantages(
     reinforce++-baseline  whiten_batch(G_t) after subtracting the group mean reward
     gae                   whiten_batch(GAE(γ, λ)) with the critic's values_BT
     """
-    score_N = token_rewards_BT.sum(-1)
-    if name == "grpo":
-        return _broadcast(group_advantages(score_N, group_N, std_scale), mask_BT), None
-    if name == "drgrpo":
-        return _broadcast(group_advantages(score_N, group_N, "none"), mask_BT), None
-    if name == "rloo":
-        return _broadcast(rloo_advantages(score_N, group_N), mask_BT), None
-    if name == "remax":
-        if baseline_N is None:
-            raise ValueError("remax needs baseline_N, the reward of each prompt's greedy response")
-        return _broadcast(remax_advantages(score_N, baseline_N), mask_BT), None
-    if name in ("reinforce++", "reinforce++-baseline"):
-        rewards_BT = token_rewards_BT
-        if name == "reinforce++-baseline":
-            _, mean_G = _group_stats(score_N.to(torch.float64), group_N)
-            rewards_BT = rewards_BT - terminal_rewards(mean_G[group_N].float(), mask_BT)
-        returns_BT = discounted_returns(rewards_BT, mask_BT, gamma)
-        return masked_whiten(returns_BT, mask_BT, shift_mean=name == "reinforce++"), None
-    if name == "gae":
-        if values_BT is None:
-            raise ValueError("gae needs values_BT from a critic")
-        adv_BT, returns_BT = gae(token_rewards_BT, values_BT, mask_BT, gamma, lam)
-        return masked_whiten(adv_BT, mask_BT), returns_BT
-    raise ValueError(f"advantage estimator must be one of {ESTIMATORS}, got {name!r}")
+    if name not in BUILTIN:
+        raise ValueError(f"advantage estimator must be one of {ESTIMATORS}, got {name!r}")
+    estimator = BUILTIN[name](std_scale, gamma, lam)
+    return estimator(AdvantageInputs(token_rewards_BT, mask_BT, group_N, values_BT, baseline_N))
 
 
 def _group_stats(rewards_N: torch.Tensor, group_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,21 +95,22 @@ class PolicyObjective:
 
 
 def build_objective(algo: Any, import_object=None):
-    """`algorithm.loss` (a dotted or file path to a class taking the AlgorithmConfig, or to a
-    function of LossInputs) or, when unset, PolicyObjective. A function may return a
+    """`algorithm.loss` (a dotted or file path to a class built as `cls(algo, **algorithm.loss_args)`,
+    or to a function called as `fn(inputs, **algorithm.loss_args)`) or, when unset, PolicyObjective. A function may return a
     LossOutput, a `(loss, sums)` pair or the loss alone; of its sums, those it names in a
     `metric_keys` attribute are logged (per policy token, like tidal's own)."""
     path = getattr(algo, "loss", None)
     if not path:
         return PolicyObjective(algo)
     obj = import_object(path, "algorithm.loss")
-    fn = obj(algo) if isinstance(obj, type) else obj
+    args = dict(getattr(algo, "loss_args", None) or {})
+    fn = obj(algo, **args) if isinstance(obj, type) else obj
     if not callable(fn):
         raise TypeError(f"`algorithm.loss`: `{path}` is not callable (a class taking the AlgorithmConfig, or a "
                          "function of LossInputs)")
 
     def objective(x: LossInputs) -> LossOutput:
-        out = fn(x)
+        out = fn(x) if isinstance(obj, type) else fn(x, **args)
         if isinstance(out, LossOutput):
             return out
         if isinstance(out, tuple) and len(out) == 2:

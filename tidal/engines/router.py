@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from tidal.engines.base import EngineBase
 from tidal.types import GenerationRequest, GenerationResult
 
 log = logging.getLogger("tidal")
@@ -34,7 +35,7 @@ class RouterError(RuntimeError):
     """No replica can take the requests."""
 
 
-class Router:
+class Router(EngineBase):
     def __init__(self, replicas: Sequence, names: Sequence[str] | None = None, max_inflight: int = 512,
                  timeout_s: float = 600.0, max_sessions: int = 1_000_000):
         if not replicas:

@@ -31,6 +31,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
+from tidal.engines.base import EngineBase
 from tidal.types import GenerationRequest, GenerationResult, SamplingParams
 
 Policy = Callable[[GenerationRequest], Sequence[int]]
@@ -40,7 +41,7 @@ class ScriptExhausted(RuntimeError):
     """A session asked for more turns than the script has."""
 
 
-class ScriptedEngine:
+class ScriptedEngine(EngineBase):
     def __init__(self, policy: Policy | Sequence[Sequence[int]], *, tokenizer=None, latency_s: float = 0.0,
                  max_sessions: int = 1 << 14):
         if callable(policy):

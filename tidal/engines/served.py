@@ -1,7 +1,7 @@
-"""Supervising an inference server child process (vLLM's, SGLang's): a free loopback port,
-a health wait that quotes the server's log when it dies, JSON calls with a timeout, and a
-stop that takes the whole process group (engine cores and schedulers outlive their
-leader otherwise)."""
+"""Served engines (vLLM's, SGLang's): `ServedEngine`, the Engine they share around their backend,
+and the supervision of an inference server child process: a free loopback port, a health wait
+that quotes the server's log when it dies, JSON calls with a timeout, and a stop that takes the
+whole process group (engine cores and schedulers outlive their leader otherwise)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,13 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, ClassVar, Self
+
+from tidal.engines.base import EngineBase
+from tidal.engines.gate import UpdateGate, with_tied_head
+from tidal.types import GenerationRequest, GenerationResult
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -114,3 +119,101 @@ def http_call(base_url: str, method: str, path: str, body: dict | None, timeout_
         raise error(f"{method} {path} answered {e.code}: {detail}") from e
     except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
         raise error(f"{method} {path} failed: {e}. {dead()}") from e
+
+
+class ServedEngine(EngineBase):
+    """What the vLLM and SGLang engines share around their backend: the weight version, the gate
+    between generate calls and weight updates (pause/resume; an update waits for the calls in
+    flight), the checks that the engine is open and its server alive, and closing. A subclass
+    sets `error` (its exception class), `name`, `request_timeout_s`, `_tied`, `_finalizer` (the
+    backend's stop) and implements `dead`, `_validate`, `_generate` and `_load_weights`."""
+
+    error: ClassVar[type[Exception]] = RuntimeError
+    name: str
+    request_timeout_s: float
+    _tied: bool
+    _finalizer: Callable[[], Any]
+
+    def _start_serving(self) -> None:
+        self._version = 0
+        self._closed = False
+        self._gate = UpdateGate()  # between generate calls and weight updates (threads: update_weights is sync)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        """New generate calls wait until resume(); calls in progress finish."""
+        self._gate.pause()
+
+    def resume(self) -> None:
+        self._gate.resume()
+
+    def dead(self) -> str:
+        """Why the backend is gone (its exit code, the last lines of its log); "" while it runs."""
+        raise NotImplementedError
+
+    def _validate(self, r: GenerationRequest) -> None:
+        raise NotImplementedError
+
+    async def _generate(self, requests: list[GenerationRequest], what: str,
+                        version: int) -> list[tuple[list[int], list[float], str]]:
+        """(token ids, log-probs, finish reason) per request, errors raised as `error`."""
+        raise NotImplementedError
+
+    def _load_weights(self, named: dict, version: int) -> None:
+        raise NotImplementedError
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        if not requests:
+            return []
+        what = f"generate of {len(requests)} requests (first {requests[0].request_id})"
+        self._check_open(what)
+        for r in requests:
+            self._validate(r)
+        await self._gate.enter(lambda: self._check_open(what))
+        version = self._version
+        try:
+            outs = await self._generate(requests, what, version)
+        finally:
+            self._gate.exit()
+        return [GenerationResult(r.request_id, toks, lps, reason, version)
+                for r, (toks, lps, reason) in zip(requests, outs, strict=True)]
+
+    def update_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
+        what = f"update_weights(version={version})"
+        self._check_open(what)
+        try:
+            named = with_tied_head(tensors, self._tied)
+        except ValueError as e:
+            raise self.error(f"{self.name}: {what}: {e}") from None
+        too_slow = lambda n: self.error(
+            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} generate calls in flight to "
+            "finish (is update_weights called from the event loop that runs them?)")
+        with self._gate.exclusive(self.request_timeout_s, too_slow):
+            try:
+                self._load_weights(named, version)
+                self._version = version
+            except self.error as e:
+                raise self.error(f"{self.name}: {what}: {e}") from e
+            except Exception as e:
+                raise self.error(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        """Stop the engine (and its server process). Later calls raise `error`."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise self.error(f"{self.name} is closed: {what} refused")
+        dead = self.dead()
+        if dead:
+            raise self.error(f"{self.name} is not running: {what} refused. {dead}")

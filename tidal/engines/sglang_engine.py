@@ -69,17 +69,15 @@ import shutil
 import subprocess
 import sys
 import weakref
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import torch
 
-from tidal.engines.gate import UpdateGate, with_tied_head
-from tidal.engines.served import http_call, server_workspace, stop_process_group, tail, wait_healthy
+from tidal.engines.served import ServedEngine, http_call, server_workspace, stop_process_group, tail, wait_healthy
 from tidal.engines.stop_strings import check_stop_strings
 from tidal.models import context_length, load_tokenizer
-from tidal.types import GenerationRequest, GenerationResult, SamplingParams
+from tidal.types import GenerationRequest, SamplingParams
 
 log = logging.getLogger("tidal")
 
@@ -206,8 +204,10 @@ SGLANG_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}  # log-probs after temp
 
 
 # -- the engine --------------------------------------------------------------------------------
-class SGLangEngine:
+class SGLangEngine(ServedEngine):
     """The Engine protocol over a supervised SGLang server (see the module docstring)."""
+
+    error = SGLangEngineError
 
     def __init__(
         self,
@@ -222,15 +222,13 @@ class SGLangEngine:
     ):
         self.model_dir = Path(model_dir)
         self.request_timeout_s = request_timeout_s
-        self._version = 0
-        self._closed = False
+        self._start_serving()
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.max_model_len = context_length(cfg) or 0  # 0: unknown, not checked
 
         self._eos = model_eos_ids(self.model_dir, load_tokenizer(self.model_dir))
         self._ids = itertools.count()
-        self._gate = UpdateGate()  # between generate calls and weight updates
 
         self.host = "127.0.0.1"
         self.port, self._tmp, self.weights_dir, self.log_path = server_workspace("sglang", log_dir)
@@ -249,31 +247,13 @@ class SGLangEngine:
             self.close()
             raise
 
-    # -- the Engine protocol ---------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
+    # -- the Engine protocol (the rest is ServedEngine's) ----------------------------------------
     @property
     def name(self) -> str:
         return f"SGLang engine (server pid {self.proc.pid} on {self.url}, log {self.log_path})"
 
-    def pause(self) -> None:
-        """New generate calls wait until resume(); calls in progress finish."""
-        self._gate.pause()
-
-    def resume(self) -> None:
-        self._gate.resume()
-
-    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        if not requests:
-            return []
-        what = f"generate of {len(requests)} requests (first {requests[0].request_id})"
-        self._check_open(what)
-        for r in requests:
-            self._validate(r)
-        await self._gate.enter(lambda: self._check_open(what))
-        version = self._version
+    async def _generate(self, requests: list[GenerationRequest], what: str,
+                        version: int) -> list[tuple[list[int], list[float], str]]:
         rids = [f"{next(self._ids)}:{r.request_id}" for r in requests]  # unique even if a caller reuses ids
         body = generate_payload(requests, rids, self._eos)
         try:
@@ -284,7 +264,7 @@ class SGLangEngine:
                 raise SGLangEngineError(f"/generate answered {type(outs).__name__} of "
                                         f"{len(outs) if isinstance(outs, list) else '?'} items for "
                                         f"{len(requests)} requests: {text[:300]}")
-            parsed = [parse_output(r, rid, o, version) for r, rid, o in zip(requests, rids, outs)]
+            return [parse_output(r, rid, o, version) for r, rid, o in zip(requests, rids, outs)]
         except SGLangEngineError as e:
             raise SGLangEngineError(f"{self.name}: {what}: {e}") from e
         except (TimeoutError, asyncio.CancelledError) as e:
@@ -295,40 +275,6 @@ class SGLangEngine:
                                     "(engine.request_timeout_s)") from None
         except Exception as e:
             raise SGLangEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
-        finally:
-            self._gate.exit()
-        return [GenerationResult(r.request_id, toks, lps, reason, version)
-                for r, (toks, lps, reason) in zip(requests, parsed, strict=True)]
-
-    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        what = f"update_weights(version={version})"
-        self._check_open(what)
-        try:
-            named = with_tied_head(tensors, self._tied)
-        except ValueError as e:
-            raise SGLangEngineError(f"{self.name}: {what}: {e}") from None
-        too_slow = lambda n: SGLangEngineError(
-            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} generate calls in flight to "
-            "finish (is update_weights called from the event loop that runs them?)")
-        with self._gate.exclusive(self.request_timeout_s, too_slow):
-            try:
-                self._load(named, version)
-                self._version = version
-            except SGLangEngineError as e:
-                raise SGLangEngineError(f"{self.name}: {what}: {e}") from e
-            except Exception as e:
-                raise SGLangEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
-
-    def close(self) -> None:
-        """Stop the server (its whole process group). Later calls raise SGLangEngineError."""
-        self._closed = True
-        self._finalizer()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # -- helpers ---------------------------------------------------------------------------
     def dead(self) -> str:
@@ -340,7 +286,7 @@ class SGLangEngine:
     def _http(self, method: str, path: str, body: dict | None, timeout_s: float) -> str:
         return http_call(self.url, method, path, body, timeout_s, SGLangEngineError, self.dead)
 
-    def _load(self, named: dict[str, torch.Tensor], version: int) -> None:
+    def _load_weights(self, named: dict[str, torch.Tensor], version: int) -> None:
         from safetensors.torch import save_file
 
         self.weights_dir.mkdir(exist_ok=True)
@@ -360,13 +306,6 @@ class SGLangEngine:
                 self._http("POST", "/abort_request", {"rid": rid}, 10)
             except SGLangEngineError as e:
                 log.debug("%s: aborting %s: %s", self.name, rid, e)
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise SGLangEngineError(f"{self.name} is closed: {what} refused")
-        dead = self.dead()
-        if dead:
-            raise SGLangEngineError(f"{self.name} is not running: {what} refused. {dead}")
 
     def _validate(self, r: GenerationRequest) -> None:
         if not r.prompt_ids:

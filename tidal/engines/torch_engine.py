@@ -73,6 +73,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from tidal.engines.base import EngineBase
 from tidal.engines.lean_decode import KVCache, LeanDecoder, model_decode
 from tidal.engines.prefix_cache import FeatureCache, Prefix, PrefixCache
 from tidal.engines.sampling import sample
@@ -103,7 +104,7 @@ class WeightUpdateTimeout(TimeoutError):
     """A weight update waited longer than `update_timeout_s` for generation to make room."""
 
 
-class TorchEngine(PromptForward):
+class TorchEngine(PromptForward, EngineBase):
     def __init__(self, model, pad_token_id: int, max_batch_size: int = 512, *, partial_rollout: bool = True,
                  update_timeout_s: float = 600.0, tokenizer=None,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES, lean_decode: bool = True,
@@ -158,6 +159,8 @@ class TorchEngine(PromptForward):
 
     def resume(self) -> None:
         self._running.set()
+
+    can_sleep = True
 
     def sleep(self) -> None:
         """Give the accelerator memory back while a colocated trainer trains: new generate

@@ -62,14 +62,13 @@ import os
 import random
 import threading
 import weakref
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
-from tidal.engines.gate import UpdateGate, with_tied_head
+from tidal.engines.served import ServedEngine
 from tidal.engines.stop_strings import check_stop_strings
 from tidal.engines.vllm_requests import (
     Completion,
@@ -83,7 +82,7 @@ from tidal.engines.vllm_requests import (
 from tidal.engines.vllm_server import VLLMServer
 from tidal.models import load_tokenizer
 from tidal.models.vision_shims import apply_vllm_shims, plugin_registered, torchvision_usable
-from tidal.types import GenerationRequest, GenerationResult
+from tidal.types import GenerationRequest
 
 if TYPE_CHECKING:
     from tidal.models.vision import Vision
@@ -107,8 +106,10 @@ def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
     return env
 
 
-class VLLMEngine:
+class VLLMEngine(ServedEngine):
     """The Engine protocol over vLLM (see the module docstring for the two modes)."""
+
+    error = VLLMEngineError
 
     def __init__(
         self,
@@ -130,16 +131,13 @@ class VLLMEngine:
         self.model_dir = Path(model_dir)
         self.mode: Mode = mode
         self.request_timeout_s = request_timeout_s
-        self._version = 0
-        self._closed = False
+        self._start_serving()
         self._warned_truncation = False
         cfg = json.loads((self.model_dir / "config.json").read_text())
         self._tied = bool(cfg.get("tie_word_embeddings", False) or
                           (cfg.get("text_config") or {}).get("tie_word_embeddings", False))
         self.vision = vision
         self._banned: tuple[str, ...] = ()
-        # Gate between generate calls and weight updates (threads: update_weights is sync).
-        self._gate = UpdateGate()  # between generate calls and weight updates
         engine_args = {
             "dtype": dtype, "seed": seed, "max_num_seqs": max_batch_size, "enforce_eager": True,
             "logprobs_mode": LOGPROBS_MODE, "gpu_memory_utilization": gpu_memory_utilization,
@@ -162,33 +160,18 @@ class VLLMEngine:
         # Close on interpreter exit: no server process outlives tidal.
         self._finalizer = weakref.finalize(self, self._backend.close)
 
-    # -- the Engine protocol ---------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
+    # -- the Engine protocol (the rest is ServedEngine's) ----------------------------------------
     @property
     def name(self) -> str:
         return f"vLLM engine ({self._backend.describe()})"
 
-    def pause(self) -> None:
-        """New generate calls wait until resume(); calls in progress finish."""
-        self._gate.pause()
+    def dead(self) -> str:
+        return self._backend.dead()
 
-    def resume(self) -> None:
-        self._gate.resume()
-
-    async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        if not requests:
-            return []
-        what = f"generate of {len(requests)} requests (first {requests[0].request_id})"
-        self._check_open(what)
-        for r in requests:
-            self._validate(r)
-        await self._gate.enter(lambda: self._check_open(what))
-        version = self._version
+    async def _generate(self, requests: list[GenerationRequest], what: str,
+                        version: int) -> list[tuple[list[int], list[float], str]]:
         try:
-            outs = await self._backend.generate(requests, self.request_timeout_s, self.vision, self._banned)
+            return await self._backend.generate(requests, self.request_timeout_s, self.vision, self._banned)
         except VLLMEngineError as e:
             raise VLLMEngineError(f"{self.name}: {e}") from e
         except TimeoutError:
@@ -196,40 +179,9 @@ class VLLMEngine:
                                   f"(engine.request_timeout_s)") from None
         except Exception as e:
             raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
-        finally:
-            self._gate.exit()
-        return [GenerationResult(r.request_id, toks, lps, reason, version)
-                for r, (toks, lps, reason) in zip(requests, outs, strict=True)]
 
-    def update_weights(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        what = f"update_weights(version={version})"
-        self._check_open(what)
-        try:
-            named = with_tied_head(tensors, self._tied)
-        except ValueError as e:
-            raise VLLMEngineError(f"{self.name}: {what}: {e}") from None
-        too_slow = lambda n: VLLMEngineError(
-            f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} generate calls in flight to "
-            "finish (is update_weights called from the event loop that runs them?)")
-        with self._gate.exclusive(self.request_timeout_s, too_slow):
-            try:
-                self._backend.load_weights(named, self.request_timeout_s)
-                self._version = version
-            except VLLMEngineError as e:
-                raise VLLMEngineError(f"{self.name}: {what}: {e}") from e
-            except Exception as e:
-                raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
-
-    def close(self) -> None:
-        """Stop the engine (and its server process). Later calls raise VLLMEngineError."""
-        self._closed = True
-        self._finalizer()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def _load_weights(self, named: dict, version: int) -> None:
+        self._backend.load_weights(named, self.request_timeout_s)
 
     # -- helpers ---------------------------------------------------------------------------
     def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:
@@ -263,13 +215,6 @@ class VLLMEngine:
         if [e - s for s, e in runs] != want:
             raise VLLMEngineError(f"{self.name}: request {r.request_id}: image runs of {[e - s for s, e in runs]} "
                                   f"tokens in the prompt for {len(r.images)} images of {want} tokens")
-
-    def _check_open(self, what: str) -> None:
-        if self._closed:
-            raise VLLMEngineError(f"{self.name} is closed: {what} refused")
-        dead = self._backend.dead()
-        if dead:
-            raise VLLMEngineError(f"{self.name} is not running: {what} refused. {dead}")
 
     def _validate(self, r: GenerationRequest) -> None:
         p = r.params

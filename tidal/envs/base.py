@@ -11,14 +11,18 @@ sandboxes and sessions are released.
 
 An environment is built from a dataset row and a seed: `MyEnv(row, seed=..., **task.env_args)`
 (`task.env: my_pkg.envs:MyEnv` or `path/to/envs.py:MyEnv`). The same seed and the same
-actions give the same observations. Optional class attributes and methods:
+actions give the same observations. Optional class attributes and methods, declared in
+`OPTIONAL` below (the one place; tidal reads them only through `optional`):
 
 - `tools`: OpenAI function schemas rendered by the chat template (`tools=`), read after reset;
 - `sampling`: a `SamplingOverride` for the first turn;
+- `close()`: release what the episode held (sandboxes, sessions);
 - `rows(split, n, seed, **env_args)` (classmethod): the built-in task's rows, used when
   `task.dataset` is not set ("train" or "test" split);
 - `default_reward`: the dotted path of the reward used when `task.reward` is not set
-  (None: the environment's own per-turn rewards are the whole reward).
+  (None: the environment's own per-turn rewards are the whole reward);
+- `agent` / `agent_path`: an agent environment (`AgentEnv`): the rollout runs its whole
+  episode with `run_agent` against the gateway instead of `reset`/`step`.
 """
 
 from __future__ import annotations
@@ -73,13 +77,52 @@ class StepResult:
 
 @runtime_checkable
 class Env(Protocol):
+    """What every environment has; the optional parts are in `OPTIONAL`."""
+
     name: str
 
     async def reset(self) -> list[Message]: ...
 
     async def step(self, action: Action) -> StepResult: ...
 
-    async def close(self) -> None: ...
+
+@runtime_checkable
+class AgentEnv(Protocol):
+    """An environment that is an agent (tidal/envs/openai_agent.py): `run_agent` plays the whole
+    episode, calling the policy through the gateway at `base_url` with `api_key`; the rollout
+    turns the recorded calls into the episode. `agent` is True; `agent_path` names the agent in
+    errors."""
+
+    name: str
+    agent: bool
+    agent_path: str
+
+    async def run_agent(self, base_url: str, api_key: str) -> Any: ...
+
+
+_ABSENT = object()
+# The optional attributes of an environment (class or instance) and what their absence means.
+# `default_reward` absent and None differ: None says "the environment's own rewards are all".
+OPTIONAL: dict[str, Any] = {
+    "tools": None, "sampling": None, "close": None, "rows": None, "default_reward": _ABSENT,
+    "agent": False, "agent_path": None,
+}
+
+
+def optional(env: Any, attribute: str, default: Any = _ABSENT) -> Any:
+    """An optional attribute of an environment (or its class), or what its absence means
+    (`default`, when given, for `default_reward`). Only the attributes of `OPTIONAL`."""
+    if attribute not in OPTIONAL:
+        raise AttributeError(f"`{attribute}` is not an optional attribute of an environment (envs/base.py: OPTIONAL)")
+    value = getattr(env, attribute, OPTIONAL[attribute])
+    if value is _ABSENT:
+        return None if default is _ABSENT else default
+    return value
+
+
+def is_agent_env(env: Any) -> bool:
+    """Whether an environment (or its class) is an `AgentEnv`: it declares `agent = True`."""
+    return bool(optional(env, "agent"))
 
 
 class RewardError(Exception):

@@ -12,8 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from tidal.algorithms import estimate_advantages, informative_groups, kl_estimate, overlong_penalty, terminal_rewards
+from tidal.algorithms import (
+    AdvantageInputs,
+    Estimator,
+    build_estimator,
+    informative_groups,
+    kl_estimate,
+    needs,
+    overlong_penalty,
+    terminal_rewards,
+)
 from tidal.config import AlgorithmConfig
+from tidal.importing import import_object
 from tidal.models.vision import image_runs
 from tidal.trainer.trainer import TrainBatch, pad_rows
 from tidal.types import Episode, Status
@@ -70,12 +80,13 @@ def token_rewards(episodes: list[Episode], mask_BT: torch.Tensor) -> torch.Tenso
 
 
 def build_batch(
-    episodes: list[Episode], algo: AlgorithmConfig, trainer, *, kl_coef: float,
+    episodes: list[Episode], algo: AlgorithmConfig, trainer, *, kl_coef: float, estimator: Estimator | None = None,
     baselines: dict[str, float] | None = None, image_token_id: int | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
-    """A TrainBatch with per-token advantages for `episodes` (all trainable, grouped by
-    group_id). `trainer` supplies reference log-probs (KL in reward) and critic values (gae).
-    `baselines` maps group id → greedy reward (remax). Episodes with images (a vision-language
+    """A TrainBatch with per-token advantages by `estimator` (default: algorithm.advantage's) for `episodes` (all trainable, grouped
+    by group_id). `trainer` supplies reference log-probs (KL in reward) and critic values (an
+    estimator that needs values). `baselines` maps group id → greedy reward (one that needs a
+    greedy baseline). Episodes with images (a vision-language
     model) give the batch their images, one list per sequence.
 
     An episode split into segments by a prefix break (see rollout.py) becomes one training
@@ -84,10 +95,11 @@ def build_batch(
     log-probs (KL in reward) in each segment's own context, the one the policy sampled in.
     Each segment takes the images whose runs of image pads start inside it, which needs
     `image_token_id` (the model's `Vision.image_token_id`) when such an episode has images."""
+    estimator = estimator or build_estimator(algo, import_object)  # default: algorithm.advantage's
     split = any(len(e.segment_spans()) > 1 for e in episodes)
-    if split and algo.advantage == "gae":
-        raise ValueError("algorithm.advantage=gae cannot value an episode split by a prefix break (rollout.prefix_policy); "
-                         "use a chat template that preserves prefixes or an outcome estimator")
+    if split and needs(estimator, "values"):
+        raise ValueError(f"algorithm.advantage={algo.advantage} cannot value an episode split by a prefix break "
+                         "(rollout.prefix_policy); use a chat template that preserves prefixes or an outcome estimator")
     seg_batch, where = _segments(episodes, image_token_id) if split else (None, [])
     batch = TrainBatch(tokens=[e.tokens for e in episodes], loss_mask=[e.loss_mask for e in episodes],
                        advantages=[], behaviour_logprobs=[e.logprobs for e in episodes],
@@ -112,17 +124,14 @@ def build_batch(
             kl_BT = kl_rows
         token_rewards_BT = token_rewards_BT - kl_coef * kl_BT
         metrics["kl"] = float(kl_BT.sum() / mask_BT.sum().clamp(min=1))
-    values_BT = None
-    if algo.advantage == "gae":
+    values_BT = baseline_N = None
+    if needs(estimator, "values"):
         batch.old_values = trainer.values(batch)
         values_BT = pad_rows(batch.old_values, 0.0, torch.float32)
-    baseline_N = None
-    if algo.advantage == "remax":
+    if needs(estimator, "greedy_baseline"):
         baseline_N = torch.tensor([baselines[e.group_id] for e in episodes])
-    adv_BT, returns_BT = estimate_advantages(
-        algo.advantage, token_rewards_BT, mask_BT, group_index(episodes), std_scale=algo.std_scale,
-        values_BT=values_BT, baseline_N=baseline_N, gamma=algo.gamma, lam=algo.lam,
-    )
+    adv_BT, returns_BT = estimator(AdvantageInputs(token_rewards_BT, mask_BT, group_index(episodes),
+                                                   values_BT=values_BT, baseline_N=baseline_N))
     batch.advantages = unpad_positions(adv_BT, lengths)
     if returns_BT is not None:
         batch.returns = unpad_positions(returns_BT, lengths)

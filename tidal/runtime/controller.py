@@ -1,15 +1,27 @@
-"""The controller: builds the roles from a config (placement.py) and runs the RL loop.
+"""The controller: assembles a run (assemble.py) and runs the RL loop over its roles.
 
-A step is two stages: `_produce` (sample → reward) and `_learn` (advantage →
-forward/backward → optimizer step → weight sync → log → save); `train_step` runs them one
-after the other. `train` joins the same two stages by a bounded queue, with a rollout
-thread admitted by weight version (`rollout.max_staleness`): k=0 is `train_step` in a loop.
-The controller owns no tensors beyond what it passes between roles.
+A step is two parts. `_produce` samples: prompts → rollout (generate, environment, reward),
+with DAPO's refill. `_learn` learns from it in named stages, in this order:
+
+    prepare    failed episodes and the failure budget (health.py), the step's episode
+               metrics, advantages and the batch (batch.py)
+    update     forward/backward and optimizer steps over the mini-batches (the trainer's
+               `update`, trainer_group.py)
+    publish    the new weights to the engines (sync.py)
+    observe    timings, held-out evaluation, monitors and alerts (health.py), the metrics,
+               samples and episodes written
+    health     a stop on non-finite steps or an alert of alerts.stop_on (health.py)
+    checkpoint the step saved when due, healthy, or the best so far
+
+`train_step` runs the two parts one after the other on the calling thread. `train` is
+`train_step` in a plain loop at `rollout.max_staleness` k=0 (a debugger steps through a
+step from top to bottom); only for k>0 does a producer thread roll out ahead, admitted by
+weight version and joined to this thread by a bounded queue. The controller owns no tensors
+beyond what it passes between roles.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import json
 import logging
@@ -23,38 +35,33 @@ from pathlib import Path
 
 import torch
 
-from tidal.algorithms import AdaptiveKLController
-from tidal.config import ConfigError, RewardSpec, TidalConfig, dump_config
+from tidal.algorithms import ESTIMATORS, AdaptiveKLController, build_estimator, needs
+from tidal.config import TidalConfig, dump_config
 from tidal.durable import append_lines, disk_error, write_atomic
-from tidal.engines.factory import choose_engine_kind
 from tidal.envs import loop_scoped
-from tidal.envs.dataset import DatasetError, PromptSource, load_prompts
-from tidal.models import load_tokenizer, resolve_model_dir, stop_token_ids
-from tidal.models.vision import Vision
+from tidal.envs.dataset import PromptSource
+from tidal.importing import import_object
 from tidal.monitor import trace
-from tidal.monitor.alerts import AlertEvent, Alerts
+from tidal.monitor.alerts import AlertEvent
 from tidal.monitor.episodes import EpisodeWriter
-from tidal.monitor.hacking import HackingMonitor
 from tidal.monitor.progress import Progress
 from tidal.monitor.run_log import RunLog
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
-from tidal.rewards.pool import build_scorer, spec_keys
+from tidal.monitor.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime import inflight
+from tidal.runtime.assemble import build_run
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
 from tidal.runtime.evaluate import evaluate_during_training
-from tidal.runtime.placement import build_roles
-from tidal.runtime.recovery import role_restarts
-from tidal.runtime.rollout import Rollout, group_specs
+from tidal.runtime.health import Health
+from tidal.runtime.rollout import group_specs
 from tidal.runtime.run_dir import DiskError, RunFailed, disk_failure, free_space, tidy_for_resume
 from tidal.runtime.run_lock import RunLock
-from tidal.runtime.step_metrics import episode_metrics, staleness_metrics
-from tidal.runtime.tasks import Task, build_task
-from tidal.runtime.threads import on_own_thread
-from tidal.types import Episode, SamplingParams
+from tidal.types import Episode
 
 log = logging.getLogger("tidal")
+__all__ = ["Controller", "DiskError", "RunFailed", "Sampled"]
 
 
 def write_json(path: Path, obj) -> None:
@@ -64,28 +71,6 @@ def write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-__all__ = ["Controller", "DiskError", "RunFailed", "Sampled", "make_rollout", "start_run_gateway", "write_json"]
-
-
-def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None) -> Rollout:
-    r = cfg.rollout
-    return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
-                   max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer,
-                   gateway=gateway, vision=vision)
-
-
-def start_run_gateway(cfg: TidalConfig, task: Task, engine, tokenizer, model_dir: Path, run_dir: Path | None):
-    """The gateway of a run (or of an evaluation): when the task runs agents, or gateway.enabled."""
-    agent_task = bool(getattr(task.env_cls, "agent", False))
-    if cfg.gateway.enabled is False and agent_task:
-        raise ConfigError(f"task.env={cfg.task.env} runs its agent through the gateway: gateway.enabled must not be false")
-    if not (cfg.gateway.enabled or agent_task):
-        return None
-    from tidal.runtime.gateway_http import start_gateway
-
-    return start_gateway(engine, tokenizer, model_dir, cfg.gateway, run_dir=run_dir)
-
-
 @dataclass
 class Sampled:
     """A step's rollout, handed from the rollout stage to the learning stage."""
@@ -93,7 +78,7 @@ class Sampled:
     step: int
     episodes: list[Episode]  # every sampled episode
     train_eps: list[Episode]  # those to train on
-    baselines: dict[str, float]  # greedy reward per group (remax)
+    baselines: dict[str, float]  # greedy reward per group (estimators that need a greedy baseline)
     metrics: dict[str, float]
     t_start: float
     t_end: float
@@ -109,20 +94,13 @@ class Controller:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
-        # Inputs are checked before anything is created or loaded: model, tokenizer, data, reward.
-        self.model_dir = resolve_model_dir(cfg.model.path)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.vision = Vision.load(self.model_dir)  # a vision-language model's images and placeholders; None: text
-        self.task: Task = build_task(cfg.task)
-        self.make_env = self.task.make_env
         run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.paths = RunPaths(run_dir)
         # One run per directory, from before its first write to close() (tidal/runtime/run_lock.py).
         self.run_lock = RunLock(run_dir)
         self.run_lock.acquire()
         self.disk_error: DiskError | None = None  # a disk error met while closing (close() does not raise it)
-        self.roles = self.gateway = self.scorer = self.eval_scorer = None
-        self.run_log = None
+        self.parts = self.run_log = self.resumed_from = None
         self._learning: int | None = None  # the step being learned (named by a write that fails in it)
         try:
             self._start(resume, resume_record)
@@ -132,85 +110,66 @@ class Controller:
 
     def _start(self, resume: bool, resume_record: dict | None) -> None:
         cfg, run_dir = self.cfg, self.paths.root
+        # Inputs are checked before anything is created or loaded (model, tokenizer, data,
+        # reward); the run directory opens just before the roles start.
+        parts = build_run(cfg, "train", run_dir=run_dir, before_roles=lambda: self._open(resume, resume_record))
+        self.parts = parts
+        log.info("engine: %s (%s)", parts.engine_kind, parts.engine_why)
+        self.engine_choice = f"{parts.engine_kind} ({parts.engine_why})"
+        self.model_dir, self.tokenizer, self.vision, self.task = parts.model_dir, parts.tokenizer, parts.vision, parts.task
+        self.roles, self.make_env, self.params = parts.roles, parts.make_env, parts.params
+        self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
+        self.scorer, self.rollout, self.gateway = parts.scorer, parts.rollout, parts.gateway
+        self.eval_scorer, self.eval_rollout, self.eval_sets = parts.eval_scorer, parts.eval_rollout, parts.eval_sets
+        self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
+        self.estimator = build_estimator(cfg.algorithm, import_object)  # algorithm.advantage: what it needs
+        self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
+        self.health = Health(cfg, run_dir, self.paths.latest_checkpoint, self.roles)
+        self.step = 0
+        self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
+        self._source_lock = threading.Lock()
+        self._source_before: dict[int, dict] = {}  # step → data position before its prompts were taken
+        self._generating: list[tuple[float, float]] = []  # when the producer was rolling out (k > 0)
+        self._generating_since = 0.0
+        self._last_learn_end = self._t_start = time.perf_counter()
+        self._ahead = inflight.Ahead()  # steps rolled out ahead of the learner (tidal/runtime/inflight.py)
+        self._restored: dict[int, Sampled] = {}  # steps a checkpoint kept ahead, trained as they were
+        if self.resumed_from is not None:
+            self._load(self.resumed_from)
+        self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
+                                  self.run_log.file)
+        self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
+        if resume:  # recorded once the resume has started: a resume that failed to start adds no line
+            append_lines(run_dir / "resumes.jsonl", [json.dumps({
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(self.resumed_from),
+                **(resume_record or {})}) + "\n"])
+
+    def _open(self, resume: bool, resume_record: dict | None) -> None:
+        """The run directory: checked (a new run does not overwrite one, a resume has a checkpoint),
+        its config.yaml and train.log, and what an earlier attempt left past the checkpoint
+        (resumes.jsonl gets its line once the start has succeeded)."""
+        run_dir, cfg = self.paths.root, self.cfg
         resume_from = self.paths.latest_checkpoint() if resume else None
         if resume and resume_from is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.paths.checkpoints}")
         if not resume and (run_dir / "metrics.jsonl").exists():
             raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it or choose another run.dir")
         self.resumed_from = resume_from
+        run_dir.mkdir(parents=True, exist_ok=True)
         if not (resume and (run_dir / "config.yaml").is_file()):  # a resumed run keeps its own record
             write_atomic(run_dir / "config.yaml", dump_config(cfg))
         self.run_log = RunLog(run_dir / "train.log")  # train.log (tidal/monitor/run_log.py)
         if resume_from is not None:  # what an earlier attempt left past the checkpoint
             tidy_for_resume(run_dir, json.loads((resume_from / "controller.json").read_text())["step"])
-
         if cfg.run.trace:  # before the roles start: a trainer in this process records into the driver's track
             trace.enable("driver")
-        self.source = PromptSource(self.task.train_rows, seed=cfg.run.seed)
-        device = cfg.model.resolved_device()
-        self.kl_ctl = AdaptiveKLController(cfg.algorithm.kl_coef, cfg.algorithm.kl_target, cfg.algorithm.kl_horizon)
-        kind, why = choose_engine_kind(cfg.engine.kind, device)
-        log.info("engine: %s (%s)", kind, why)
-        self.engine_choice = f"{kind} ({why})"
-        self.scorer = None
-        if self.task.rewards and not (cfg.placement.mode == "ray" and cfg.placement.reward_workers):
-            self.scorer = build_scorer(self.task.rewards, cfg.reward, keys=spec_keys(cfg.task))
-        # Trainer ranks, engine replicas and the way weights reach them (placement.mode).
-        self.roles = build_roles(cfg, self.model_dir, self.tokenizer.pad_token_id, kind, run_dir)
-        self.trainer, self.engine, self.pusher = self.roles.trainer, self.roles.engine, self.roles.pusher
-        if self.roles.envs is not None:  # environments hosted by the env workers
-            self.make_env = self.roles.envs.make_env
-        self.params = SamplingParams(
-            max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(self.tokenizer),
-        )
-        # The task's rewards score in worker processes (or reward-worker actors) with hard timeouts;
-        # local workers start (and a reward that cannot load is named) before the model loads.
-        if self.task.rewards and self.roles.reward_handles:
-            self.scorer = build_scorer(self.task.rewards, cfg.reward, ray_handles=self.roles.reward_handles,
-                                       keys=spec_keys(cfg.task))
-        # The OpenAI-compatible gateway over the engines: agent tasks call it (and so may tools
-        # outside the run, with gateway.enabled).
-        self.gateway = start_run_gateway(cfg, self.task, self.engine, self.tokenizer, self.model_dir, run_dir)
-        self.rollout = make_rollout(cfg, self.tokenizer, self.params, self.scorer, self.gateway, self.vision)
-        self.eval_scorer, self.eval_rollout = self.scorer, self.rollout
-        if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
-            self.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-            self.eval_rollout = make_rollout(cfg, self.tokenizer, self.params, self.eval_scorer, self.gateway, self.vision)
-        self.eval_sets = {}
-        for name, path in cfg.eval.sets.items():  # named by their key when they cannot load
-            try:
-                self.eval_sets[name] = load_prompts(path)[: cfg.eval.n]
-            except DatasetError as e:
-                raise DatasetError(f"eval.sets.{name}: {e}") from None
-        self._over_budget = 0  # consecutive steps over the failure budget
-        self._nonfinite = 0  # consecutive steps with a non-finite gradient (their updates skipped)
-        self.step = 0
-        self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
-        self._source_lock = threading.Lock()
-        self._source_before: dict[int, dict] = {}  # step → data position before its prompts were taken
-        self._generating: list[tuple[float, float]] = []  # when the producer was rolling out
-        self._generating_since = 0.0
-        self._last_learn_end = self._t_start = time.perf_counter()
-        self._ahead = inflight.Ahead()  # steps rolled out ahead of the learner (tidal/runtime/inflight.py)
-        self._restored: dict[int, Sampled] = {}  # steps a checkpoint kept ahead, trained as they were
-        if resume_from is not None:
-            self._load(resume_from)
-        self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
-                                  self.run_log.file)
-        self.monitor = HackingMonitor(**cfg.reward.monitor_args) if cfg.reward.monitors else None
-        self.alerts = Alerts(cfg.alerts) if cfg.alerts.enabled else None
-        self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
-        if resume:  # recorded once the resume has started: a resume that failed to start adds no line
-            append_lines(run_dir / "resumes.jsonl", [json.dumps({
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checkpoint": str(resume_from), **(resume_record or {})})
-                + "\n"])
 
-    # -- the loop ---------------------------------------------------------------------------
+    # -- the step ---------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
-        """One synchronous step: sample, then learn from it."""
+        """One synchronous step on this thread: sample, then learn from it."""
         try:
-            return self._learn(self._produce(self.step + 1))
+            sampled = self._produce(self.step + 1)
+            return self._learn(sampled, trainer_wait=sampled.t_end - sampled.t_start)
         except Exception as e:
             stopped = self._stopped_by_disk(e)
             if stopped is None:
@@ -239,41 +198,65 @@ class Controller:
         return Sampled(step, episodes, train_eps, baselines, metrics, t0, time.perf_counter())
 
     def _learn(self, s: Sampled, trainer_wait: float = 0.0) -> dict[str, float]:
-        """The rest of a step: advantages → forward/backward → optimizer step → weight sync → log → save."""
-        cfg, step = self.cfg, s.step
-        episodes, train_eps, metrics = s.episodes, s.train_eps, s.metrics
-        self.trainer.step = self._learning = step  # named in the error of a role that fails, or of a write
+        """The learning stages of a step, in order (the module docstring says what each does)."""
+        self.trainer.step = self._learning = s.step  # named in the error of a role that fails, or of a write
         t0 = time.perf_counter()
-        self._report_failures(step, episodes)
-        metrics.update(episode_metrics(episodes))
-        self._check_failure_budget(step, episodes, metrics)
-        metrics.update(staleness_metrics(train_eps, self.trainer.version, self.updates_per_step,
-                                         cfg.rollout.max_staleness))
-        if train_eps:
-            batch, prep = build_batch(train_eps, cfg.algorithm, self.trainer, kl_coef=self.kl_ctl.coef,
-                                      baselines=s.baselines,  # advantages
-                                      image_token_id=self.vision.image_token_id if self.vision else None)
-            metrics.update(prep)
-            minis = self._mini_batches(len(batch))
-            if cfg.train.epochs * len(minis) > 1 and batch.old_logprobs is None:
-                # Several updates per batch: the policy before the first one is the PPO anchor.
-                batch.old_logprobs = self.trainer.logprobs(batch)
-            per_update = []
-            with trace.span("train", cat="train", step=step, updates=cfg.train.epochs * len(minis)):
-                for _ in range(cfg.train.epochs):
-                    for mini in minis:
-                        m = self.trainer.forward_backward(batch.select(mini), kl_coef=self.kl_ctl.coef)
-                        per_update.append({**m, **self.trainer.optim_step()})
-            if per_update:
-                metrics.update({k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]})
-            metrics["kl_coef"] = self.kl_ctl.coef
-            if "kl" in metrics:
-                self.kl_ctl.update(metrics["kl"], len(batch))
+        batch, metrics = self._prepare(s)
+        metrics.update(self._update(s.step, batch))
         t_train = time.perf_counter() - t0
+        metrics.update(self._publish(s.step))
+        fired = self._observe(s, metrics, t0, t_train, trainer_wait)
+        self.health.enforce(s.step, metrics, fired)
+        if self.run_log.error is not None:  # train.log lost lines of this step (a full disk): not checkpointed
+            raise self.run_log.error
+        self._checkpoint(s.step, metrics)
+        self._flush_trace()
+        self._learning = None
+        return metrics
 
+    def _prepare(self, s: Sampled):
+        """Failed episodes and the failure budget; the step's episode metrics; the batch with its
+        advantages (None when nothing is trainable)."""
+        metrics = s.metrics
+        metrics.update(episode_metrics(s.episodes))
+        self.health.before_update(s.step, s.episodes, metrics, self.metrics.log)
+        metrics.update(staleness_metrics(s.train_eps, self.trainer.version, self.updates_per_step,
+                                         self.cfg.rollout.max_staleness))
+        if not s.train_eps:
+            return None, metrics
+        batch, prep = build_batch(s.train_eps, self.cfg.algorithm, self.trainer, kl_coef=self.kl_ctl.coef,
+                                  estimator=self.estimator, baselines=s.baselines,
+                                  image_token_id=self.vision.image_token_id if self.vision else None)
+        metrics.update(prep)
+        return batch, metrics
+
+    def _update(self, step: int, batch) -> dict[str, float]:
+        """train.epochs passes over train.mini_batches mini-batches, an optimizer step each: the
+        trainer's `update`; the metrics averaged over the updates."""
+        if batch is None:
+            return {}
+        tc = self.cfg.train
+        with trace.span("train", cat="train", step=step, updates=tc.epochs * tc.mini_batches):
+            per_update = self.trainer.update(batch, epochs=tc.epochs, mini_batches=tc.mini_batches,
+                                             kl_coef=self.kl_ctl.coef)
+        metrics = {k: sum(u[k] for u in per_update) / len(per_update) for k in per_update[0]} if per_update else {}
+        metrics["kl_coef"] = self.kl_ctl.coef
+        if "kl" in metrics:
+            self.kl_ctl.update(metrics["kl"], len(batch))
+        return metrics
+
+    def _publish(self, step: int) -> dict[str, float]:
+        """The new weights to every engine replica (weight sync); the step is done."""
         with trace.span("sync", cat="sync", step=step):
-            metrics.update(self.pusher.push(step))  # weight sync
+            out = self.pusher.push(step)
         self.step = step
+        return out
+
+    def _observe(self, s: Sampled, metrics: dict[str, float], t0: float, t_train: float,
+                 trainer_wait: float) -> list[AlertEvent]:
+        """Timings, held-out evaluation, monitors and alerts; then the step's metrics, sample
+        table and episodes are written. Returns the alerts that fired."""
+        cfg, step, episodes = self.cfg, s.step, s.episodes
         t1 = time.perf_counter()
         t_rollout = s.t_end - s.t_start
         dt = t1 - t0 + t_rollout if cfg.rollout.max_staleness == 0 else t1 - self._last_learn_end
@@ -288,13 +271,7 @@ class Controller:
                         "time/overlap": self._overlap(t0, t1)})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
             metrics.update(self._evaluate(step))
-        events = []
-        if self.monitor is not None:
-            events = self.monitor.update(step, episodes, metrics)
-            metrics.update(self.monitor.metrics_of(events))
-            if events:
-                append_lines(self.paths.root / "hacking_events.jsonl", [json.dumps(e.to_dict()) + "\n" for e in events])
-        alerts = self._alert(step, metrics, events)
+        fired = self.health.watch(step, episodes, metrics)  # they read the metrics: before they are written
         self.metrics.log(step, metrics)
         if cfg.run.log_samples and step % cfg.run.log_samples_every == 0 and episodes:
             self.metrics.table(step, *sample_table(step, episodes, cfg.run.log_samples, self.tokenizer))
@@ -303,22 +280,20 @@ class Controller:
                 self.episode_writer.write(step, episodes)
             else:
                 self.episode_writer.end_step(step)
-        self._check_nonfinite(step, metrics)
-        self._stop_on_alert(step, alerts)
-        if self.run_log.error is not None:  # train.log lost lines of this step (a full disk): not checkpointed
-            raise self.run_log.error
-        # A step over the failure budget, or with a non-finite gradient, is not checkpointed: the
-        # rotation would push out the checkpoints of good steps for one that learned (nearly) nothing.
-        healthy = not self._over_budget and not self._nonfinite
-        best = healthy and self._improves_best(metrics)
-        if healthy and (best or (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.train.steps):
+        return fired
+
+    def _checkpoint(self, step: int, metrics: dict[str, float]) -> None:
+        """Save when due (run.save_every, the last step) or the best so far (eval.keep_best). A step
+        over the failure budget, or with a non-finite gradient, is not checkpointed: the rotation
+        would push out the checkpoints of good steps for one that learned (nearly) nothing."""
+        cfg = self.cfg
+        best = self.health.healthy and self._improves_best(metrics)
+        if self.health.healthy and (best or (cfg.run.save_every and step % cfg.run.save_every == 0)
+                                    or step == cfg.train.steps):
             with trace.span("save", cat="save", step=step):
                 saved = self.save()
             if best:
                 self._record_best(step, metrics[cfg.eval.keep_best], saved)
-        self._flush_trace()
-        self._learning = None
-        return metrics
 
     # -- evaluation during training ---------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, float]:
@@ -353,20 +328,6 @@ class Controller:
                 log.warning("run.trace: %s's spans could not be collected (%s: %s)", handle.role, type(e).__name__, e)
         trace.append(self.paths.root / "trace.jsonl", events)
 
-    def _check_nonfinite(self, step: int, metrics: dict[str, float]) -> None:
-        """Non-finite gradients skip their update; a run that keeps producing them stops, with
-        its last checkpoint (from before them) intact, instead of skipping forever."""
-        self._nonfinite = self._nonfinite + 1 if metrics.get("skipped_step", 0.0) > 0 else 0
-        limit = self.cfg.train.max_nonfinite_steps
-        if self._nonfinite >= limit:
-            last = self.paths.latest_checkpoint()
-            raise RunFailed(
-                f"stopping at step {step}: the gradient was NaN or inf in {self._nonfinite} steps in a row "
-                f"(train.max_nonfinite_steps={limit}; grad_norm {metrics.get('grad_norm')}, loss "
-                f"{metrics.get('loss')}); their updates were skipped. Lower train.lr or check the rewards and "
-                f"log-probs of these steps' episodes. The last checkpoint is "
-                f"{last or 'none (no step was saved yet)'}.")
-
     def _overlap(self, t0: float, t1: float) -> float:
         """Fraction of [t0, t1] (this step's learning) during which the engines were generating."""
         with self._source_lock:
@@ -375,14 +336,16 @@ class Controller:
         busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
         return busy / max(t1 - t0, 1e-9)
 
+    # -- sampling -----------------------------------------------------------------------------
     def _sample(self, step: int) -> tuple[list[Episode], list[Episode], dict[str, float], dict[str, float]]:
         """Roll out this step's prompts. Returns (every sampled episode, the episodes to train
-        on, greedy baseline reward per group (remax), metrics).
+        on, greedy baseline reward per group (an estimator that needs one), metrics).
 
         With DAPO's dynamic sampling, groups whose rewards are all equal are dropped and
         further prompts are sampled, up to `algorithm.max_sampling_rounds` rounds, until
         `rollout.prompts_per_step` informative groups are collected; extra groups are cut."""
         cfg, algo = self.cfg, self.cfg.algorithm
+        greedy = needs(self.estimator, "greedy_baseline")
         want = cfg.rollout.prompts_per_step
         episodes: list[Episode] = []
         baselines: dict[str, float] = {}
@@ -390,12 +353,12 @@ class Controller:
         rounds = 0
         # Episodes stream to the store as they finish, unless the step changes them afterwards:
         # dynamic sampling decides at the end which are trained, DAPO's overlong shaping changes
-        # rewards, ReMax drops groups without a baseline (then the step is written whole).
+        # rewards, a greedy baseline drops groups without one (then the step is written whole).
         stream = self._stream if self.episode_writer is not None and not self._writes_whole_steps else None
         while True:
             rows = self.source.take(want)
             specs = group_specs(rows, self.make_env, cfg.rollout.samples_per_prompt, cfg.run.seed, step,
-                                offset=rounds * want, greedy_baseline=algo.advantage == "remax")
+                                offset=rounds * want, greedy_baseline=greedy)
             new: list[Episode] = []  # this round's samples that were scored
             for spec, e in zip(specs, loop_scoped.run(self.rollout.run(specs, self.engine, step, on_episode=stream))):
                 if spec.greedy:  # a baseline, not a sample: no training, no sample metrics
@@ -407,7 +370,7 @@ class Controller:
                     new.append(e)
             shape_rewards(new, algo, cfg.rollout.max_new_tokens)
             groups = list(dict.fromkeys(e.group_id for e in new))
-            if algo.advantage == "remax":
+            if greedy:
                 groups = [g for g in groups if g in baselines]  # no baseline, no advantage
             if algo.dynamic_sampling:
                 useful = informative(new)
@@ -425,82 +388,64 @@ class Controller:
         if algo.dynamic_sampling:
             metrics.update({"sampling/rounds": float(rounds), "sampling/groups_kept": float(len(kept_set)),
                             "sampling/groups_generated": float(rounds * want)})
-        if algo.advantage == "remax" and baselines:
-            metrics["remax/greedy_reward"] = sum(baselines.values()) / len(baselines)
+        if greedy and baselines:
+            name = algo.advantage if algo.advantage in ESTIMATORS else "advantage"  # a path: not a metric name
+            metrics[f"{name}/greedy_reward"] = sum(baselines.values()) / len(baselines)
         return episodes, train_eps, baselines, metrics
-
-    def _check_failure_budget(self, step: int, episodes: list[Episode], metrics: dict[str, float]) -> None:
-        """Stop the run, its last checkpoint intact, when more than `reward.failure_budget` of the
-        episodes fail for `reward.failure_steps` steps in a row: training on the survivors of
-        a broken reward or environment would only waste the run."""
-        rc = self.cfg.reward
-        failed = metrics.get("episodes/failed_frac", 0.0)
-        self._over_budget = self._over_budget + 1 if episodes and failed > rc.failure_budget else 0
-        if self._over_budget >= rc.failure_steps:
-            by_status = {k.split("/", 1)[1]: int(v) for k, v in metrics.items()
-                         if k.startswith("episodes/") and k.split("/", 1)[1] in
-                         ("env_error", "reward_error", "engine_error", "timeout") and v}
-            first = next((e.error for e in episodes if not e.status.trainable), "")
-            last = self.paths.latest_checkpoint()
-            self.metrics.log(step, {**metrics, "stopped/failure_budget": 1.0})
-            raise RunFailed(
-                f"stopping at step {step}: {failed:.0%} of this step's episodes failed ({by_status}), over "
-                f"reward.failure_budget={rc.failure_budget:g} for {self._over_budget} steps in a row "
-                f"(reward.failure_steps={rc.failure_steps}). First error: {first}. Nothing of step {step} was "
-                f"trained on; the last checkpoint is {last or 'none (no step was saved yet)'}.")
-
-    def _alert(self, step: int, metrics: dict[str, float], hacking_events: list) -> list[AlertEvent]:
-        """The step's health alerts (`alerts/<name>` in its metrics, a warning) and the roles'
-        replacements during it (engine replicas, env workers): each a line of RUN/events.jsonl."""
-        fired = self.alerts.update(step, metrics, hacking_events) if self.alerts is not None else []
-        for a in fired:
-            metrics[f"alerts/{a.alert}"] = 1.0
-            log.warning("alert %s at step %d: %s", a.alert, step, a.message)
-        if events := [a.to_dict() for a in fired] + role_restarts(self.roles, step):
-            append_lines(self.paths.root / "events.jsonl", [json.dumps(e) + "\n" for e in events])
-        return fired
-
-    def _stop_on_alert(self, step: int, fired: list[AlertEvent]) -> None:
-        stopping = [a for a in fired if a.alert in self.cfg.alerts.stop_on]
-        if stopping:
-            last = self.paths.latest_checkpoint()
-            raise RunFailed(f"stopping at step {step} on alert {stopping[0].alert} (alerts.stop_on): "
-                            f"{stopping[0].message}. Step {step} was not checkpointed; the last checkpoint is "
-                            f"{last or 'none (no step was saved yet)'}.")
 
     @property
     def _writes_whole_steps(self) -> bool:
         algo = self.cfg.algorithm
-        return algo.dynamic_sampling or algo.overlong_buffer > 0 or algo.advantage == "remax"
+        return algo.dynamic_sampling or algo.overlong_buffer > 0 or needs(self.estimator, "greedy_baseline")
 
     def _stream(self, e: Episode) -> None:
-        # Streaming happens only without dynamic sampling or ReMax (see `_writes_whole_steps`):
-        # every trainable episode is trained, and there are no greedy baselines to leave out.
+        # Streaming happens only without dynamic sampling or a greedy baseline (see
+        # `_writes_whole_steps`): every trainable episode is trained, and no baseline is left out.
         e.metrics["trained"] = float(e.status.trainable)
         self.episode_writer.add(e)
 
-    @staticmethod
-    def _report_failures(step: int, episodes: list[Episode]) -> None:
-        failed: dict[str, list[Episode]] = {}
-        for e in episodes:
-            if not e.status.trainable:
-                failed.setdefault(e.status.value, []).append(e)
-        for status, eps in failed.items():
-            log.warning("step %d: %d of %d episodes ended %s (not trained on); first: %s",
-                        step, len(eps), len(episodes), status, eps[0].error)
-
-    def _mini_batches(self, n: int) -> list[list[int]]:
-        k = self.cfg.train.mini_batches
-        size = -(-n // k)
-        return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-
+    # -- the loops ----------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
-        """The loop for every `rollout.max_staleness` k: a producer thread rolls out step s as
-        soon as the engines hold the weights of step s-1-k (admission control: nothing is
-        generated that could not be trained within the bound), and hands it over through a
-        bounded queue; this thread learns from the steps in order. k=0 is synchronous: step s
-        starts after step s-1 is learned and published, exactly as `train_step`."""
-        cfg, k = self.cfg, self.cfg.rollout.max_staleness
+        """Train to train.steps. k = rollout.max_staleness = 0: `train_step` in a plain loop on
+        this thread (step s starts after step s-1 is learned and published). k > 0: see
+        `_train_ahead`. Either way the starting weights are evaluated first (eval.at_start)."""
+        last: dict[str, float] = {}
+        if self.cfg.eval.at_start and self.cfg.run.eval_every and self.step == 0:
+            self.metrics.log(0, self._evaluate(0))  # the starting weights, as step 0
+        # What exists now (the model, the roles, the libraries) lives for the whole run. Frozen,
+        # it is left out of the collector's full passes, which otherwise walk it every few steps
+        # (measured on the default job: a ~200 ms pause every 3-5 steps). Unfrozen at the end.
+        gc.collect()
+        gc.freeze()
+        try:
+            with Progress(total=self.cfg.train.steps, initial=self.step, enabled=self.cfg.run.progress) as bar:
+                if self.cfg.rollout.max_staleness == 0:
+                    while self.step < self.cfg.train.steps:
+                        last = self.train_step()
+                        bar.update(self.step, last)
+                else:
+                    last = self._train_ahead(bar)
+        except BaseException as e:
+            stopped = self._stopped_by_disk(e)
+            # The whole account in train.log (unless it is what the disk refused); the caller
+            # reports it on the console as before.
+            self.run_log.file.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__,
+                                        stopped or e)
+            if stopped is not None:
+                raise stopped from e
+            raise
+        finally:
+            gc.unfreeze()
+            self.metrics.close()
+            self.run_log.close()
+        return last
+
+    def _train_ahead(self, bar: Progress) -> dict[str, float]:
+        """k > 0: a producer thread rolls out step s as soon as the engines hold the weights of
+        step s-1-k (admission control: nothing is generated that could not be trained within the
+        bound) and hands it over through a bounded queue; this thread learns from the steps in
+        order."""
+        k, last = self.cfg.rollout.max_staleness, {}
         handoff: queue.Queue = queue.Queue(maxsize=k + 1)
         stop = threading.Event()
         published = threading.Condition()
@@ -517,7 +462,7 @@ class Controller:
 
         def produce() -> None:
             try:
-                for step in range(self.step + 1, cfg.train.steps + 1):
+                for step in range(self.step + 1, self.cfg.train.steps + 1):
                     if step in self._restored:  # rolled out before the resume, with the weights of then
                         hand_over(self._take_restored(step))
                         continue
@@ -543,52 +488,32 @@ class Controller:
                 self._ahead.stop()
 
         producer = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
-        last: dict[str, float] = {}
         self._last_learn_end = time.perf_counter()
-        if cfg.eval.at_start and cfg.run.eval_every and self.step == 0:
-            self.metrics.log(0, self._evaluate(0))  # the starting weights, as step 0
-        # What exists now (the model, the roles, the libraries) lives for the whole run. Frozen,
-        # it is left out of the collector's full passes, which otherwise walk it every few steps
-        # (measured on the default job: a ~200 ms pause every 3-5 steps). Unfrozen at the end.
-        gc.collect()
-        gc.freeze()
         self._ahead.start()
         producer.start()
         try:
-            with Progress(total=cfg.train.steps, initial=self.step, enabled=cfg.run.progress) as bar:
-                while self.step < cfg.train.steps:
-                    t0 = time.perf_counter()
-                    item = handoff.get()
-                    if isinstance(item, BaseException):
-                        raise item
-                    last = on_own_thread(self._learn, item, trainer_wait=time.perf_counter() - t0)
-                    self._ahead.learned(self.step)
-                    with published:
-                        self._published = self.step
-                        published.notify_all()
-                    bar.update(self.step, last)
-        except BaseException as e:
-            stopped = self._stopped_by_disk(e)
-            # The whole account in train.log (unless it is what the disk refused); the caller
-            # reports it on the console as before.
-            self.run_log.file.exception("the run stopped after step %d: %s: %s", self.step, type(e).__name__,
-                                        stopped or e)
-            if stopped is not None:
-                raise stopped from e
-            raise
+            while self.step < self.cfg.train.steps:
+                t0 = time.perf_counter()
+                item = handoff.get()
+                if isinstance(item, BaseException):
+                    raise item
+                last = self._learn(item, trainer_wait=time.perf_counter() - t0)
+                self._ahead.learned(self.step)
+                with published:
+                    self._published = self.step
+                    published.notify_all()
+                bar.update(self.step, last)
         finally:
             stop.set()
             producer.join(timeout=5.0)  # mid-rollout it ends when the engines close
-            gc.unfreeze()
-            self.metrics.close()
-            self.run_log.close()
         return last
 
     def close(self) -> None:
-        """Stop the reward workers, the engines (a vLLM server process ends with its engine) and the
-        actors, and release the run directory. Also of a controller whose start failed half way.
-        A disk error while closing (the trace's last write) is kept in `disk_error`, not raised:
-        it must not replace the error the run may be stopping with (tidal train reports it)."""
+        """Stop the reward workers, the gateway, the engines (a vLLM server process ends with its
+        engine) and the actors, and release the run directory. Also of a controller whose start
+        failed half way. A disk error while closing (the trace's last write) is kept in
+        `disk_error`, not raised: it must not replace the error the run may be stopping with
+        (tidal train reports it)."""
         if self.cfg.run.trace and trace.enabled():
             try:
                 self._flush_trace()
@@ -600,19 +525,11 @@ class Controller:
                 if self.disk_error is None:
                     log.warning("run.trace: the trace could not be assembled (%s: %s)", type(e).__name__, e)
             trace.disable()
-        for scorer in {id(s): s for s in (self.scorer, self.eval_scorer) if s is not None}.values():
-            try:
-                asyncio.run(scorer.close())
-            except Exception as e:  # noqa: BLE001 - closing must not hide the run's own outcome
-                log.warning("closing the reward workers raised %s(%s)", type(e).__name__, e)
-        if self.gateway is not None:
-            self.gateway.close()
-        if self.roles is not None:
-            self.roles.close()
+        if self.parts is not None:
+            self.parts.close()
         if self.run_log is not None:
             self.run_log.close()
         self.run_lock.release()
-
 
     # -- checkpoints -------------------------------------------------------------------------
     def save(self) -> Path:

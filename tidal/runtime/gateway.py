@@ -71,6 +71,39 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _sampling_options(body: dict) -> dict[str, Any]:
+    """The request's sampling fields, checked: n, max_tokens, temperature, top_p, stop, seed (the
+    penalties, logit_bias and response_format, which tidal's engines do not do, refused)."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        if body.get(key) not in (None, 0, 0.0):
+            raise _bad(f"`{key}` is not supported by tidal's engines (log-probs must stay those of plain "
+                       "sampling)", key, "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise _bad("`logit_bias` is not supported", "logit_bias", "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise _bad("`response_format` other than text is not supported", "response_format", "unsupported_parameter")
+    n = _int(body, "n", 1, 1, MAX_N)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = None if max_tokens is None else _int({"max_tokens": max_tokens}, "max_tokens", 0, 1, None)
+    temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p <= 0.0:
+        raise _bad("`top_p` must be in (0, 1]", "top_p")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop) \
+            or len(stop) > 16:
+        raise _bad("`stop` must be a string of 1 to 256 characters or a list of at most 16 of them", "stop")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise _bad("`seed` must be an integer", "seed")
+    return {"n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed}
+
+
 def _bad(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", param, code)
 
@@ -160,6 +193,8 @@ class Gateway:
                                             "owned_by": "tidal", "max_model_len": self.max_model_len}]}
 
     def prepare(self, kind: str, body: Any, session_id: str | None = None) -> Prepared:
+        """A request (`kind` "chat" or "completion") checked field by field, in the order the API
+        documents them, and turned into the prompt's token ids and one SamplingParams per choice."""
         if not isinstance(body, dict):
             raise _bad("the request body must be a JSON object")
         session = self._session(session_id)
@@ -169,88 +204,76 @@ class Gateway:
         if session is None and model != self.model_name:
             raise GatewayError(404, f"the model `{model}` does not exist; this gateway serves `{self.model_name}`",
                                "invalid_request_error", "model", "model_not_found")
-        for key in ("presence_penalty", "frequency_penalty"):
-            if body.get(key) not in (None, 0, 0.0):
-                raise _bad(f"`{key}` is not supported by tidal's engines (log-probs must stay those of plain "
-                           "sampling)", key, "unsupported_parameter")
-        if body.get("logit_bias"):
-            raise _bad("`logit_bias` is not supported", "logit_bias", "unsupported_parameter")
-        fmt = body.get("response_format")
-        if fmt not in (None, {"type": "text"}):
-            raise _bad("`response_format` other than text is not supported", "response_format", "unsupported_parameter")
-        n = _int(body, "n", 1, 1, MAX_N)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = None if max_tokens is None else _int({"max_tokens": max_tokens}, "max_tokens", 0, 1, None)
-        temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
-        top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p <= 0.0:
-            raise _bad("`top_p` must be in (0, 1]", "top_p")
-        stop = body.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) and 0 < len(s) <= 256 for s in stop) \
-                or len(stop) > 16:
-            raise _bad("`stop` must be a string of 1 to 256 characters or a list of at most 16 of them", "stop")
-        seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise _bad("`seed` must be an integer", "seed")
+        o = _sampling_options(body)
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") or {}
         include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         return_ids = bool(body.get("return_token_ids", False))
-
-        tools, parse_tools, echo = None, False, ""
         if kind == "chat":
-            if body.get("top_logprobs"):
-                raise _bad("`top_logprobs` is not supported: tidal's engines return the sampled token's log-prob only",
-                           "top_logprobs", "unsupported_parameter")
-            logprobs = bool(body.get("logprobs", False))
-            messages = _messages(body.get("messages"))
-            tools = _tools(body.get("tools"))
-            choice = body.get("tool_choice")
-            if choice not in (None, "auto", "none"):
-                raise _bad("`tool_choice` may be `auto` or `none` (tidal does not force a call)", "tool_choice",
-                           "unsupported_parameter")
-            parse_tools = bool(tools) and choice != "none"
-            render = self._render_messages(messages, session)
-            try:
-                text = self.tokenizer.apply_chat_template(render, add_generation_prompt=True, tokenize=False,
-                                                          **({"tools": tools} if tools else {}))
-            except Exception as e:  # noqa: BLE001 - a template error is the request's
-                raise _bad(f"the chat template cannot render these messages: {type(e).__name__}({e})",
-                           "messages") from None
-            prompt_ids_given = None
+            text, messages, tools, parse_tools, logprobs = self._chat_prompt(body, session)
+            prompt_ids_given, echo = None, ""
         else:
-            logprobs_n = body.get("logprobs")
-            if logprobs_n not in (None, 0, False, True) and not (isinstance(logprobs_n, int) and logprobs_n == 0):
-                raise _bad("`logprobs` above 0 is not supported: tidal's engines return the sampled token's log-prob "
-                           "only (use logprobs=0)", "logprobs", "unsupported_parameter")
-            logprobs = logprobs_n is not None and logprobs_n is not False
-            if body.get("suffix"):
-                raise _bad("`suffix` is not supported", "suffix", "unsupported_parameter")
-            if body.get("best_of") not in (None, 1, n):
-                raise _bad("`best_of` is not supported", "best_of", "unsupported_parameter")
-            messages = None
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1:
-                prompt = prompt[0]
-            if isinstance(prompt, str) and prompt:
-                text, prompt_ids_given = prompt, None
-            elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompt):
-                vocab = len(self.tokenizer)
-                if any(t < 0 or t >= vocab for t in prompt):
-                    raise _bad(f"`prompt` holds token ids outside the vocabulary (0..{vocab - 1})", "prompt")
-                prompt_ids_given = list(prompt)
-                text = self.tokenizer.decode(prompt_ids_given, skip_special_tokens=False)
-            else:
-                raise _bad("`prompt` must be one non-empty string or one list of token ids (one prompt per request)",
-                           "prompt")
-            echo = text if body.get("echo") else ""
+            text, prompt_ids_given, logprobs, echo = self._completion_prompt(body, o["n"])
+            messages, tools, parse_tools = None, None, False
+        call, prompt_ids, params = self._params(kind, body, o, session, text, messages, prompt_ids_given)
+        return Prepared(kind, list(prompt_ids), params, tools, parse_tools, logprobs, stream, include_usage,
+                        return_ids, echo, session, call, model)
 
-        call, overridden = None, False
+    def _chat_prompt(self, body: dict, session) -> tuple[str, list, list | None, bool, bool]:
+        """(the rendered prompt, the messages, the tools, whether to parse tool calls, logprobs)."""
+        if body.get("top_logprobs"):
+            raise _bad("`top_logprobs` is not supported: tidal's engines return the sampled token's log-prob only",
+                       "top_logprobs", "unsupported_parameter")
+        logprobs = bool(body.get("logprobs", False))
+        messages = _messages(body.get("messages"))
+        tools = _tools(body.get("tools"))
+        choice = body.get("tool_choice")
+        if choice not in (None, "auto", "none"):
+            raise _bad("`tool_choice` may be `auto` or `none` (tidal does not force a call)", "tool_choice",
+                       "unsupported_parameter")
+        render = self._render_messages(messages, session)
+        try:
+            text = self.tokenizer.apply_chat_template(render, add_generation_prompt=True, tokenize=False,
+                                                      **({"tools": tools} if tools else {}))
+        except Exception as e:  # noqa: BLE001 - a template error is the request's
+            raise _bad(f"the chat template cannot render these messages: {type(e).__name__}({e})",
+                       "messages") from None
+        return text, messages, tools, bool(tools) and choice != "none", logprobs
+
+    def _completion_prompt(self, body: dict, n: int) -> tuple[str, list[int] | None, bool, str]:
+        """(the prompt's text, its token ids when given as ids, logprobs, the echo)."""
+        logprobs_n = body.get("logprobs")
+        if logprobs_n not in (None, 0, False, True) and not (isinstance(logprobs_n, int) and logprobs_n == 0):
+            raise _bad("`logprobs` above 0 is not supported: tidal's engines return the sampled token's log-prob "
+                       "only (use logprobs=0)", "logprobs", "unsupported_parameter")
+        logprobs = logprobs_n is not None and logprobs_n is not False
+        if body.get("suffix"):
+            raise _bad("`suffix` is not supported", "suffix", "unsupported_parameter")
+        if body.get("best_of") not in (None, 1, n):
+            raise _bad("`best_of` is not supported", "best_of", "unsupported_parameter")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            text, prompt_ids_given = prompt, None
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            vocab = len(self.tokenizer)
+            if any(t < 0 or t >= vocab for t in prompt):
+                raise _bad(f"`prompt` holds token ids outside the vocabulary (0..{vocab - 1})", "prompt")
+            prompt_ids_given = list(prompt)
+            text = self.tokenizer.decode(prompt_ids_given, skip_special_tokens=False)
+        else:
+            raise _bad("`prompt` must be one non-empty string or one list of token ids (one prompt per request)",
+                       "prompt")
+        return text, prompt_ids_given, logprobs, text if body.get("echo") else ""
+
+    def _params(self, kind: str, body: dict, o: dict, session, text: str, messages: list | None,
+                prompt_ids_given: list[int] | None):
+        """(the session's call or None, the prompt's token ids, one SamplingParams per choice). In a
+        session the episode's sampling and token budget rule; outside one, the request's."""
+        call = None
+        max_tokens = o["max_tokens"]
         if session is not None:
             try:
                 call, prompt_ids = session.begin_call(text, self._tokenize, messages, prompt_ids=prompt_ids_given)
@@ -259,22 +282,21 @@ class Gateway:
             except KeyError as e:
                 raise GatewayError(404, str(e.args[0]), "invalid_request_error", None, "session_not_found") from None
             run = session.params
-            asked = (temperature, top_p)
-            overridden = asked != (run.temperature, run.top_p) and ("temperature" in body or "top_p" in body)
-            call.overridden = overridden
-            base = replace(run, stop=tuple(stop), stop_token_ids=run.stop_token_ids or self.stop_token_ids)
+            asked = (o["temperature"], o["top_p"])
+            call.overridden = asked != (run.temperature, run.top_p) and ("temperature" in body or "top_p" in body)
+            base = replace(run, stop=tuple(o["stop"]), stop_token_ids=run.stop_token_ids or self.stop_token_ids)
             cap = run.max_new_tokens
             room = session.room(call)
             if room is not None:
                 cap = min(cap, room)
-            seeds = [request_seed(session.seed, call.index, c) for c in range(n)]
+            seeds = [request_seed(session.seed, call.index, c) for c in range(o["n"])]
         else:
             prompt_ids = prompt_ids_given if prompt_ids_given is not None else self._tokenize(text)
-            base = SamplingParams(temperature=temperature, top_p=top_p, stop=tuple(stop),
+            base = SamplingParams(temperature=o["temperature"], top_p=o["top_p"], stop=tuple(o["stop"]),
                                   stop_token_ids=self.stop_token_ids)
             cap = self.default_max_tokens if max_tokens is None else max_tokens
-            root = seed if seed is not None else secrets.randbits(62)
-            seeds = [request_seed(root, c) for c in range(n)]
+            root = o["seed"] if o["seed"] is not None else secrets.randbits(62)
+            seeds = [request_seed(root, c) for c in range(o["n"])]
         if not prompt_ids:
             raise _bad("the prompt is empty", "messages" if kind == "chat" else "prompt")
         room_model = self.max_model_len - len(prompt_ids)
@@ -287,9 +309,7 @@ class Gateway:
         if cap <= 0:
             raise GatewayError(400, "no tokens are left in this episode's budget (rollout.max_total_tokens)",
                                "invalid_request_error", "max_tokens", "session_tokens_limit")
-        params = [replace(base, max_new_tokens=cap, seed=s) for s in seeds]
-        return Prepared(kind, list(prompt_ids), params, tools, parse_tools, logprobs, stream, include_usage,
-                        return_ids, echo, session, call, model)
+        return call, prompt_ids, [replace(base, max_new_tokens=cap, seed=s) for s in seeds]
 
     async def generate(self, prep: Prepared) -> list[GenerationResult]:
         sid = prep.session.id if prep.session is not None else ""

@@ -36,24 +36,25 @@ SESSION_HEADER = "X-Tidal-Session"
 MAX_BODY_BYTES = 4 << 20  # a request body past this is refused (413); 4 MiB holds a 1M-character context
 
 
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The body, read in chunks and refused past max_body_bytes (a client that sends more, with
+    or without a Content-Length, cannot make the server hold it)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        raise GatewayError(413, f"the request body is larger than {max_body_bytes} bytes", "invalid_request_error",
+                           None, "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise GatewayError(413, f"the request body is larger than {max_body_bytes} bytes",
+                               "invalid_request_error", None, "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def build_app(gateway: Gateway, token: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
     expected = f"Bearer {token}".encode() if token is not None else None
-
-    async def read_body(request: Request) -> bytes:
-        """The body, read in chunks and refused past max_body_bytes (a client that sends more, with
-        or without a Content-Length, cannot make the server hold it)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
-            raise GatewayError(413, f"the request body is larger than {max_body_bytes} bytes", "invalid_request_error",
-                               None, "request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise GatewayError(413, f"the request body is larger than {max_body_bytes} bytes",
-                                   "invalid_request_error", None, "request_too_large")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def error(e: GatewayError) -> JSONResponse:
         gateway.stats["errors"] += 1
@@ -84,7 +85,7 @@ def build_app(gateway: Gateway, token: str | None = None, max_body_bytes: int = 
             return no
         gateway.stats["requests"] += 1
         try:
-            body = json.loads(await read_body(request) or b"null")
+            body = json.loads(await read_body(request, max_body_bytes) or b"null")
         except GatewayError as e:
             return error(e)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

@@ -25,7 +25,7 @@ from tidal.net import is_loopback
 from tidal.runtime import ray_watchdog
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher, choose_transport
-from tidal.runtime.trainer_group import TrainerGroup
+from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
 from tidal.runtime.workers import (
     EngineWorker,
     EnvWorker,
@@ -33,7 +33,6 @@ from tidal.runtime.workers import (
     RemoteEnvs,
     RewardActors,
     RewardWorker,
-    TrainerWorker,
     make_engine,
 )
 from tidal.trainer.parallel.mesh import ParallelDims
@@ -133,9 +132,8 @@ class Roles:
             if self.started_ray:
                 ray_shutdown_quietly()
             return
-        for engine in getattr(self.engine, "replicas", [self.engine]):
-            if hasattr(engine, "close"):
-                engine.close()
+        for engine in self.engine.replicas if isinstance(self.engine, Router) else [self.engine]:
+            engine.close()
         if self.placement_group is None:
             return
         import ray
@@ -258,9 +256,25 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
                                                                       reward_cfg=cfg.reward.model_dump(mode="json"))
 
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
+    envs, remote_envs = _env_workers(cfg, lambda i: actor(EnvWorker, first_env + i, pl.env))
+
+    transport = choose_transport(pl.weight_sync, colocated)
+    sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
+    pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
+                                 respawn=None if colocated or not pl.restart_engines else spawn_engine)
+    log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
+             n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
+    return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
+                 reward_handles=rewards, env_handles=envs, envs=remote_envs)
+
+
+def _env_workers(cfg: TidalConfig, actor_of) -> tuple[list[Handle], RemoteEnvs | None]:
+    """The env workers (`placement.env_workers`), started, and the `make_env` over them that
+    replaces a dead one (None without workers). `actor_of(i)` is the actor class of slot i."""
+    pl = cfg.placement
+
     def spawn_env(i: int) -> Handle:
-        return Handle(f"env worker {i}", actor(EnvWorker, first_env + i, pl.env).remote(cfg, num_cpus=pl.env.num_cpus),
-                      remote=True)
+        return Handle(f"env worker {i}", actor_of(i).remote(cfg, num_cpus=pl.env.num_cpus), remote=True)
 
     envs = [spawn_env(i) for i in range(pl.env_workers)]
     gather([h.submit("pid") for h in envs], timeout_s=pl.start_timeout_s)
@@ -270,14 +284,7 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
         h.call("pid", timeout_s=pl.start_timeout_s)
         return h
 
-    transport = choose_transport(pl.weight_sync, colocated)
-    sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
-    pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
-                                 respawn=None if colocated or not pl.restart_engines else spawn_engine)
-    log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
-             n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
-    return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
-                 reward_handles=rewards, env_handles=envs,
-                 envs=RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s, agent=cfg.task.agent,
-                                 respawn=respawn_env, max_restarts=cfg.run.max_restarts,
-                                 ping_s=pl.ping_s) if envs else None)
+    if not envs:
+        return envs, None
+    return envs, RemoteEnvs(envs, cfg.task.name, timeout_s=cfg.rollout.episode_timeout_s, agent=cfg.task.agent,
+                            respawn=respawn_env, max_restarts=cfg.run.max_restarts, ping_s=pl.ping_s)

@@ -100,16 +100,5 @@ class Recovering:
                 self.ctl = self.rebuild({"restart": self.restarts, "reason": str(e)})
 
 
-def role_restarts(roles, step: int) -> list[dict]:
-    """The engine replicas and env workers replaced since the last call, as `restart` events
-    of `step` (the controller writes them to RUN/events.jsonl with the step's alerts)."""
-    out = []
-    for source in (roles.pusher, roles.envs):
-        pending = getattr(source, "restart_events", None)
-        while pending:
-            out.append({"kind": "restart", "step": step, **pending.pop(0)})
-    return out
-
-
 def _event(root: Path, event: dict) -> None:
     append_lines(root / "events.jsonl", [json.dumps({**event, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n"])

@@ -18,7 +18,6 @@ still differ, and how the report tells them apart at the first differing token:
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 from dataclasses import dataclass
@@ -87,16 +86,10 @@ def checkpoint_of_version(run_dir: Path, version: int, updates_per_step: int) ->
 
 def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None = None) -> Replay:
     from tidal.config import load_resume_config
-    from tidal.engines.torch_engine import TorchEngine
     from tidal.images import ImageDir
-    from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
-    from tidal.models.vision import Vision
     from tidal.monitor.episodes import IMAGES_DIR
-    from tidal.rewards.pool import build_scorer, spec_keys
-    from tidal.runtime.controller import make_rollout
+    from tidal.runtime.assemble import build_run
     from tidal.runtime.rollout import EpisodeSpec
-    from tidal.runtime.tasks import build_task
-    from tidal.types import SamplingParams
 
     run_dir = Path(run_dir)
     cfg, _ = load_resume_config(run_dir, [])
@@ -114,27 +107,17 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
                               f"of the run holds it (run.keep_checkpoints={cfg.run.keep_checkpoints}, "
                               f"run.save_every={cfg.run.save_every}): pass --checkpoint")
         checkpoint = found if found is not None else cfg.model.path
-    model_dir = resolve_model_dir(str(checkpoint) if checkpoint is not None else "default")
-    tokenizer = load_tokenizer(model_dir)
-    task = build_task(cfg.task)
-    row = _row_of(task, recorded)
-    model = load_model(model_dir, cfg.engine_dtype(), cfg.model.resolved_device())
-    vision = Vision.load(model_dir)
-    engine = TorchEngine(model, tokenizer.pad_token_id, cfg.engine.max_batch_size, tokenizer=tokenizer, vision=vision)
-    params = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, stop_token_ids=stop_token_ids(tokenizer))
-    scorer = build_scorer(task.rewards, cfg.reward, keys=spec_keys(cfg.task)) if task.rewards else None
+    run = build_run(cfg, "replay", model=str(checkpoint) if checkpoint is not None else "default")
     try:
-        rollout = make_rollout(cfg, tokenizer, params, scorer, vision=vision)
-        spec = EpisodeSpec(task.make_env(row, recorded["seed"]), episode_id, recorded["group_id"], recorded["task_id"],
+        row = _row_of(run.task, recorded)
+        spec = EpisodeSpec(run.make_env(row, recorded["seed"]), episode_id, recorded["group_id"], recorded["task_id"],
                            recorded["seed"], row=row, greedy=episode_id.endswith("-greedy"))
-        again = loop_scoped.run(rollout.run([spec], engine, step=recorded["step"]))[0]
+        again = loop_scoped.run(run.rollout.run([spec], run.engine, step=recorded["step"]))[0]
     finally:
-        if scorer is not None:
-            asyncio.run(scorer.close())
-        engine.close()
+        run.close()
     images = [ImageDir(run_dir / "episodes" / IMAGES_DIR).get(i) for i in recorded.get("images") or []]
-    return _compare(recorded, again, model, tokenizer, version, str(model_dir), cfg.rollout.temperature, vision, images)
+    return _compare(recorded, again, run.engine.model, run.tokenizer, version, str(run.model_dir),
+                    cfg.rollout.temperature, run.vision, images)
 
 
 def _row_of(task, recorded: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride
+from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride, is_agent_env, optional
 from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
 from tidal.rewards.contract import RewardInput, RewardOutcome
@@ -107,6 +107,25 @@ class EpisodeSpec:
     seed: int
     greedy: bool = False  # a baseline rollout (ReMax): temperature 0, not trained on
     row: dict[str, Any] = field(default_factory=dict)  # the dataset row: its columns reach the rewards
+
+
+@dataclass
+class _Conversation:
+    """One episode's state between its turns (`Rollout._run_episode`)."""
+
+    history: list[Message]  # as the chat template renders it
+    conversation: list[Message]  # as the environment keeps it (e.g. parsed tool calls): what the rewards see
+    context_text: str  # the rendered text of the current segment, ep.tokens[seg:]
+    tools: list | None
+    override: SamplingOverride | None  # the environment's sampling changes for the next turn
+    images: list  # the current segment's images, one per image run in ep.tokens[seg:]
+    prompt_messages: list[Message]
+    prompt_text: str
+    seg: int = 0  # start of the current segment: the engine's context is ep.tokens[seg:]
+    breaks: int = 0  # prefix breaks so far
+    last_text: str = ""
+    gen_time: float = 0.0
+    env_time: float = 0.0
 
 
 class _GroupScoring:
@@ -238,7 +257,7 @@ class Rollout:
         ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
         group = (groups or {}).get(spec.group_id)
         try:
-            if getattr(spec.env, "agent", False):
+            if is_agent_env(spec.env):
                 return await self._run_agent_episode(spec, ep, group)
             return await self._run_episode(spec, ep, client, group)
         finally:
@@ -247,128 +266,151 @@ class Rollout:
 
     async def _run_episode(self, spec: EpisodeSpec, ep: Episode, client: BatchingClient,
                            group: _GroupScoring | None) -> Episode:
-        env, name = spec.env, spec.env.name
+        """Reset, then turns (generate, the environment's step, its answer appended) until the
+        environment is done or the turns or tokens run out; then the rewards."""
         t0 = time.perf_counter()
+        c = await self._open_episode(spec, ep, client)
+        if isinstance(c, Episode):  # failed
+            return c
+        status = Status.TRUNCATED  # until the environment says done
+        for turn in range(self.max_turns):
+            ended = await self._turn(spec, ep, client, c, turn)
+            if isinstance(ended, Episode):  # failed
+                return ended
+            if ended is not None:
+                status = ended
+                break
+        ep.status = status
+        ep.metrics["turns"] = float(len(ep.turns))
+        ep.metrics["rollout/prefix_breaks"] = float(c.breaks)
+        ep.metrics["response_tokens"] = float(sum(t.end - t.start for t in ep.turns))
+        ep.metrics["generate_s"] = c.gen_time
+        ep.metrics["env_s"] = c.env_time
+        if self.prefix_policy == "continue" and c.breaks:
+            for i in range(c.seg):  # earlier segments stay untrained: off the mask, logprob 0.0, version -1
+                ep.loss_mask[i], ep.logprobs[i], ep.versions[i] = False, 0.0, -1
+        return await self._score(ep, spec, group, c.prompt_text, c.prompt_messages, c.conversation, c.last_text, t0)
+
+    async def _open_episode(self, spec: EpisodeSpec, ep: Episode, client: BatchingClient) -> _Conversation | Episode:
+        """The environment's opening messages rendered into the episode's first tokens; the
+        conversation's state, or the episode failed."""
+        env, name = spec.env, spec.env.name
         try:
             history = list(await env.reset())
         except Exception as e:  # noqa: BLE001
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset raised {type(e).__name__}({e})")
         try:
             history, images = self._images(history, f"env `{name}` reset", spec.row)
-            tools = getattr(env, "tools", None) or None
-            override = getattr(env, "sampling", None)
+            tools = optional(env, "tools") or None
+            override = optional(env, "sampling")
             context_text, ep.tokens = self._opening(history, tools, images, f"env `{name}` reset", client.prompts)
         except Exception as e:  # noqa: BLE001 - a bad image or a message the template cannot render
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset: its messages cannot be rendered: "
                               f"{type(e).__name__}({e})")
         if not ep.tokens:
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` reset gave an empty prompt")
-        prompt_messages, prompt_text, conversation = list(history), context_text, list(history)
-        seg_images = list(images)  # the images of the current segment, one per image run in ep.tokens[seg:]
         self._add_images(ep, images)
         ep.prompt_len = len(ep.tokens)
         ep.loss_mask = [False] * len(ep.tokens)
         ep.logprobs = [0.0] * len(ep.tokens)
         ep.versions = [-1] * len(ep.tokens)
-        seg = 0  # start of the current segment: the engine's context is ep.tokens[seg:]
-        gen_time, env_time, breaks, last_text = 0.0, 0.0, 0, ""
-        status = Status.TRUNCATED  # until the environment says done
-        for turn in range(self.max_turns):
-            params = self._turn_params(spec, turn, override, len(ep.tokens) - seg)
-            if params.max_new_tokens <= 0:  # the episode's token budget is spent
-                ep.metrics["rollout/out_of_tokens"] = 1.0
-                break
-            t1 = time.perf_counter()
-            try:
-                async with trace.async_span("generate", spec.episode_id, turn=turn):
-                    res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", ep.tokens[seg:],
-                                                                  params, session_id=spec.episode_id,
-                                                                  images=tuple(seg_images)))
-            except Exception as e:  # noqa: BLE001
-                return self._fail(ep, Status.ENGINE_ERROR, f"engine raised {type(e).__name__}({e}) on turn {turn}")
-            gen_time += time.perf_counter() - t1
-            start = len(ep.tokens)
-            ep.tokens += res.token_ids
-            ep.loss_mask += [True] * len(res.token_ids)
-            ep.logprobs += res.logprobs
-            ep.versions += res.versions_per_token()
-            last_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-            spent = self.max_total_tokens is not None and len(ep.tokens) - seg >= self.max_total_tokens
-            action = Action(last_text, res.finish_reason, tuple(res.token_ids), turn,
-                            last_turn=turn == self.max_turns - 1 or spent)
-            t2 = time.perf_counter()
-            try:
-                async with trace.async_span("env.step", spec.episode_id, turn=turn):
-                    out = await env.step(action)
-            except RewardError as e:
-                return self._fail(ep, Status.REWARD_ERROR, str(e))
-            except Exception as e:  # noqa: BLE001
-                return self._fail(ep, Status.ENV_ERROR, f"env `{name}` step raised {type(e).__name__}({e}) on turn {turn}")
-            env_time += time.perf_counter() - t2
-            ep.turns.append(Turn(turn, start, len(ep.tokens), len(ep.tokens), last_text, res.finish_reason,
-                                 float(out.reward), list(out.tool_calls), res.version))
-            ep.reward += out.reward
-            for k, v in out.reward_parts.items():
-                ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
-            for k, v in out.metrics.items():
-                ep.metrics[k] = ep.metrics.get(k, 0.0) + v
-            if out.sampling is not None:
-                override = out.sampling
-            # The template renders the turn as generated (`history`); the conversation as the
-            # environment keeps it (e.g. parsed tool calls) goes to the rewards (`conversation`).
-            history.append({"role": "assistant", "content": last_text})
-            conversation.append(out.assistant_message or history[-1])
-            if out.done:
-                status = Status.TRUNCATED if res.finish_reason == "length" else Status.OK
-                break
-            if turn == self.max_turns - 1:  # out of turns: no observation that nobody answers
-                ep.metrics["rollout/out_of_turns"] = 1.0
-                break
-            # The environment's messages, then the next generation prompt: only the text the
-            # template adds is tokenized (or, on a prefix break, a new segment starts).
-            context_text += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
-            where = f"env `{name}` turn {turn}"
-            try:
-                answer, new_images = self._images(list(out.messages), where)
-                after = self._render(history + answer, tools, generation_prompt=True)
-                new_seg = not after.startswith(context_text)
-                if new_seg:  # a prefix break: the new segment holds the whole conversation again, its images too
-                    added_images = [*message_images(history), *new_images]
-                    new = self._tokenize_with_images(after, added_images, where)
-                else:
-                    added_images = new_images
-                    new = self._tokenize_with_images(after[len(context_text):], new_images, where)
-            except Exception as e:  # noqa: BLE001 - e.g. a bad image or a message the template cannot render
-                return self._fail(ep, Status.ENV_ERROR, f"{where}: the chat template cannot render its messages: "
-                                  f"{type(e).__name__}({e})")
-            history += answer
-            conversation += answer
-            breaks += int(new_seg)
-            if self.max_total_tokens is not None and (0 if new_seg else len(ep.tokens) - seg) + len(new) >= self.max_total_tokens:
-                ep.metrics["rollout/out_of_tokens"] = 1.0
-                break
-            if new_seg:
-                seg = len(ep.tokens)
-                ep.segments.append(seg)
-                seg_images = []
-            seg_images += added_images
-            self._add_images(ep, added_images)
-            context_text = after
-            ep.tokens += new
-            ep.loss_mask += [False] * len(new)
-            ep.logprobs += [0.0] * len(new)
-            ep.versions += [-1] * len(new)
-            ep.turns[-1].obs_end = len(ep.tokens)
-        ep.status = status
-        ep.metrics["turns"] = float(len(ep.turns))
-        ep.metrics["rollout/prefix_breaks"] = float(breaks)
-        ep.metrics["response_tokens"] = float(sum(t.end - t.start for t in ep.turns))
-        ep.metrics["generate_s"] = gen_time
-        ep.metrics["env_s"] = env_time
-        if self.prefix_policy == "continue" and breaks:
-            for i in range(seg):  # earlier segments stay untrained: off the mask, logprob 0.0, version -1
-                ep.loss_mask[i], ep.logprobs[i], ep.versions[i] = False, 0.0, -1
-        return await self._score(ep, spec, group, prompt_text, prompt_messages, conversation, last_text, t0)
+        return _Conversation(history, list(history), context_text, tools, override, list(images), list(history),
+                             context_text)
+
+    async def _turn(self, spec: EpisodeSpec, ep: Episode, client: BatchingClient, c: _Conversation,
+                    turn: int) -> Episode | Status | None:
+        """One turn: generate, the environment's step, its answer appended. Returns the failed
+        episode, the status the episode ends with, or None to go on."""
+        env, name = spec.env, spec.env.name
+        params = self._turn_params(spec, turn, c.override, len(ep.tokens) - c.seg)
+        if params.max_new_tokens <= 0:  # the episode's token budget is spent
+            ep.metrics["rollout/out_of_tokens"] = 1.0
+            return Status.TRUNCATED
+        t1 = time.perf_counter()
+        try:
+            async with trace.async_span("generate", spec.episode_id, turn=turn):
+                res = await client.generate(GenerationRequest(f"{spec.episode_id}/{turn}", ep.tokens[c.seg:],
+                                                              params, session_id=spec.episode_id,
+                                                              images=tuple(c.images)))
+        except Exception as e:  # noqa: BLE001
+            return self._fail(ep, Status.ENGINE_ERROR, f"engine raised {type(e).__name__}({e}) on turn {turn}")
+        c.gen_time += time.perf_counter() - t1
+        start = len(ep.tokens)
+        ep.tokens += res.token_ids
+        ep.loss_mask += [True] * len(res.token_ids)
+        ep.logprobs += res.logprobs
+        ep.versions += res.versions_per_token()
+        c.last_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        spent = self.max_total_tokens is not None and len(ep.tokens) - c.seg >= self.max_total_tokens
+        action = Action(c.last_text, res.finish_reason, tuple(res.token_ids), turn,
+                        last_turn=turn == self.max_turns - 1 or spent)
+        t2 = time.perf_counter()
+        try:
+            async with trace.async_span("env.step", spec.episode_id, turn=turn):
+                out = await env.step(action)
+        except RewardError as e:
+            return self._fail(ep, Status.REWARD_ERROR, str(e))
+        except Exception as e:  # noqa: BLE001
+            return self._fail(ep, Status.ENV_ERROR, f"env `{name}` step raised {type(e).__name__}({e}) on turn {turn}")
+        c.env_time += time.perf_counter() - t2
+        ep.turns.append(Turn(turn, start, len(ep.tokens), len(ep.tokens), c.last_text, res.finish_reason,
+                             float(out.reward), list(out.tool_calls), res.version))
+        ep.reward += out.reward
+        for k, v in out.reward_parts.items():
+            ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
+        for k, v in out.metrics.items():
+            ep.metrics[k] = ep.metrics.get(k, 0.0) + v
+        if out.sampling is not None:
+            c.override = out.sampling
+        # The template renders the turn as generated (`history`); the conversation as the
+        # environment keeps it (e.g. parsed tool calls) goes to the rewards (`conversation`).
+        c.history.append({"role": "assistant", "content": c.last_text})
+        c.conversation.append(out.assistant_message or c.history[-1])
+        if out.done:
+            return Status.TRUNCATED if res.finish_reason == "length" else Status.OK
+        if turn == self.max_turns - 1:  # out of turns: no observation that nobody answers
+            ep.metrics["rollout/out_of_turns"] = 1.0
+            return Status.TRUNCATED
+        c.context_text += self.tokenizer.decode(res.token_ids, skip_special_tokens=False)
+        return self._answer(ep, c, list(out.messages), f"env `{name}` turn {turn}")
+
+    def _answer(self, ep: Episode, c: _Conversation, messages: list[Message], where: str) -> Episode | Status | None:
+        """The environment's messages, then the next generation prompt: only the text the
+        template adds is tokenized (or, on a prefix break, a new segment starts). Returns the
+        failed episode, TRUNCATED when the tokens run out, or None."""
+        try:
+            answer, new_images = self._images(messages, where)
+            after = self._render(c.history + answer, c.tools, generation_prompt=True)
+            new_seg = not after.startswith(c.context_text)
+            if new_seg:  # a prefix break: the new segment holds the whole conversation again, its images too
+                added_images = [*message_images(c.history), *new_images]
+                new = self._tokenize_with_images(after, added_images, where)
+            else:
+                added_images = new_images
+                new = self._tokenize_with_images(after[len(c.context_text):], new_images, where)
+        except Exception as e:  # noqa: BLE001 - e.g. a bad image or a message the template cannot render
+            return self._fail(ep, Status.ENV_ERROR, f"{where}: the chat template cannot render its messages: "
+                              f"{type(e).__name__}({e})")
+        c.history += answer
+        c.conversation += answer
+        c.breaks += int(new_seg)
+        if (self.max_total_tokens is not None
+                and (0 if new_seg else len(ep.tokens) - c.seg) + len(new) >= self.max_total_tokens):
+            ep.metrics["rollout/out_of_tokens"] = 1.0
+            return Status.TRUNCATED
+        if new_seg:
+            c.seg = len(ep.tokens)
+            ep.segments.append(c.seg)
+            c.images = []
+        c.images += added_images
+        self._add_images(ep, added_images)
+        c.context_text = after
+        ep.tokens += new
+        ep.loss_mask += [False] * len(new)
+        ep.logprobs += [0.0] * len(new)
+        ep.versions += [-1] * len(new)
+        ep.turns[-1].obs_end = len(ep.tokens)
+        return None
 
     @staticmethod
     def _add_images(ep: Episode, blobs: list) -> None:
@@ -414,7 +456,7 @@ class Rollout:
         """An agent environment (tidal/envs/openai_agent.py): the agent calls the gateway under
         the episode's session; its recorded calls become the episode's tokens and turns."""
         env, name, t0 = spec.env, spec.env.name, time.perf_counter()
-        who = getattr(env, "agent_path", name)
+        who = optional(env, "agent_path") or name
         if self.gateway is None:
             return self._fail(ep, Status.ENV_ERROR, f"env `{name}` runs an agent, but this rollout has no gateway")
         params = replace(self.params, temperature=0.0) if spec.greedy else self.params
@@ -479,7 +521,7 @@ class Rollout:
 
     async def _close(self, spec: EpisodeSpec, ep: Episode) -> None:
         """Release the environment (sandboxes, sessions) on every path, bounded."""
-        close = getattr(spec.env, "close", None)
+        close = optional(spec.env, "close")
         if close is None:
             return
         try:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from tidal.runtime.handles import Handle, RoleError, gather
+from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
 
 log = logging.getLogger("tidal")
@@ -34,7 +35,7 @@ class WeightPusher:
         self.describe = describe
         self.restarts = 0  # engine replicas replaced so far
         self.events: list[str] = []  # what happened to replicas, newest last
-        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (recovery.role_restarts)
+        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (health.role_restarts)
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:
@@ -43,7 +44,10 @@ class WeightPusher:
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
-            return {"time/weight_sync_s": sync.push(trainer.version, trainer.named_weights())["seconds"]}
+            # On a thread that ends with it, as the trainer's calls (trainer_group.on_own_thread): copying the
+            # weights into the engine is a parallel op whose OpenMP team must not stay on the loop's thread.
+            return on_own_thread(lambda: {"time/weight_sync_s": sync.push(trainer.version,
+                                                                          trainer.named_weights())["seconds"]})
 
         return cls(push, "in process")
 

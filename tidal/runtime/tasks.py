@@ -14,6 +14,7 @@ from typing import Any
 
 from tidal.config import ConfigError, RewardSpec, TaskConfig
 from tidal.envs import BUILTIN_ENVS, GENERATED_TASK
+from tidal.envs.base import optional
 from tidal.envs.dataset import load_prompts
 from tidal.importing import import_object
 
@@ -52,7 +53,7 @@ def build_task(cfg: TaskConfig) -> Task:
     (built once on the first row, so a bad `task.env_args` is named now), the rows, the rewards."""
     env_cls = load_env_class(cfg)
     if cfg.dataset is None:
-        rows_of = getattr(env_cls, "rows", None)
+        rows_of = optional(env_cls, "rows")
         if rows_of is None:
             raise ConfigError(f"invalid config: `task.dataset`: env `{cfg.env}` generates no rows of its own; name a dataset")
         gen_args = _accepted(rows_of, dict(cfg.env_args))
@@ -76,8 +77,8 @@ def build_task(cfg: TaskConfig) -> Task:
         raise ConfigError(f"invalid config: `task.env_args`: env `{cfg.env}` cannot be built with {env_args}: {e}") from None
     except ValueError as e:  # e.g. task.agent names nothing importable
         raise ConfigError(f"invalid config: {e}") from None
-    task.rewards = cfg.reward_specs(getattr(env_cls, "default_reward", None))
-    if not task.rewards and getattr(env_cls, "default_reward", "none") is None and cfg.env == "single_turn":
+    task.rewards = cfg.reward_specs(optional(env_cls, "default_reward"))
+    if not task.rewards and optional(env_cls, "default_reward", "none") is None and cfg.env == "single_turn":
         raise ConfigError("invalid config: `task.reward`: a dataset task needs a reward function (task.reward or task.rewards)")
     return task
 

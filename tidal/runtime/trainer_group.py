@@ -1,4 +1,10 @@
-"""The trainer ranks seen as one Trainer by the controller.
+"""The trainer: its ranks (`TrainerWorker`) and the ranks seen as one (`TrainerGroup`).
+
+Both, like the `Trainer` itself, answer the calls of tidal/trainer/protocol.py. The group
+adds `update`, the policy update of a step: epochs × mini-batches of forward_backward and
+optim_step. A trainer in this process (placement.mode=local) computes on a thread that ends
+with each call (`on_own_thread`: its OpenMP team must not outlive the call and throttle the
+engine's decode), so the loop that calls it can run on the main thread.
 
 A batch is split by tokens (balanced) across the data-parallel positions of the trainer's
 mesh (train.parallel: the ranks of one tensor-parallel group get the same shard), each rank
@@ -10,7 +16,18 @@ order. Every call is bounded by `timeout_s` and fails with the role, call and st
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from tidal.config import TidalConfig
+from tidal.monitor import trace
+from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, gather
+from tidal.runtime.workers import SyncReceiver, free_port, make_engine, node_ip, set_threads
 from tidal.trainer.trainer import TrainBatch
 
 
@@ -20,6 +37,210 @@ def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
     from tidal.trainer.distributed import balanced_shards as split
 
     return split(lengths, n)
+
+
+_here = threading.local()  # `inside` on a thread that on_own_thread started
+
+
+def on_own_thread(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on a thread that ends with it; its result, or its exception raised here.
+    Called on such a thread already, fn runs right there.
+
+    Why: with libgomp, every thread that runs a parallel torch op keeps an OpenMP team for as long
+    as it lives, and once the teams hold more threads than the machine has cores, libgomp stops
+    letting idle workers spin, so every small op waits for a wake-up. A team on the run's main
+    thread would outlive the update and throttle the engine's decode steps on the scheduler
+    thread, which likewise ends when idle (docs/engines.md, "Shared prompts, the heap and
+    OpenMP"). Measured on the default job, best settings: the engine's decode time per step
+    15-20% lower.
+
+    Ctrl-C and SIGTERM raise on the calling (main) thread while it waits: the same exception is
+    then raised inside fn's thread (CPython's PyThreadState_SetAsyncExc, at its next bytecode, as a
+    signal handler would on the main thread), that thread is waited for, and the exception goes
+    on. So an update is stopped where it is, as when it ran on the main thread, and nothing of it
+    runs on after the run has reported its last complete checkpoint."""
+    if getattr(_here, "inside", False):
+        return fn(*args, **kwargs)
+    box: dict = {}
+
+    began, ended = threading.Event(), threading.Event()
+
+    def run() -> None:
+        _here.inside = True
+        began.set()
+        try:
+            if not box.get("stop"):  # a signal on the caller while this thread started: fn never runs
+                box["out"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            box["err"] = e
+        finally:
+            ended.set()
+
+    # Waited for through events of its own, not Thread.join: a KeyboardInterrupt inside join()
+    # makes Python 3.11 mark the thread stopped while it still runs (bpo-45274's cleanup).
+    thread = threading.Thread(target=run, name="tidal-trainer", daemon=True)
+    try:
+        thread.start()  # a signal may land while it waits for the thread to start, too
+        while not ended.wait(0.1):  # wakes to run signal handlers: a signal may land on another thread
+            pass
+    except BaseException as e:
+        box["stop"] = True
+        if began.wait(5.0) and not ended.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(type(e)))
+            ended.wait()
+        raise
+    thread.join()  # it has ended: only its last bytecodes are left
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
+
+
+def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
+    from tidal.trainer.trainer import Trainer
+
+    return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
+                   temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
+                   device=cfg.model.resolved_device(), norm_len=cfg.loss_norm_len)
+
+
+class TrainerWorker(SyncReceiver):
+    """One trainer rank. `setup` joins the ranks' torch.distributed group (when there are
+    several) and loads the model; the other calls mirror the Trainer's. Calls marked
+    collective must be made on every rank at once (the TrainerGroup does)."""
+
+    def __init__(self, cfg: TidalConfig, model_dir: str, pad_token_id: int, rank: int = 0, world_size: int = 1,
+                 engine_kind: str | None = None, log_dir: str | None = None, num_cpus: float = 0.0):
+        if num_cpus:
+            set_threads(num_cpus)
+        self.cfg, self.model_dir, self.pad_token_id = cfg, model_dir, pad_token_id
+        self.rank, self.world_size = rank, world_size
+        self.engine_kind, self.log_dir = engine_kind, log_dir
+        self.trainer = None
+        if cfg.run.trace and not trace.enabled():  # in its own process (Ray); in the driver it is on already
+            trace.enable(f"trainer rank {rank}")
+        # Colocated and synchronous: the engine sleeps while this rank trains (memory back
+        # to the trainer) and wakes with the new weights. With k > 0 it keeps generating.
+        self._release_engine = engine_kind is not None and cfg.rollout.max_staleness == 0
+        self.engine_sleeps = 0
+        self._asleep = False
+
+    def _training(self) -> None:
+        if self._release_engine and self.engine.can_sleep and not self._asleep:
+            self.engine.sleep()
+            self._asleep = True
+            self.engine_sleeps += 1
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.engine.wake_up()
+            self._asleep = False
+
+    def where(self) -> tuple[str, int]:
+        """(node address, a free port there): where the ranks' rendezvous listens."""
+        ip = node_ip()
+        return ip, free_port(ip)
+
+    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
+        torch.manual_seed(self.cfg.run.seed)
+        if self.world_size > 1:
+            from tidal.trainer.distributed import init_distributed
+
+            if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+            init_distributed(self.rank, self.world_size, master_addr, master_port, backend=self.cfg.placement.backend
+                             if self.cfg.placement.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"),
+                             timeout_s=self.cfg.placement.collective_timeout_s)
+        self.trainer = make_trainer(self.cfg, self.model_dir, self.pad_token_id)
+        if self.engine_kind is not None:  # colocated: this rank's engine replica
+            self.engine = make_engine(self.cfg, self.engine_kind, self.model_dir, self.pad_token_id, self.log_dir)
+        return os.getpid()
+
+    # -- the Trainer's calls (each a collective when world_size > 1) --------------------------
+    def forward_backward(self, batch, kl_coef: float | None = None, totals=None) -> dict[str, float]:
+        self._training()
+        with trace.span("forward_backward", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.forward_backward(batch, kl_coef=kl_coef, totals=totals)
+
+    def optim_step(self) -> dict[str, float]:
+        with trace.span("optim_step", cat="train", rank=self.rank):
+            return self.trainer.optim_step()
+
+    def logprobs(self, batch) -> list[list[float]]:
+        self._training()
+        with trace.span("logprobs", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.logprobs(batch)
+
+    def ref_logprobs(self, batch) -> list[list[float]]:
+        self._training()
+        with trace.span("ref_logprobs", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.ref_logprobs(batch)
+
+    def drain_trace(self) -> list[dict]:
+        """This process's spans since the last call (`run.trace`)."""
+        return trace.drain()
+
+    def values(self, batch) -> list[list[float]]:
+        self._training()
+        return self.trainer.values(batch)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def save(self, path: str, with_tokenizer: bool = True) -> None:
+        tokenizer = None
+        if with_tokenizer and self.rank == 0:
+            from tidal.models import load_tokenizer
+
+            tokenizer = load_tokenizer(self.model_dir)
+        self.trainer.save(path, tokenizer=tokenizer)
+
+    def load(self, path: str) -> int:
+        self.trainer.load(path)
+        return self.trainer.version
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self.trainer.named_weights()
+
+    def push_weights(self, transport: str, options: dict | None = None) -> dict:
+        """Collective: every rank gathers the full weights; then rank 0 sends them
+        ("broadcast" over the sync group, "disk" into a directory) or each rank loads them
+        into its own colocated engine ("inprocess")."""
+        options = options or {}
+        version = self.trainer.version
+        named = self.trainer.named_weights()
+        if transport == "inprocess":
+            if self.engine is None:
+                raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
+            self.engine.update_weights(version, named)
+            self._wake()
+            return {"version": version}
+        if self.rank != 0:
+            return {"version": version}
+        if transport == "broadcast":
+            from tidal.weightsync import send_weights
+
+            out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
+                               with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, **out}
+        if transport == "disk":
+            from tidal.weightsync import DiskSync
+
+            path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, "path": str(path)}
+        raise ValueError(f"unknown weight transport {transport!r}")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sleeps(self) -> int:
+        return self.engine_sleeps
+
+
+def mini_batch_indices(n: int, k: int) -> list[list[int]]:
+    """k mini-batches of consecutive sequence indices, the last one shorter when k does not divide n."""
+    size = -(-n // k)
+    return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
 class TrainerGroup:
@@ -44,14 +265,19 @@ class TrainerGroup:
     def version(self) -> int:
         return self._version
 
+    def _here(self, fn):
+        """fn() on a thread of its own when the trainer computes in this process (module docstring)."""
+        return fn() if self.ranks[0].remote else on_own_thread(fn)
+
     def _all(self, call: str, *args, **kwargs) -> list:
-        return gather([h.submit(call, *args, **kwargs) for h in self.ranks], step=self.step, timeout_s=self.timeout_s)
+        return self._here(lambda: gather([h.submit(call, *args, **kwargs) for h in self.ranks], step=self.step,
+                                         timeout_s=self.timeout_s))
 
     def _sharded(self, call: str, batch: TrainBatch, **kwargs) -> tuple[list[list[int]], list]:
         """(the sequence indices each rank got, each rank's answer)."""
         if self.world_size == 1:
-            return [list(range(len(batch)))], [self.ranks[0].call(call, batch, step=self.step, timeout_s=self.timeout_s,
-                                                                  **kwargs)]
+            return [list(range(len(batch)))], [self._here(lambda: self.ranks[0].call(
+                call, batch, step=self.step, timeout_s=self.timeout_s, **kwargs))]
         shards = balanced_shards([len(t) for t in batch.tokens], max(self.dp_index) + 1)
         subs = [h.submit(call, batch.select(shards[d]), **kwargs) for h, d in zip(self.ranks, self.dp_index)]
         parts = gather(subs, step=self.step, timeout_s=self.timeout_s)
@@ -66,7 +292,26 @@ class TrainerGroup:
                 out[i] = v
         return out
 
-    # -- the Trainer's surface -----------------------------------------------------------------
+    # -- the step's update ------------------------------------------------------------------------
+    def update(self, batch: TrainBatch, *, epochs: int = 1, mini_batches: int = 1,
+               kl_coef: float | None = None) -> list[dict[str, float]]:
+        """`epochs` passes over `mini_batches` mini-batches of `batch`, forward_backward and
+        optim_step each; the metrics of each update. With several updates the policy before the
+        first is the PPO anchor (`old_logprobs`, unless the batch has it already)."""
+        def run() -> list[dict[str, float]]:
+            minis = mini_batch_indices(len(batch), mini_batches)
+            if epochs * len(minis) > 1 and batch.old_logprobs is None:
+                batch.old_logprobs = self.logprobs(batch)
+            out = []
+            for _ in range(epochs):
+                for idx in minis:
+                    m = self.forward_backward(batch.select(idx), kl_coef=kl_coef)
+                    out.append({**m, **self.optim_step()})
+            return out
+
+        return self._here(run)
+
+    # -- the Trainer's surface (tidal/trainer/protocol.py) --------------------------------------
     def forward_backward(self, batch: TrainBatch, kl_coef: float | None = None) -> dict[str, float]:
         totals = batch.totals() if self.world_size > 1 else None
         return self._sharded("forward_backward", batch, kl_coef=kl_coef, totals=totals)[1][0]  # global metrics
@@ -95,4 +340,4 @@ class TrainerGroup:
         """Full weights, in this process: local mode only (ray mode pushes them rank to engine)."""
         if self.local is None:
             raise RuntimeError("named_weights: the trainer runs in Ray actors; weights move through tidal.weightsync")
-        return self.local.named_weights()
+        return self._here(self.local.named_weights)

@@ -1,11 +1,10 @@
 """The role classes that run as Ray actors (placement.mode=ray), and the driver's proxy to
 an engine actor.
 
-`TrainerWorker` is one trainer rank: a `Trainer` (FSDP2-sharded when there are several
-ranks) plus, when colocated, one engine replica in the same process. `EngineWorker` is one
-disaggregated engine replica. Both are plain classes: `placement.py` wraps them with
-`ray.remote`, and the trainer class is also what local mode builds in the driver, so the
-two modes run the same code. `RemoteEngine` makes an engine actor look like an Engine to
+`EngineWorker` is one disaggregated engine replica (a trainer rank, `TrainerWorker`, is in
+trainer_group.py; both receive weights as `SyncReceiver`s). They are plain classes:
+`placement.py` wraps them with `ray.remote`, and the trainer rank is also what local mode
+builds in the driver, so the two modes run the same code. `RemoteEngine` makes an engine actor look like an Engine to
 the router. `RewardWorker` runs reward functions; `RewardActors` is how the reward scorer
 starts and replaces those actors.
 """
@@ -27,8 +26,9 @@ from typing import Any
 import torch
 
 from tidal.config import TidalConfig
+from tidal.engines.base import EngineBase
+from tidal.envs.base import optional
 from tidal.monitor import trace
-from tidal.net import is_loopback
 from tidal.types import GenerationRequest, GenerationResult
 
 log = logging.getLogger("tidal")
@@ -57,14 +57,6 @@ def set_threads(num_cpus: float) -> None:
     torch.set_num_threads(max(1, round(num_cpus)))
 
 
-def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
-    from tidal.trainer.trainer import Trainer
-
-    return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
-                   temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
-                   device=cfg.model.resolved_device(), norm_len=cfg.loss_norm_len)
-
-
 def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id: int, log_dir: str | Path | None):
     from tidal.engines.factory import build_engine
 
@@ -72,7 +64,7 @@ def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id
                         pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
 
 
-class _SyncReceiver:
+class SyncReceiver:
     """The receiving end of weight sync, for whatever holds an engine."""
 
     engine = None
@@ -119,144 +111,11 @@ class _SyncReceiver:
         self.engine.resume()
 
     def close_engine(self) -> None:
-        if self.engine is not None and hasattr(self.engine, "close"):
+        if self.engine is not None:
             self.engine.close()
 
 
-class TrainerWorker(_SyncReceiver):
-    """One trainer rank. `setup` joins the ranks' torch.distributed group (when there are
-    several) and loads the model; the other calls mirror the Trainer's. Calls marked
-    collective must be made on every rank at once (the TrainerGroup does)."""
-
-    def __init__(self, cfg: TidalConfig, model_dir: str, pad_token_id: int, rank: int = 0, world_size: int = 1,
-                 engine_kind: str | None = None, log_dir: str | None = None, num_cpus: float = 0.0):
-        if num_cpus:
-            set_threads(num_cpus)
-        self.cfg, self.model_dir, self.pad_token_id = cfg, model_dir, pad_token_id
-        self.rank, self.world_size = rank, world_size
-        self.engine_kind, self.log_dir = engine_kind, log_dir
-        self.trainer = None
-        if cfg.run.trace and not trace.enabled():  # in its own process (Ray); in the driver it is on already
-            trace.enable(f"trainer rank {rank}")
-        # Colocated and synchronous: the engine sleeps while this rank trains (memory back
-        # to the trainer) and wakes with the new weights. With k > 0 it keeps generating.
-        self._release_engine = engine_kind is not None and cfg.rollout.max_staleness == 0
-        self.engine_sleeps = 0
-
-    def _training(self) -> None:
-        if self._release_engine and hasattr(self.engine, "sleep") and not getattr(self, "_asleep", False):
-            self.engine.sleep()
-            self._asleep = True
-            self.engine_sleeps += 1
-
-    def _wake(self) -> None:
-        if getattr(self, "_asleep", False):
-            self.engine.wake_up()
-            self._asleep = False
-
-    def where(self) -> tuple[str, int]:
-        """(node address, a free port there): where the ranks' rendezvous listens."""
-        ip = node_ip()
-        return ip, free_port(ip)
-
-    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
-        torch.manual_seed(self.cfg.run.seed)
-        if self.world_size > 1:
-            from tidal.trainer.distributed import init_distributed
-
-            if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
-                os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-
-            init_distributed(self.rank, self.world_size, master_addr, master_port, backend=self.cfg.placement.backend
-                             if self.cfg.placement.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"),
-                             timeout_s=self.cfg.placement.collective_timeout_s)
-        self.trainer = make_trainer(self.cfg, self.model_dir, self.pad_token_id)
-        if self.engine_kind is not None:  # colocated: this rank's engine replica
-            self.engine = make_engine(self.cfg, self.engine_kind, self.model_dir, self.pad_token_id, self.log_dir)
-        return os.getpid()
-
-    # -- the Trainer's calls (each a collective when world_size > 1) --------------------------
-    def forward_backward(self, batch, kl_coef: float | None = None, totals=None) -> dict[str, float]:
-        self._training()
-        with trace.span("forward_backward", cat="train", rank=self.rank, sequences=len(batch)):
-            return self.trainer.forward_backward(batch, kl_coef=kl_coef, totals=totals)
-
-    def optim_step(self) -> dict[str, float]:
-        with trace.span("optim_step", cat="train", rank=self.rank):
-            return self.trainer.optim_step()
-
-    def logprobs(self, batch) -> list[list[float]]:
-        self._training()
-        with trace.span("logprobs", cat="train", rank=self.rank, sequences=len(batch)):
-            return self.trainer.logprobs(batch)
-
-    def ref_logprobs(self, batch) -> list[list[float]]:
-        self._training()
-        with trace.span("ref_logprobs", cat="train", rank=self.rank, sequences=len(batch)):
-            return self.trainer.ref_logprobs(batch)
-
-    def drain_trace(self) -> list[dict]:
-        """This process's spans since the last call (`run.trace`)."""
-        return trace.drain()
-
-    def values(self, batch) -> list[list[float]]:
-        self._training()
-        return self.trainer.values(batch)
-
-    def version(self) -> int:
-        return self.trainer.version
-
-    def save(self, path: str, with_tokenizer: bool = True) -> None:
-        tokenizer = None
-        if with_tokenizer and self.rank == 0:
-            from tidal.models import load_tokenizer
-
-            tokenizer = load_tokenizer(self.model_dir)
-        self.trainer.save(path, tokenizer=tokenizer)
-
-    def load(self, path: str) -> int:
-        self.trainer.load(path)
-        return self.trainer.version
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return self.trainer.named_weights()
-
-    def push_weights(self, transport: str, options: dict | None = None) -> dict:
-        """Collective: every rank gathers the full weights; then rank 0 sends them
-        ("broadcast" over the sync group, "disk" into a directory) or each rank loads them
-        into its own colocated engine ("inprocess")."""
-        options = options or {}
-        version = self.trainer.version
-        named = self.trainer.named_weights()
-        if transport == "inprocess":
-            if self.engine is None:
-                raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
-            self.engine.update_weights(version, named)
-            self._wake()
-            return {"version": version}
-        if self.rank != 0:
-            return {"version": version}
-        if transport == "broadcast":
-            from tidal.weightsync import send_weights
-
-            out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
-                               with_checksum=bool(options.get("checksum", False)))
-            return {"version": version, **out}
-        if transport == "disk":
-            from tidal.weightsync import DiskSync
-
-            path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
-            return {"version": version, "path": str(path)}
-        raise ValueError(f"unknown weight transport {transport!r}")
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def sleeps(self) -> int:
-        return self.engine_sleeps
-
-
-class EngineWorker(_SyncReceiver):
+class EngineWorker(SyncReceiver):
     """One disaggregated engine replica."""
 
     def __init__(self, cfg: TidalConfig, kind: str, model_dir: str, pad_token_id: int, log_dir: str | None = None,
@@ -273,7 +132,7 @@ class EngineWorker(_SyncReceiver):
         return ip, free_port(ip)
 
 
-class RemoteEngine:
+class RemoteEngine(EngineBase):
     """An engine actor (or a colocated trainer rank's engine) as an Engine for the router.
     `version` is what the last weight sync delivered; the driver never asks the actor."""
 
@@ -427,8 +286,7 @@ class EnvWorker:
         self.envs[key] = env
         async with trace.async_span("env.reset", key):
             messages = await env.reset()
-        return {"messages": messages, "tools": getattr(env, "tools", None) or None,
-                "sampling": getattr(env, "sampling", None)}
+        return {"messages": messages, "tools": optional(env, "tools") or None, "sampling": optional(env, "sampling")}
 
     async def step(self, key: str, action):
         async with trace.async_span("env.step", key):
@@ -446,8 +304,9 @@ class EnvWorker:
 
     async def close(self, key: str) -> None:
         env = self.envs.pop(key, None)
-        if env is not None and hasattr(env, "close"):
-            await env.close()
+        close = optional(env, "close") if env is not None else None
+        if close is not None:
+            await close()
 
     def live(self) -> int:
         return len(self.envs)
@@ -479,7 +338,7 @@ class RemoteEnvs:
         self.live = [0] * len(handles)
         self.served = [0] * len(handles)  # episodes started, per worker
         self.respawn, self.max_restarts, self.restarts = respawn, max_restarts, 0
-        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (recovery.role_restarts)
+        self.restart_events: list[dict] = []  # replacements not yet in RUN/events.jsonl (health.role_restarts)
         self._replacing: dict[int, asyncio.Future] = {}
         self._ids = iter(range(1 << 62))
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tidal.algorithms import kl_estimate
+from tidal.algorithms import build_estimator, kl_estimate, needs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.durable import disk_error
@@ -103,6 +103,8 @@ class Trainer:
                  norm_len: int = 1):
         self.train_cfg, self.algo = train, algo
         self.objective = build_objective(algo, import_object)  # algorithm.loss, or tidal's PolicyObjective
+        # An estimator that declares needs_values (gae) gets a critic, trained beside the policy.
+        self.needs_values = needs(build_estimator(algo, import_object), "values")
         self.temperature = temperature if temperature > 0 else 1.0
         self.pad_token_id = pad_token_id
         self.norm_len = float(norm_len)  # seq-mean-token-sum-norm's constant
@@ -116,8 +118,8 @@ class Trainer:
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
         self._banned = None if self.vision is None else torch.tensor(self.vision.banned_token_ids, device=self.device)
-        if self.vision is not None and algo.advantage == "gae":
-            raise ValueError(f"algorithm.advantage=gae trains a critic (a token-classification value model), which "
+        if self.vision is not None and self.needs_values:
+            raise ValueError(f"algorithm.advantage={algo.advantage} trains a critic (a token-classification value model), which "
                              f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
                              "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
         # Eager attention under CPU mixed precision: torch's fused CPU attention backward is slow in
@@ -166,7 +168,7 @@ class Trainer:
             if self.context is not None:
                 self.context.prepare(self.ref_model)
         self.critic = None
-        if algo.advantage == "gae":
+        if self.needs_values:
             self.critic = Critic(algo.critic.path or model_path, algo.critic, dtype=dtype, device=self.device,
                                  warmup_steps=train.warmup_steps, betas=train.betas, dims=self.dims)
         # tensor parallelism mixes DTensor and plain parameters (norms), which foreach kernels refuse
@@ -397,7 +399,7 @@ class Trainer:
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
         if self.critic is None:
-            raise RuntimeError("no critic: algorithm.advantage is not gae")
+            raise RuntimeError(f"no critic: algorithm.advantage={self.algo.advantage} declares no needs_values")
         return self._per_position(batch, self.critic.model, lambda toks, _i, _p, _u: self.critic.forward(*self._inputs(toks)))
 
     def _dummy_backward(self, kl_in_loss: bool, with_critic: bool) -> None:
@@ -439,47 +441,63 @@ class Trainer:
             if idx is None:
                 self._dummy_backward(kl_in_loss, with_critic)
                 continue
-            toks = [batch.tokens[i] for i in idx]
-            ims = None if batch.images is None else [batch.images[i] for i in idx]
-            pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
-            # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
-            mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
-            prompts = self._prompts(batch, idx)
-            logp, entropy = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
-            ref_logp = None
-            if kl_in_loss:
-                with torch.no_grad():
-                    ref_logp = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)[0]
-            behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
-            x = LossInputs(
-                logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
-                                                                                           for i in idx]),
-                behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
-                entropy=entropy if self.objective.entropy_grad else entropy.detach(),
-                total_tokens=total_tokens, total_seqs=total_seqs, norm_len=self.norm_len, ref_logp=ref_logp,
-                kl_coef=kl_coef)
-            # loss
-            out = self.objective(x)
-            # backward
-            if with_critic:
-                ids, attn = self._inputs(toks)
-                v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
-                                                  pad([batch.returns[i] for i in idx]), mask, total_tokens)
-                v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
-                for k, v in v_sums.items():
-                    sums[k] += v
-            out.loss.backward()
-            for k, v in out.sums.items():
-                if k in sums:
-                    sums[k] += v
-            with torch.no_grad():  # what the trainer itself reports: the loss, entropy, engine/trainer mismatch
-                m = mask.float()
-                sums["loss"] += float(out.loss)
-                sums["entropy"] += float((x.entropy.detach() * m).sum())
-                diff = (logp.detach() - behav).abs() * m
-                sums["logprob_abs_diff"] += float(diff.sum())
-                sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
-                max_diff = max(max_diff, float(diff.max()) if diff.numel() else 0.0)
+            diff = self._micro_backward(batch, idx, masks, sums, kl_coef=kl_coef, kl_in_loss=kl_in_loss,
+                                        with_critic=with_critic, totals=(total_tokens, total_seqs), unit_len=unit_len)
+            max_diff = max(max_diff, diff)
+        return self._global_metrics(sums, masks, max_diff, kl_in_loss)
+
+    def _micro_backward(self, batch: TrainBatch, idx: list[int], masks: list[list[bool]], sums: dict[str, float], *,
+                        kl_coef: float, kl_in_loss: bool, with_critic: bool, totals: tuple[float, float],
+                        unit_len: int | None) -> float:
+        """One micro-batch's forward and backward (policy, and critic when it trains); its sums
+        are added to `sums`. Returns its largest |trainer − engine| log-prob difference."""
+        toks = [batch.tokens[i] for i in idx]
+        ims = None if batch.images is None else [batch.images[i] for i in idx]
+        pad = lambda rows, v=0.0: pad_rows(rows, v, torch.float32, self.device)
+        # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
+        mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
+        prompts = self._prompts(batch, idx)
+        logp, entropy = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
+        ref_logp = None
+        if kl_in_loss:
+            with torch.no_grad():
+                ref_logp = self._ref_forward(toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)[0]
+        behav = pad([batch.behaviour_logprobs[i][1:] for i in idx])
+        x = LossInputs(
+            logp=logp, old_logp=logp.detach() if batch.old_logprobs is None else pad([batch.old_logprobs[i]
+                                                                                       for i in idx]),
+            behaviour_logp=behav, advantages=pad([batch.advantages[i] for i in idx]), mask=mask,
+            entropy=entropy if self.objective.entropy_grad else entropy.detach(),
+            total_tokens=totals[0], total_seqs=totals[1], norm_len=self.norm_len, ref_logp=ref_logp,
+            kl_coef=kl_coef)
+        # loss
+        out = self.objective(x)
+        # backward
+        if with_critic:
+            ids, attn = self._inputs(toks)
+            v_loss, v_sums = self.critic.loss(self.critic.forward(ids, attn), pad([batch.old_values[i] for i in idx]),
+                                              pad([batch.returns[i] for i in idx]), mask, totals[0])
+            v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
+            for k, v in v_sums.items():
+                sums[k] += v
+        out.loss.backward()
+        for k, v in out.sums.items():
+            if k in sums:
+                sums[k] += v
+        with torch.no_grad():  # what the trainer itself reports: the loss, entropy, engine/trainer mismatch
+            m = mask.float()
+            sums["loss"] += float(out.loss)
+            sums["entropy"] += float((x.entropy.detach() * m).sum())
+            diff = (logp.detach() - behav).abs() * m
+            sums["logprob_abs_diff"] += float(diff.sum())
+            sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
+            return float(diff.max()) if diff.numel() else 0.0
+
+    def _global_metrics(self, sums: dict[str, float], masks: list[list[bool]], max_diff: float,
+                        kl_in_loss: bool) -> dict[str, float]:
+        """The batch's metrics per policy token (data parallel: of the global batch, the same on
+        every rank); those of parts that are off are left out."""
+        algo = self.algo
         denom = max(float(sum(sum(m) for m in masks)), 1.0)  # this batch's tokens: metrics are local
         if self.world_size > 1:  # ... unless data parallel: then global, the same on every rank
             keys = list(sums)
@@ -589,7 +607,7 @@ class Trainer:
         self.version = st["version"]
         if self.critic is not None:
             if "critic" not in st:
-                raise ValueError(f"checkpoint {path} has no critic, but algorithm.advantage=gae needs one")
+                raise ValueError(f"checkpoint {path} has no critic, but algorithm.advantage={self.algo.advantage} needs one")
             self.critic.load(path / "critic", st["critic"])
         set_rng_state(st["rng"])
 
