@@ -37,6 +37,10 @@ class Task:
 
 
 def load_env_class(cfg: TaskConfig):
+    if adapter_of(cfg.env) == "verifiers:":
+        from tidal.envs.adapters.verifiers import env_class  # the extra: imported only when named
+
+        return env_class(cfg.env.removeprefix("verifiers:"))
     if cfg.env == "single_turn" and cfg.dataset is None:
         path = GENERATED_TASK  # the generated default task
     else:
