@@ -14,7 +14,7 @@ def calculator(expression: str) -> str:
     allowed = set("0123456789+- ")
     if not set(expression) <= allowed:
         raise ValueError(f"only integers, + and - are allowed: {expression!r}")
-    return str(eval(expression))  # noqa: S307 - restricted to digits, + and - above
+    return str(eval(expression))  # restricted to digits, + and - above
 
 
 def load_environment(n: int = 16, **kwargs):

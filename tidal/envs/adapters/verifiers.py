@@ -104,10 +104,10 @@ class VerifiersEnv(ToolEnv):
 
     async def step(self, action: Action) -> StepResult:
         if self.is_tool_env:
-            result = await super().step(action)  # tidal's tool calling; the final turn is scored
-            self.completion.append(result.assistant_message or {"role": "assistant", "content": action.text})
+            result = await super().step(action)  # tidal's tool calling; a turn without calls is final_turn
             if not result.done:
-                self.completion.extend(result.messages)
+                self.completion += [result.assistant_message or {"role": "assistant", "content": action.text},
+                                    *result.messages]
                 if action.last_turn:
                     await self._score(result)
             return result
@@ -129,6 +129,8 @@ class VerifiersEnv(ToolEnv):
         return StepResult(messages=answer, done=False)
 
     async def final_turn(self, action: Action) -> StepResult:
+        if self.is_tool_env:  # ToolEnv.step calls this for the turn without calls, before step returns
+            self.completion.append({"role": "assistant", "content": action.text})
         result = StepResult(done=True)
         await self._score(result)
         return result
