@@ -41,6 +41,10 @@ def load_env_class(cfg: TaskConfig):
         from tidal.envs.adapters.verifiers import env_class  # the extra: imported only when named
 
         return env_class(cfg.env.removeprefix("verifiers:"))
+    if adapter_of(cfg.env) == "textarena:":
+        from tidal.envs.adapters.textarena import env_class as game_class  # the extra: imported only when named
+
+        return game_class(cfg.env.removeprefix("textarena:"))
     if cfg.env == "single_turn" and cfg.dataset is None:
         path = GENERATED_TASK  # the generated default task
     else:
