@@ -101,3 +101,14 @@ def test_single_turn_and_tool_envs_train_through_the_rollout(tmp_path):
     calls = [c for r in rows for t in r["turns"] for c in t["tool_calls"]]
     assert calls and {c["name"] for c in calls} <= {"calculator"} | {c["name"] for c in calls if c["status"] != "ok"}
     assert any(len(r["turns"]) > 1 for r in rows)  # a tool result came back and the policy went on
+
+
+def test_multi_turn_env_answers_with_its_env_response_until_its_stop_condition():
+    t = build_task(TaskConfig(env="verifiers:vf_guess_multiturn"))
+    row = next(r for r in t.train_rows if r["answer"] == "7")
+    _, (first, second, third) = _play(t, row, ["5", "8", "7"])
+    assert first.messages == [{"role": "user", "content": "higher"}] and not first.done
+    assert second.messages == [{"role": "user", "content": "lower"}] and not second.done
+    assert third.done and third.reward_parts == {"won": 1.0} and third.metrics["verifiers/guesses"] == 2.0
+    _, (wrong,) = _play(t, row, ["4"])  # the last turn: scored as it stands
+    assert wrong.done and wrong.reward_parts == {"won": 0.0}

@@ -99,7 +99,10 @@ class VerifiersEnv(ToolEnv):
         task = flatten_task_input({k: v for k, v in self.row.items() if k != "task_id"})
         self.state = State(input=task)
         self.state.update(task=task, prompt=normalize_messages(messages, field_name="prompt"), trajectory=[],
-                          completion=None, reward=None, metrics=None, error=None, final_env_response=None)
+                          completion=None, reward=None, metrics=None, error=None, final_env_response=None,
+                          is_completed=False, is_truncated=False)
+        state = await self.vf.setup_state(self.state)  # its own per-episode fields
+        self.state = self.state if state is None else state
         return messages
 
     async def step(self, action: Action) -> StepResult:
@@ -117,13 +120,18 @@ class VerifiersEnv(ToolEnv):
         return await self._env_turn(action)
 
     async def _env_turn(self, action: Action) -> StepResult:
-        """A MultiTurnEnv's own `env_response` answers the turn."""
+        """A MultiTurnEnv's turn as its own rollout loop takes it: the turn joins the trajectory, its
+        stop conditions (`@vf.stop`, `is_completed`) are asked, then its `env_response` answers."""
         from verifiers.utils.message_utils import normalize_messages
 
         history = normalize_messages(prompt_messages(self.row["prompt"]) + self.completion, field_name="messages")
+        self.state["trajectory"].append({"prompt": history[:-1], "completion": history[-1:]})
+        self.state["completion"] = normalize_messages(self.completion, field_name="completion")
+        if action.last_turn or await self.vf.is_completed(self.state):
+            return await self.final_turn(action)
         reply = await self.vf.env_response(history, self.state)
         answer = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else dict(m) for m in reply or []]
-        if not answer or self.state.get("final_env_response") is not None or action.last_turn:
+        if not answer or self.state.get("final_env_response") is not None:
             return await self.final_turn(action)
         self.completion.extend(answer)
         return StepResult(messages=answer, done=False)
