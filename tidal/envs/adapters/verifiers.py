@@ -9,8 +9,9 @@ of the environment's module (verifiers' own loader, `vf.load_environment`) retur
   holds its system prompt and few-shot, so they reach the policy as written;
 - a `ToolEnv`'s tools become tidal tools (tidal/envs/tools.py): the same Hermes `<tool_call>`
   parsing, schemas from the functions, typed errors (parse, unknown, args, timeout, raised);
-- a `MultiTurnEnv` that is neither answers each turn with its own `env_response(messages,
-  state)`; its `final_env_response` in the state or an empty answer ends the episode;
+- a `MultiTurnEnv` that is neither runs as its own rollout loop runs it: `setup_state` at reset,
+  then after each turn its stop conditions (`is_completed`), then its `env_response(messages,
+  state)`; a `final_env_response` in the state or an empty answer ends the episode too;
 - its rubric is the reward: each reward function of the rubric (of each rubric of a
   `RubricGroup`) is a reward part, its value times its weight; a function of weight 0 (verifiers'
   monitor metrics) is a metric. Scoring happens here, at the episode's last turn, with verifiers'
