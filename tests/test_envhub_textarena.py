@@ -95,3 +95,29 @@ def test_two_steps_through_the_rollout(tmp_path):
     rows = [r for s in (1, 2) for r in pq.read_table(tmp_path / "episodes" / f"step_{s:06d}.parquet").to_pylist()]
     assert len(rows) == 16 and all(r["env"] == GAME and r["status"] in ("ok", "truncated") for r in rows)
     assert all(set(dict(r["reward_parts"])) == {"game"} for r in rows if r["status"] == "ok")
+
+
+def test_a_two_player_game_against_the_scripted_opponent():
+    t = build_task(TaskConfig(env="textarena:TicTacToe-v0", train_size=2, eval_size=1,
+                              env_args={"opponent": "tidal.envs.adapters.textarena:first_available"}))
+
+    def play(moves):
+        env = t.make_env(t.train_rows[0])
+
+        async def go():
+            await env.reset()
+            out = []
+            for i, move in enumerate(moves):
+                out.append(await env.step(Action(move, turn=i)))
+                if out[-1].done:
+                    break
+            return out
+
+        return asyncio.run(go())
+
+    # The opponent (X) takes the first free cell: 0, then 1; O takes 4, 2, 6, the diagonal.
+    won = play(["[4]", "[2]", "[6]"])
+    assert [r.done for r in won] == [False, False, True] and won[-1].reward_parts == {"game": 1.0}
+    assert "X | X" in won[1].messages[0]["content"]  # the opponent's moves reach the policy
+    lost = play(["[4]", "[8]", "[6]"])  # X completes 0-1-2
+    assert lost[-1].done and lost[-1].reward_parts == {"game": -1.0}

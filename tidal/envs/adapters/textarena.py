@@ -13,7 +13,10 @@ which is the only place a TextArena game gives its rewards. What maps to what:
 - the reward is player 0's reward from `close()`, as the part `game`, on the last turn; the game's
   info for the player (`invalid_move`, `turn_count`) becomes metrics.
 
-Single-player games only (two-player games against a fixed opponent are not done yet).
+Two-player games: `env_args.opponent` names a fixed, scripted opponent, a function
+`opponent(observation: str) -> str` (a dotted or file path; `first_available` below plays the
+first of the moves the game lists as available), which plays player 1 inside the episode; the
+policy is player 0. The policy never plays itself here (no self-play).
 
 Global random: `reset(seed)` seeds Python's global `random`, and games draw from it while they
 play, so two episodes in one process would disturb each other. Each episode here keeps its own
@@ -25,11 +28,13 @@ game whatever else runs beside it.
 from __future__ import annotations
 
 import random
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 from tidal.envs.base import Action, Message, StepResult
+from tidal.importing import import_object
 
 PREFIX = "textarena:"
 EVAL_SEED_OFFSET = 1_000_003
@@ -45,9 +50,11 @@ class TextArenaEnv:
     game_id: ClassVar[str] = ""
     default_reward: ClassVar[str | None] = None  # the game's reward from close() is the whole reward
 
-    def __init__(self, row: dict[str, Any], seed: int = 0, **env_args: Any):
+    def __init__(self, row: dict[str, Any], seed: int = 0, opponent: str | None = None, **env_args: Any):
         import textarena
 
+        self.opponent = import_object(opponent, "task.env_args.opponent") if opponent else None
+        self.players = 2 if opponent else 1
         try:
             self.game = textarena.make(self.game_id, **env_args)
         except Exception as e:  # its registry raises plain exceptions for unknown ids and bad kwargs
@@ -83,11 +90,24 @@ class TextArenaEnv:
 
     async def reset(self) -> list[Message]:
         self._seen = ""
-        self._isolated(self.game.reset, num_players=1, seed=self.game_seed)
+        self._isolated(self.game.reset, num_players=self.players, seed=self.game_seed)
+        self._opponent_moves()  # when the opponent opens
         return [{"role": "user", "content": self._observe()}]
+
+    def _opponent_moves(self) -> bool:
+        """The scripted opponent plays until it is player 0's turn; whether the game ended."""
+        done = False
+        while self.opponent is not None and not done:
+            player, observation = self._isolated(self.game.get_observation)
+            if player == 0:
+                break
+            done, _ = self._isolated(self.game.step, self.opponent(observation if isinstance(observation, str)
+                                                                   else str(observation)))
+        return done
 
     async def step(self, action: Action) -> StepResult:
         done, _ = self._isolated(self.game.step, action.text)
+        done = done or self._opponent_moves()
         if not done and not action.last_turn:
             return StepResult(messages=[{"role": "user", "content": self._observe()}], done=False)
         rewards, info = self._isolated(self.game.close)
@@ -105,3 +125,11 @@ class TextArenaEnv:
                 self._isolated(self.game.close)
             except Exception:  # noqa: BLE001, S110 - a game closed mid-play may refuse; nothing is held
                 pass
+
+
+def first_available(observation: str) -> str:
+    """A scripted opponent: the first move of the last `Available Moves:` list of the observation
+    (TextArena's board games list them as `'[4]'`), or `[0]` when there is none."""
+    lines = [line for line in observation.splitlines() if "Available Moves" in line]
+    moves = re.findall(r"\[[^\]]+\]", lines[-1]) if lines else []
+    return moves[0] if moves else "[0]"
