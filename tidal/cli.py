@@ -117,6 +117,14 @@ def _terminated(signum, frame):
     raise Terminated()
 
 
+def _interrupted(signum, frame):
+    """Python's own SIGINT behaviour, but not its handler object: `asyncio.run` replaces that one
+    while a loop runs (the rollout runs one on the main thread at k=0) with a handler that only
+    cancels the loop's main task, and a SIGINT that lands as the task finishes is then lost.
+    This one raises KeyboardInterrupt wherever the main thread is, inside a loop too."""
+    raise KeyboardInterrupt()
+
+
 def _catch_stop_signals() -> dict[int, Any]:
     """SIGTERM raises Terminated and SIGINT KeyboardInterrupt in the main thread, so a run or a
     server stops cleanly on either, also when it was started with SIGINT ignored (a shell's
@@ -126,7 +134,7 @@ def _catch_stop_signals() -> dict[int, Any]:
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated),
-            signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+            signal.SIGINT: signal.signal(signal.SIGINT, _interrupted)}
 
 
 def _restore_signals(previous: dict[int, Any]) -> None:

@@ -62,22 +62,33 @@ def on_own_thread(fn, *args, **kwargs):
         return fn(*args, **kwargs)
     box: dict = {}
 
+    began, ended = threading.Event(), threading.Event()
+
     def run() -> None:
         _here.inside = True
+        began.set()
         try:
-            box["out"] = fn(*args, **kwargs)
+            if not box.get("stop"):  # a signal on the caller while this thread started: fn never runs
+                box["out"] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
             box["err"] = e
+        finally:
+            ended.set()
 
+    # Waited for through events of its own, not Thread.join: a KeyboardInterrupt inside join()
+    # makes Python 3.11 mark the thread stopped while it still runs (bpo-45274's cleanup).
     thread = threading.Thread(target=run, name="tidal-trainer", daemon=True)
-    thread.start()
     try:
-        while thread.is_alive():  # wakes to run signal handlers: a signal may land on another thread
-            thread.join(0.1)
+        thread.start()  # a signal may land while it waits for the thread to start, too
+        while not ended.wait(0.1):  # wakes to run signal handlers: a signal may land on another thread
+            pass
     except BaseException as e:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(type(e)))
-        thread.join()
+        box["stop"] = True
+        if began.wait(5.0) and not ended.is_set():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(type(e)))
+            ended.wait()
         raise
+    thread.join()  # it has ended: only its last bytecodes are left
     if "err" in box:
         raise box["err"]
     return box["out"]
