@@ -95,7 +95,7 @@ def test_single_turn_and_tool_envs_train_through_the_rollout(tmp_path):
     assert ok and all(set(dict(r["reward_parts"])) == {"correct_answer", "uses_format"} for r in ok)
     failed = [r for r in rows if r["status"] == "reward_error"]  # odd examples: the run went on past them
     assert all(r["env"] == "verifiers:vf_sum_single" for r in rows) and len(rows) == 16
-    assert all("uses_format" in (r["error"] or "") for r in failed)
+    assert failed and all("uses_format" in (r["error"] or "") for r in failed)
     rows = _train(tmp_path / "tools", TOOL_MODEL_DIR, "verifiers:vf_calc_tools", 2, "rollout.max_turns=3",
                   "rollout.max_new_tokens=48")
     calls = [c for r in rows for t in r["turns"] for c in t["tool_calls"]]
