@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidal.algorithms import AGGREGATIONS, ESTIMATORS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS
 from tidal.algorithms.advantages import BUILTIN_NEEDS
+from tidal.importing import adapter_of, check_extra
 
 # The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
 # without importing the monitors: they sit above config in the package order and read these.
@@ -61,7 +62,9 @@ class TaskConfig(_Section):
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class (and of its row generator `Env.rows` when there is no dataset); for the generated arithmetic task, its problem distribution: min_digits, max_digits, ops (tidal/envs/arithmetic.py).")
     agent: str | None = Field(None, description="With task.env=openai_agent: the agent, `solve(row, client)` (sync or async) as a dotted path `my_pkg.agents:solve` or a file path; `client` is an `openai.OpenAI` (sync) or `openai.AsyncOpenAI` (async) client pointed at the gateway's session of the episode.")
     agent_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the agent: `solve(row, client, **agent_args)`.")
-    dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column. None: the environment's own generated task (the arithmetic task for single_turn).")
+    dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column, or `reasoning_gym:TASK` (a reasoning-gym task: train_size rows from `seed`, eval_size held-out rows from a distinct seed, its score_answer the default reward; docs/envhub.md). None: the environment's own generated task (the arithmetic task for single_turn).")
+    dataset_args: dict[str, Any] = Field(default_factory=dict, description="With `dataset: reasoning_gym:TASK`: the task's config (e.g. min_terms, max_digits for chain_sum), passed to reasoning_gym.create_dataset.")
+    prompt_template: str | None = Field(None, description="With `dataset: reasoning_gym:TASK`: the user's message as a format string over the entry's `question` and metadata fields (e.g. 'What is {expression}?'); None: the task's own question.")
     eval_dataset: str | None = Field(None, description="Held-out prompt dataset; None with `dataset` None: the generated task's held-out split.")
     reward: str | None = Field(None, description="Reward function as a dotted path `pkg.module:function` or a file path `path/to/rewards.py:function`; None: the environment's default (tidal.rewards.arithmetic:score for the arithmetic task).")
     reward_form: Literal["tidal", "trl", "verl"] = Field("tidal", description="Calling convention of `reward` (see task.rewards[].form).")
@@ -96,6 +99,10 @@ class TaskConfig(_Section):
     def _one_reward_list(self) -> TaskConfig:
         if self.reward is not None and self.rewards:
             raise ValueError("set task.reward or task.rewards, not both")
+        check_extra("task.env", self.env)  # an adapter's package missing: named with its pip command
+        check_extra("task.dataset", self.dataset)
+        if (self.dataset_args or self.prompt_template) and adapter_of(self.dataset) != "reasoning_gym:":
+            raise ValueError("task.dataset_args and task.prompt_template shape a generated dataset (task.dataset: reasoning_gym:TASK)")
         agent_env = self.env in AGENT_ENVS
         if agent_env and not self.agent:
             raise ValueError(f"task.env={self.env} runs an agent: name it in task.agent (e.g. my_pkg.agents:solve)")

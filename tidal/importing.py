@@ -14,6 +14,34 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# Adapters of other environment standards (tidal/envs/adapters/), each an optional extra:
+# config prefix -> (the key it appears in, the import name, the extra that installs it)
+EXTRAS = {
+    "reasoning_gym:": ("task.dataset", "reasoning_gym", "reasoning-gym"),
+    "verifiers:": ("task.env", "verifiers", "verifiers"),
+    "textarena:": ("task.env", "textarena", "textarena"),
+}
+
+
+def adapter_of(value: str | None) -> str | None:
+    """The prefix of `EXTRAS` that `value` starts with, or None."""
+    if not isinstance(value, str):
+        return None
+    return next((p for p in EXTRAS if value.startswith(p)), None)
+
+
+def check_extra(key: str, value: str | None) -> None:
+    """Raise ValueError naming `key` and the pip command when `value` needs an extra that is not
+    installed (or names an adapter in the wrong key)."""
+    prefix = adapter_of(value)
+    if prefix is None:
+        return
+    want_key, module, extra = EXTRAS[prefix]
+    if key != want_key:
+        raise ValueError(f"`{key}: {value}`: `{prefix}` names a {want_key} (set `{want_key}: {value}`)")
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"`{key}: {value}` needs the `{module}` package: pip install 'tidal[{extra}]'")
+
 
 def import_object(path: str, key: str = "") -> Any:
     """The object `path` names. `key` (e.g. `task.env`) is named in the error."""

@@ -16,7 +16,9 @@ from tidal.config import ConfigError, RewardSpec, TaskConfig
 from tidal.envs import BUILTIN_ENVS, GENERATED_TASK
 from tidal.envs.base import optional
 from tidal.envs.dataset import load_prompts
-from tidal.importing import import_object
+from tidal.importing import adapter_of, import_object
+
+REASONING_GYM_REWARD = "tidal.envs.adapters.reasoning_gym:score"
 
 
 @dataclass
@@ -35,6 +37,14 @@ class Task:
 
 
 def load_env_class(cfg: TaskConfig):
+    if adapter_of(cfg.env) == "verifiers:":
+        from tidal.envs.adapters.verifiers import env_class  # the extra: imported only when named
+
+        return env_class(cfg.env.removeprefix("verifiers:"))
+    if adapter_of(cfg.env) == "textarena:":
+        from tidal.envs.adapters.textarena import env_class as game_class  # the extra: imported only when named
+
+        return game_class(cfg.env.removeprefix("textarena:"))
     if cfg.env == "single_turn" and cfg.dataset is None:
         path = GENERATED_TASK  # the generated default task
     else:
@@ -63,13 +73,15 @@ def build_task(cfg: TaskConfig) -> Task:
         except (TypeError, ValueError) as e:  # e.g. the arithmetic task's min_digits=0
             raise ConfigError(f"invalid config: `task.env_args`: env `{cfg.env}` cannot generate rows with "
                               f"{gen_args}: {e}") from None
+    elif adapter_of(cfg.dataset) == "reasoning_gym:":
+        train, held_out = _reasoning_gym_rows(cfg)
     else:
         train = load_prompts(cfg.dataset)
         held_out = load_prompts(cfg.eval_dataset) if cfg.eval_dataset else []
     env_args = dict(cfg.env_args)
     if cfg.agent:  # an agent environment (task.env=openai_agent) runs task.agent
         env_args = {**env_args, "agent": cfg.agent, "agent_args": dict(cfg.agent_args)}
-    name = cfg.name or getattr(env_cls, "name", None) or cfg.env
+    name = cfg.name or (cfg.dataset if adapter_of(cfg.dataset) else None) or getattr(env_cls, "name", None) or cfg.env
     task = Task(name if isinstance(name, str) else cfg.env, train, held_out, env_cls, env_args)
     try:
         task.make_env(train[0], 0)
@@ -77,10 +89,27 @@ def build_task(cfg: TaskConfig) -> Task:
         raise ConfigError(f"invalid config: `task.env_args`: env `{cfg.env}` cannot be built with {env_args}: {e}") from None
     except ValueError as e:  # e.g. task.agent names nothing importable
         raise ConfigError(f"invalid config: {e}") from None
-    task.rewards = cfg.reward_specs(optional(env_cls, "default_reward"))
+    default_reward = optional(env_cls, "default_reward")
+    if adapter_of(cfg.dataset) == "reasoning_gym:":
+        default_reward = REASONING_GYM_REWARD
+    task.rewards = cfg.reward_specs(default_reward)
     if not task.rewards and optional(env_cls, "default_reward", "none") is None and cfg.env == "single_turn":
         raise ConfigError("invalid config: `task.reward`: a dataset task needs a reward function (task.reward or task.rewards)")
     return task
+
+
+def _reasoning_gym_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A reasoning-gym task's train and held-out rows (tidal/envs/adapters/reasoning_gym.py)."""
+    from tidal.envs.adapters import reasoning_gym  # the extra: imported only when named
+
+    if cfg.eval_dataset:
+        raise ConfigError("invalid config: `task.eval_dataset`: a reasoning_gym task draws its own held-out rows "
+                          "(task.eval_size of them, from a seed distinct from task.seed)")
+    try:
+        return tuple(reasoning_gym.rows(cfg.dataset, split, size, cfg.seed, dict(cfg.dataset_args), cfg.prompt_template)
+                     for split, size in (("train", cfg.train_size), ("test", cfg.eval_size)))
+    except ValueError as e:
+        raise ConfigError(f"invalid config: {e}") from None
 
 
 def _accepted(fn, kwargs: dict[str, Any]) -> dict[str, Any]:
