@@ -87,6 +87,13 @@ def test_dry_run_sizes_the_job_from_the_config(capsys):
     assert """RESOURCES=('{"trainer_node": 8.0}' '{"engine_node": 8.0}')""" in script
 
 
+def test_a_job_too_small_for_the_roles_is_refused(capsys):
+    args = ["launch", "slurm", "--dry-run", str(ROOT / "examples/ray/gpu_cluster.yaml"), "--gpus-per-node", "8"]
+    assert main([*args, "--nodes", "1"]) == 2
+    assert "reserve 16" in capsys.readouterr().err
+    assert main([*args, "--nodes", "2"]) == 0  # the control: enough nodes
+
+
 def test_bad_override_is_refused_before_anything_is_written(tmp_path, capsys):
     assert main(["launch", "slurm", "placement.trainer_ranks=0", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "trainer_ranks" in capsys.readouterr().err

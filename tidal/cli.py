@@ -187,14 +187,22 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     """Write an sbatch script that runs a Ray cluster and `tidal train` on it; submit it (tidal/launch/slurm.py)."""
-    from tidal.launch.slurm import SlurmJob, default_run_dir, node_resources, plan_nodes, prepare, render, submit
+    from tidal.launch.slurm import (
+        SlurmJob,
+        check_nodes,
+        default_run_dir,
+        node_resources,
+        plan_nodes,
+        prepare,
+        render,
+        submit,
+    )
 
     config, overrides = _split_args(ns.args)
     cfg = load_config(config, [*overrides, "placement.mode=ray"])  # validated before anything is written
     trainer_nodes, engine_nodes = plan_nodes(cfg, ns.gpus_per_node)
     nodes = ns.nodes or trainer_nodes + engine_nodes
-    if nodes < 1:
-        raise ConfigError(f"--nodes {nodes}: a job needs at least one node")
+    check_nodes(cfg, nodes, ns.gpus_per_node)
     run_dir = default_run_dir(cfg)
     job = SlurmJob(config=Path(config).resolve() if config else None, overrides=overrides, run_dir=run_dir,
                    nodes=nodes, trainer_nodes=trainer_nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition,

@@ -79,6 +79,18 @@ def plan_nodes(cfg: TidalConfig, gpus_per_node: int) -> tuple[int, int]:
     return max(1, math.ceil((trainer_gpus + engine_gpus) / gpus_per_node)), 0
 
 
+def check_nodes(cfg: TidalConfig, nodes: int, gpus_per_node: int) -> None:
+    """Refuse a job too small for the config's roles (it would wait in Ray's placement until
+    placement.start_timeout_s): --nodes × --gpus-per-node must hold the GPUs the roles reserve."""
+    if nodes < 1:
+        raise ConfigError(f"--nodes {nodes}: a job needs at least one node")
+    need = sum(role_gpus(cfg))
+    if need > nodes * gpus_per_node and gpus_per_node > 0:
+        raise ConfigError(f"--nodes {nodes} × --gpus-per-node {gpus_per_node} = {nodes * gpus_per_node} GPUs, and the "
+                          f"config's roles reserve {need:g} (placement.trainer_ranks × placement.trainer.num_gpus + "
+                          f"engine.replicas × placement.engine.num_gpus): give more nodes")
+
+
 def _pinned(cfg: TidalConfig) -> bool:
     pl = cfg.placement
     return not pl.colocate and bool(pl.trainer.resources) and bool(pl.engine.resources) \
