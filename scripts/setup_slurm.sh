@@ -20,7 +20,10 @@ node_idle() {
   timeout 10 sinfo -h -N -n "$NODE" -o '%t' 2>/dev/null | grep -qE '^(idle|mix|alloc)'
 }
 
-if [ -f "$STATE/slurm.conf.tidal" ] && cmp -s "$STATE/slurm.conf.tidal" "$CONF" && node_idle; then
+# Up already, with the config this version of the script wrote (its hash is kept beside it).
+SELF=$(sha256sum "$0" | cut -d' ' -f1)
+if [ -f "$STATE/slurm.conf.tidal" ] && cmp -s "$STATE/slurm.conf.tidal" "$CONF" \
+   && [ "$(cat "$STATE/script.sha256" 2>/dev/null)" = "$SELF" ] && node_idle; then
   echo "slurm: node $NODE is up (sinfo)"; exit 0
 fi
 
@@ -95,11 +98,12 @@ JobCompType=jobcomp/none
 MpiDefault=none
 ReturnToService=2
 MinJobAge=600
-KillWait=10
+KillWait=30
 NodeName=$NODE NodeAddr=127.0.0.1 NodeHostname=$NODE CPUs=2 RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
 EOF
 cp "$CONF" "$STATE/slurm.conf.tidal"
+echo "$SELF" > "$STATE/script.sha256"
 
 slurmctld -i   # -i: ignore state saved by an earlier configuration
 slurmd -N "$NODE"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,27 +31,29 @@ def require_slurm() -> None:
                 f"{out.stdout.strip()} {out.stderr.strip()}", pytrace=False)
 
 
-def job_processes(marker: str) -> dict[int, str]:
-    """Live processes whose command line names `marker` (a job's Ray temp dir): pid -> name."""
+def job_processes(ray_tmp: str) -> dict[int, str]:
+    """Live processes whose command line names a job's Ray temp dir (`ray start --temp-dir=DIR`,
+    srun's steps, and Ray's processes under DIR/): pid -> name."""
+    named = re.compile(re.escape(ray_tmp) + r"(/|\s|$)")
     found = {}
     for p in psutil.process_iter(["pid", "name", "cmdline", "status"]):
         try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+            if p.info["status"] != psutil.STATUS_ZOMBIE and named.search(" ".join(p.info["cmdline"] or [])):
                 found[p.info["pid"]] = p.info["name"]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
 
 
-def listening(pids: list[int]) -> set[str]:
-    """The addresses these processes listen on (TCP)."""
+def listening(procs: dict[int, str]) -> set[tuple[str, str]]:
+    """(process name, address) for each TCP address these processes listen on."""
     out = set()
-    for pid in pids:
+    for pid, name in procs.items():
         try:
             conns = psutil.Process(pid).net_connections(kind="tcp")
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        out |= {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}
+        out |= {(name, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN}
     return out
 
 

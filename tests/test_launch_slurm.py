@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -37,7 +38,7 @@ def test_dry_run_prints_a_script_that_runs_ray_and_the_driver(tmp_path, capsys):
     assert not run.exists()  # a dry run writes nothing
     lines = script.splitlines()
     assert lines[0] == "#!/usr/bin/env bash"
-    for directive in ["--nodes=1", "--ntasks-per-node=1", "--partition=gpu", "--time=01:00:00",
+    for directive in ["--nodes=1", "--ntasks-per-node=1", "--partition=gpu", "--time=01:00:00", "--signal=B:TERM@120",
                       f"--output={run}/slurm-%j.out"]:
         assert f"#SBATCH {directive}" in lines
     assert "RAY_TMP=/tmp/tidal-ray-$SLURM_JOB_ID" in lines  # temp dir and port per job
@@ -105,15 +106,28 @@ def _job_state(job_id: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in out.stdout.split() if "=" in kv)
 
 
+def _submit(run: Path, *overrides: str) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-m", "tidal.cli", "launch", "slurm", *SHORT, *overrides, f"run.dir={run}"],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=True)
+    return json.loads(out.stdout.splitlines()[-1])["job_id"]
+
+
+def _wait_gone(marker: str, timeout_s: float = 45.0) -> dict[int, str]:
+    """The job's processes still alive after up to `timeout_s` (Slurm ends a step's processes
+    after its KillWait, 30 s in scripts/setup_slurm.sh)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := job_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.mark.slow
 def test_slurm_job_trains_and_leaves_no_ray_behind(tmp_path):
     require_slurm()
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, "-m", "tidal.cli", "launch", "slurm", *SHORT, f"run.dir={run}"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=True)
-    job_id = json.loads(out.stdout.splitlines()[-1])["job_id"]
-    marker = f"/tmp/tidal-ray-{job_id}/"
+    job_id = _submit(run)
+    marker = f"/tmp/tidal-ray-{job_id}"
     seen, addresses = {}, set()
     deadline = time.monotonic() + TRAIN_TIMEOUT_S
     try:
@@ -121,7 +135,7 @@ def test_slurm_job_trains_and_leaves_no_ray_behind(tmp_path):
             assert time.monotonic() < deadline, f"job {job_id} still {state['JobState']} after {TRAIN_TIMEOUT_S}s"
             procs = job_processes(marker)
             seen.update(procs)
-            addresses |= listening(list(procs))
+            addresses |= listening(procs)
             time.sleep(1)
     finally:
         subprocess.run(["scancel", job_id], timeout=30, check=False)  # nothing if it has ended
@@ -131,7 +145,37 @@ def test_slurm_job_trains_and_leaves_no_ray_behind(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["episodes"] == 16 for r in rows)
     # The job's Ray cluster ran (the positive control for the search below) and listened on loopback only.
+    # srun is Slurm's: its I/O ports bind every interface (Slurm's SrunPortRange), whatever Ray does.
     assert {"gcs_server", "raylet"} <= set(seen.values()), seen
-    assert addresses and all(is_loopback(a) for a in addresses), addresses
-    assert job_processes(marker) == {}
+    ray_addresses = {(name, ip) for name, ip in addresses if name != "srun"}
+    assert {"gcs_server", "raylet"} <= {name for name, _ in ray_addresses}, addresses
+    assert all(is_loopback(ip) for _, ip in ray_addresses), addresses
+    assert _wait_gone(marker) == {}
     assert not Path(marker).exists()
+
+
+@pytest.mark.slow
+def test_scancel_takes_the_ray_cluster_down(tmp_path):
+    """A job cancelled while its driver runs: the trap stops the driver and the Ray steps."""
+    require_slurm()
+    run = tmp_path / "run"
+    job_id = _submit(run, "train.steps=1000")
+    marker, log = f"/tmp/tidal-ray-{job_id}", run / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + TRAIN_TIMEOUT_S
+    try:
+        while not (log.exists() and "starting the driver" in log.read_text()):
+            state = _job_state(job_id)["JobState"]
+            assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {job_id} {state} before its driver started"
+            assert time.monotonic() < deadline, f"job {job_id}: no driver after {TRAIN_TIMEOUT_S}s"
+            time.sleep(1)
+        seen = job_processes(marker)
+        assert {"gcs_server", "raylet"} <= set(seen.values()), seen  # the control: the cluster is there
+    finally:
+        subprocess.run(["scancel", job_id], timeout=30, check=False)
+    while _job_state(job_id)["JobState"] in ("RUNNING", "COMPLETING", "CONFIGURING"):
+        assert time.monotonic() < deadline, f"job {job_id} not ended after scancel"
+        time.sleep(1)
+    assert _job_state(job_id)["JobState"] == "CANCELLED"
+    assert _wait_gone(marker) == {}
+    assert not Path(marker).exists()
+    assert re.search(r"Ray cluster stopped in \d+ s \(exit 143\)", log.read_text())  # the trap ran to its end

@@ -35,7 +35,9 @@ from pathlib import Path
 from tidal.config import ConfigError, TidalConfig
 
 HEALTH_TIMEOUT_S = 300  # Ray nodes joining: seconds on a busy cluster, never forever
-STOP_WAIT_S = 30  # the driver's and the Ray steps' graceful stop before SIGKILL
+# Graceful stops before SIGKILL, together within Slurm's KillWait (30 s by default) under scancel:
+STOP_WAIT_S = 20  # the driver's (it closes its actors; its last complete checkpoint stays)
+RAY_STOP_WAIT_S = 5  # the Ray processes' once the driver is gone (measured: gcs_server outlives SIGTERM)
 
 
 @dataclass
@@ -131,14 +133,15 @@ def render(job: SlurmJob) -> str:
             "#SBATCH --exclusive", f"#SBATCH --output={job.run_dir}/slurm-%j.out", "#SBATCH --export=ALL"]
     head += [f"#SBATCH --gpus-per-node={job.gpus_per_node}"] if job.gpus_per_node else []
     head += [f"#SBATCH --partition={job.partition}"] if job.partition else []
-    head += [f"#SBATCH --time={job.time}"] if job.time else []
+    # Before the time limit, SIGTERM to the batch shell: the trap stops the driver while there is time.
+    head += [f"#SBATCH --time={job.time}", "#SBATCH --signal=B:TERM@120"] if job.time else []
     train = [sys.executable, "-m", "tidal.cli", "train", *([str(job.config)] if job.config else []), *job.overrides,
              f"run.dir={job.run_dir}", "placement.mode=ray"]
     resources = " ".join(q(json.dumps(r, sort_keys=True)) for r in job.node_resources)
     return TEMPLATE.format(
         sbatch="\n".join(head), py=q(sys.executable), ray=q(_executable("ray")), cwd=q(os.getcwd()),
         run_dir=q(str(job.run_dir)), resources=resources, gpus=job.gpus_per_node, health_s=job.health_timeout_s,
-        stop_s=STOP_WAIT_S, train=" ".join(q(a) for a in train))
+        stop_s=STOP_WAIT_S, ray_stop_s=RAY_STOP_WAIT_S, train=" ".join(q(a) for a in train))
 
 
 def prepare(job: SlurmJob) -> Path:
@@ -184,6 +187,7 @@ RESOURCES=({resources})
 GPUS={gpus}
 HEALTH_TIMEOUT_S={health_s}
 STOP_WAIT_S={stop_s}
+RAY_STOP_WAIT_S={ray_stop_s}
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 HEAD=${{NODES[0]}}
 RAY_TMP=/tmp/tidal-ray-$SLURM_JOB_ID
@@ -221,18 +225,24 @@ DRIVER=
 cleanup() {{
   rc=$?
   trap - EXIT TERM INT
-  if [ -n "$DRIVER" ] && kill -0 "$DRIVER" 2>/dev/null; then
+  echo "tidal: job $SLURM_JOB_ID: stopping the driver and the Ray cluster (exit $rc)"
+  # Waits poll the processes, not srun: a cancelled srun lingers for Slurm's KillWait, which
+  # also bounds this trap under scancel (then everything got SIGTERM from Slurm already).
+  local start=$SECONDS deadline=$((SECONDS + STOP_WAIT_S))
+  if [ -n "$DRIVER" ]; then  # first, while the cluster is up: it closes its actors, keeps its checkpoint
     kill -TERM "$DRIVER" 2>/dev/null
-    timeout "$STOP_WAIT_S" tail --pid="$DRIVER" -f /dev/null
+    while kill -0 "$DRIVER" 2>/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
     kill -KILL "$DRIVER" 2>/dev/null
   fi
   for pid in "${{STEPS[@]}}"; do kill -TERM "$pid" 2>/dev/null; done
-  for pid in "${{STEPS[@]}}"; do timeout "$STOP_WAIT_S" tail --pid="$pid" -f /dev/null; kill -KILL "$pid" 2>/dev/null; done
-  # What a step left behind (a process Ray detached): this job's own, named by its temp dir.
-  pkill -TERM -f -- "$RAY_TMP/" 2>/dev/null; sleep 2; pkill -KILL -f -- "$RAY_TMP/" 2>/dev/null
+  # The Ray processes of this job, named by its temp dir (raylet, gcs_server, workers).
+  deadline=$((SECONDS + RAY_STOP_WAIT_S))
+  pkill -TERM -f -- "$RAY_TMP/" 2>/dev/null
+  while pgrep -f -- "$RAY_TMP/" >/dev/null && [ $SECONDS -lt $deadline ]; do sleep 0.2; done
+  pkill -KILL -f -- "$RAY_TMP(/| |$)" 2>/dev/null
   [ "$rc" -eq 0 ] || cp -r "$RAY_TMP/session_latest/logs" "$RUN_DIR/ray-logs-$SLURM_JOB_ID" 2>/dev/null
   rm -rf "$RAY_TMP"
-  echo "tidal: job $SLURM_JOB_ID: Ray cluster stopped (exit $rc)"
+  echo "tidal: job $SLURM_JOB_ID: Ray cluster stopped in $((SECONDS - start)) s (exit $rc)"
   exit "$rc"
 }}
 trap cleanup EXIT
