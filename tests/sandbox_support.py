@@ -55,13 +55,21 @@ def _in_another_live_pool(pid: str) -> bool:
     return bool(owners) and os.getpid() not in owners and all(os.path.exists(f"/proc/{o}") for o in owners)
 
 
+def _is_sandbox_uid(uid: int) -> bool:
+    """A uid sandboxes run as: the configured sandbox uid, or one of the uid pool's range
+    (when tidal runs as root; else the current user, which is never counted by uid)."""
+    config = SandboxConfig()
+    if os.geteuid() != 0:
+        return False
+    return uid == config.sandbox_uid or config.uid_pool_start <= uid < config.uid_pool_start + config.uid_pool_size
+
+
 def sandbox_processes() -> list[str]:
     """Live (not zombie) processes that belong to a sandbox: run as the sandbox uid (when
     that is not ours) or in a PID namespace other than ours, except those in another live
     process's pool. Zombies are left out: the inner bubblewrap is reaped by the host's init,
     which may take a moment."""
-    own_uid, own_ns = os.geteuid(), _pid_namespace("self")
-    uid = sandbox_uid(SandboxConfig())
+    own_ns = _pid_namespace("self")
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -75,7 +83,7 @@ def sandbox_processes() -> list[str]:
             continue
         process_uid = int(fields["Uid"].split()[0])
         ns = _pid_namespace(pid)
-        if ((uid != own_uid and process_uid == uid) or (ns is not None and ns != own_ns)) \
+        if (_is_sandbox_uid(process_uid) or (ns is not None and ns != own_ns)) \
                 and not _in_another_live_pool(pid):
             found.append(f"{pid} uid={process_uid} {cmdline}")
     return found
@@ -91,14 +99,15 @@ def wait_for_no_sandbox_processes(timeout_s: float = 5.0) -> list[str]:
 
 def own_pool_cgroups() -> list[Path]:
     """The pool cgroup directories this process has left (none may remain)."""
-    roots = [Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")]
+    roots = [Path("/sys/fs/cgroup") / c for c in ("pids", "memory", "cpu", "freezer")] + [Path("/sys/fs/cgroup")]
     return [d for root in roots if root.is_dir() for d in root.rglob(f"tidal-sandbox-{os.getpid()}-*")]
 
 
 def own_sandbox_processes() -> list[str]:
     """Live processes of the sandbox uid that descend from this process (another tidal
     process's sandboxes on the same machine are not ours to count)."""
-    uid, parents, found = sandbox_uid(SandboxConfig()), {}, []
+    own_uid = sandbox_uid(SandboxConfig())  # not root: sandboxes run as this user
+    parents, found = {}, []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/status") as f:
@@ -107,7 +116,7 @@ def own_sandbox_processes() -> list[str]:
             continue
         parents[int(pid)] = (int(fields["PPid"]), int(fields["Uid"].split()[0]), fields["State"].strip())
     for pid, (ppid, process_uid, state) in parents.items():
-        if process_uid != uid or state.startswith("Z"):
+        if not (_is_sandbox_uid(process_uid) or process_uid == own_uid) or state.startswith("Z"):
             continue
         seen = set()
         while ppid > 1 and ppid not in seen:

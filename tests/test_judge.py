@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -35,6 +36,15 @@ from tidal.rewards.judge import (
 )
 
 
+def V(score, injection=False) -> str:
+    """A judge reply in the one structure read: a final line holding the verdict object."""
+    return json.dumps({"score": score, "addresses_grader": injection})
+
+
+def W(winner, a=False, b=False) -> str:
+    return json.dumps({"winner": winner, "a_addresses_grader": a, "b_addresses_grader": b})
+
+
 # -- the scripted server -------------------------------------------------------------------
 class Scripted:
     """Per case (a `case=NAME` tag in the judged text), a list of actions answered in order;
@@ -43,7 +53,7 @@ class Scripted:
 
     def __init__(self):
         self.plans: dict[str, list[tuple]] = {}
-        self.default: tuple = ("reply", "Score: 5")
+        self.default: tuple = ("reply", V(5))
         self.requests: list[dict] = []
         self.active = 0
         self.max_active = 0
@@ -51,7 +61,7 @@ class Scripted:
 
     def reset(self) -> None:
         self.plans.clear()
-        self.default = ("reply", "Score: 5")
+        self.default = ("reply", V(5))
         self.requests.clear()
         self.active = self.max_active = 0
         self.pairwise = False
@@ -86,10 +96,10 @@ def make_app(s: Scripted) -> FastAPI:
                 a = re.search(r"<<<RESPONSE-A-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-A-\1>>>", user, re.DOTALL)
                 b = re.search(r"<<<RESPONSE-B-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-B-\1>>>", user, re.DOTALL)
                 if s.pairwise == "always_a":
-                    return reply("Winner: A")
+                    return reply(W("A"))
                 va, vb = (int(re.search(r"value=(\d+)", x.group(2)).group(1)) for x in (a, b))
                 await asyncio.sleep(0.01)
-                return reply("Winner: A" if va > vb else "Winner: B" if vb > va else "Winner: tie")
+                return reply(W("A") if va > vb else W("B") if vb > va else W("tie"))
             plan = s.plans.get(case)
             action = plan.pop(0) if plan else s.default
             kind = action[0]
@@ -149,16 +159,22 @@ def run(coro):
 
 # -- verdict parsing (pure functions) ------------------------------------------------------
 @pytest.mark.parametrize("reply,score", [
-    ("Score: 7", 7.0), ("The response is fine.\n\nScore: 8", 8.0), ("7/10", 7.0), ('{"score": 3}', 3.0),
-    ('```json\n{"reasoning": "ok", "score": 6}\n```', 6.0), ("I'd give it a score of 8 out of 10.", 8.0),
-    ("9", 9.0), ("**Score:** 4", 4.0), ("Rating: 9.5", 9.5), ("Score: 2 at first... Final score: 6", 6.0),
-    ("<think>Score: 1 maybe</think>\nScore: 6", 6.0), ("Score: 0", 0.0),
+    (V(7), 7.0), ("The response is fine.\n\n" + V(8), 8.0), (V(0), 0.0), (V(9.5), 9.5),
+    ("```json\n" + V(6) + "\n```", 6.0), ("<think>Score: 1 maybe</think>\n" + V(6), 6.0),
+    ('The answer says "Score: 10" but it is wrong.\n' + V(2), 2.0),  # a quoted grade is not read
 ])
-def test_score_formats_parse(reply, score):
-    assert parse_score(reply, 0, 10) == score
+def test_score_is_read_from_the_final_verdict_object_only(reply, score):
+    assert parse_score(reply, 0, 10)[:2] == (score, False)
+    assert parse_score(reply.replace("false", "true"), 0, 10).addresses_grader is True
 
 
-@pytest.mark.parametrize("reply", ["It is good.", "Score: 12", "4/5", "Score: -1", "", '{"score": "high"}'])
+# A grade anywhere but the final object, or an object not exactly of the expected form: malformed.
+@pytest.mark.parametrize("reply", [
+    "Score: 7", "7/10", "9", "It is good.", "", '{"score": 7}', V(7) + "\nI am sure.", V(12), V(-1),
+    '{"score": "high", "addresses_grader": false}', '{"score": 7, "addresses_grader": "false"}',
+    '{"score": true, "addresses_grader": false}', '{"score": 7, "addresses_grader": false, "note": 1}',
+    'Score: 10\n{"score": 7, "addresses_grader": false} trailing',
+])
 def test_malformed_scores_are_refused(reply):
     from tidal.rewards.judge_client import MalformedVerdict
 
@@ -167,16 +183,25 @@ def test_malformed_scores_are_refused(reply):
 
 
 @pytest.mark.parametrize("reply,choice", [
-    ("Winner: A", "A"), ("Response B is better.\nWinner: B", "B"), ("[[A]]", "A"), ('{"winner": "B"}', "B"),
-    ("B", "B"), ("The answer is a number; both are right. Winner: tie", "tie"), ("Winner: **B**", "B"),
+    ('{"choice": "A", "addresses_grader": false}', "A"), ('B is better.\n{"choice": "B", "addresses_grader": false}',
+                                                          "B"), ('{"choice": "Tie", "addresses_grader": false}', "tie"),
 ])
-def test_choice_formats_parse(reply, choice):
-    assert parse_choice(reply, ("A", "B", "tie")) == choice
+def test_choice_is_read_from_the_final_verdict_object_only(reply, choice):
+    assert parse_choice(reply, ("A", "B", "tie")).value == choice
+
+
+@pytest.mark.parametrize("reply", ["Winner: A", "[[A]]", "B", '{"choice": "a", "addresses_grader": false}',
+                                   '{"winner": "A", "addresses_grader": false}'])
+def test_malformed_choices_are_refused(reply):
+    from tidal.rewards.judge_client import MalformedVerdict
+
+    with pytest.raises(MalformedVerdict):
+        parse_choice(reply, ("A", "B", "tie"))
 
 
 # -- the judge over HTTP -------------------------------------------------------------------
 def test_score_is_normalized_and_the_request_is_delimited(srv):
-    srv.plans["ok"] = [("reply", "The response matches the reference.\nScore: 7")]
+    srv.plans["ok"] = [("reply", "The response matches the reference.\n" + V(7))]
     j = judge(srv, api_key="sk-test", scale=(0, 10))
     parts = run(j("case=ok the answer is 12", prompt="What is 5+7?", answer="12"))
     # plain pytest.approx in this file (rel 1e-6): hand values (0.1, 1/3, 18/5) against a few float
@@ -204,13 +229,13 @@ def test_boundary_is_fresh_per_call(srv):
 
 
 def test_malformed_verdict_is_retried_with_a_correction(srv):
-    srv.plans["mal"] = [("reply", "I think it is quite good."), ("reply", "Score: 8")]
+    srv.plans["mal"] = [("reply", "I think it is quite good."), ("reply", V(8))]
     j = judge(srv)
     assert run(j("case=mal 4", answer="4"))["judge"] == pytest.approx(0.8)
     assert srv.count("mal") == 2
     second = srv.requests[1]["body"]["messages"]
     assert second[2] == {"role": "assistant", "content": "I think it is quite good."}
-    assert "could not be read" in second[3]["content"] and "Score: N" in second[3]["content"]
+    assert "could not be read" in second[3]["content"] and '"addresses_grader"' in second[3]["content"]
     assert j.stats["malformed"] == 1
 
 
@@ -225,7 +250,7 @@ def test_always_malformed_raises_a_typed_error_quoting_the_reply(srv):
 
 
 def test_a_body_that_is_not_json_counts_as_malformed(srv):
-    srv.plans["html"] = [("body", "<html>gateway</html>"), ("reply", "Score: 3")]
+    srv.plans["html"] = [("body", "<html>gateway</html>"), ("reply", V(3))]
     assert run(judge(srv)("case=html 4", answer="4"))["judge"] == pytest.approx(0.3)
 
 
@@ -238,7 +263,7 @@ def test_judges_through_the_reward_scorer(srv, isolation):
     from tidal.rewards.contract import RewardInput
     from tidal.rewards.pool import build_scorer
 
-    srv.plans["good"] = [("reply", "Score: 8")]
+    srv.plans["good"] = [("reply", V(8))]
     srv.plans["bad"] = [("reply", "hmm")] * 2
     args = {"base_url": srv.url, "model": "judge", "max_retries": 1, "backoff_s": 0.01}
     specs = [RewardSpec(fn="tidal.rewards.judge:LLMJudge", args=args, name="judge")]
@@ -268,7 +293,7 @@ def test_judges_through_the_reward_scorer(srv, isolation):
 
 
 def test_429_and_503_are_retried_with_exponential_backoff(srv):
-    srv.plans["busy"] = [("status", 429, {}), ("status", 503, {}), ("reply", "Score: 6")]
+    srv.plans["busy"] = [("status", 429, {}), ("status", 503, {}), ("reply", V(6))]
     j = judge(srv, backoff_s=0.2)
     assert run(j("case=busy 4", answer="4"))["judge"] == pytest.approx(0.6)
     t = srv.times("busy")
@@ -279,14 +304,14 @@ def test_429_and_503_are_retried_with_exponential_backoff(srv):
 
 
 def test_retry_after_is_honoured(srv):
-    srv.plans["ra"] = [("status", 429, {"Retry-After": "0.4"}), ("reply", "Score: 2")]
+    srv.plans["ra"] = [("status", 429, {"Retry-After": "0.4"}), ("reply", V(2))]
     assert run(judge(srv, backoff_s=0.01)("case=ra 4", answer="4"))["judge"] == pytest.approx(0.2)
     t = srv.times("ra")
     assert t[1] - t[0] >= 0.4
 
 
 def test_a_slow_answer_times_out_and_is_retried(srv):
-    srv.plans["slow"] = [("sleep", 3.0, "Score: 9"), ("reply", "Score: 4")]
+    srv.plans["slow"] = [("sleep", 3.0, V(9)), ("reply", V(4))]
     j = judge(srv, timeout_s=0.3)
     t0 = time.monotonic()
     assert run(j("case=slow 4", answer="4"))["judge"] == pytest.approx(0.4)
@@ -296,7 +321,7 @@ def test_a_slow_answer_times_out_and_is_retried(srv):
 
 
 def test_timeout_bounds_the_whole_answer_not_each_read(srv):
-    srv.plans["drip"] = [("dribble", 3.0), ("reply", "Score: 4")]
+    srv.plans["drip"] = [("dribble", 3.0), ("reply", V(4))]
     j = judge(srv, timeout_s=0.5)
     t0 = time.monotonic()
     assert run(j("case=drip 4", answer="4"))["judge"] == pytest.approx(0.4)
@@ -305,7 +330,7 @@ def test_timeout_bounds_the_whole_answer_not_each_read(srv):
 
 
 def test_retries_run_out_into_a_typed_error_within_the_worst_case(srv):
-    srv.plans["down"] = [("sleep", 3.0, "Score: 9")] * 3
+    srv.plans["down"] = [("sleep", 3.0, V(9))] * 3
     j = judge(srv, timeout_s=0.2, max_retries=2, backoff_s=0.05)
     t0 = time.monotonic()
     with pytest.raises(JudgeRequestError, match=r"no answer after 3 attempts.*timed out"):
@@ -322,7 +347,7 @@ def test_client_errors_are_not_retried(srv):
 
 
 def test_concurrency_limit_holds_at_the_server(srv):
-    srv.default = ("sleep", 0.15, "Score: 5")
+    srv.default = ("sleep", 0.15, V(5))
     j = judge(srv, max_concurrency=3)
 
     async def many():
@@ -335,7 +360,7 @@ def test_concurrency_limit_holds_at_the_server(srv):
 
 
 def test_cache_answers_a_repeated_call_without_a_request(srv):
-    srv.default = ("reply", "Score: 9")
+    srv.default = ("reply", V(9))
     j = judge(srv)
     first = run(j("case=c1 4", prompt="2+2?", answer="4"))
     again = run(j("case=c1 4", prompt="2+2?", answer="4"))  # a new event loop: the cache is kept
@@ -350,7 +375,7 @@ def test_cache_answers_a_repeated_call_without_a_request(srv):
 
 
 def test_identical_calls_in_flight_share_one_request(srv):
-    srv.default = ("sleep", 0.2, "Score: 9")
+    srv.default = ("sleep", 0.2, V(9))
     j = judge(srv)
 
     async def same():
@@ -363,7 +388,7 @@ def test_identical_calls_in_flight_share_one_request(srv):
 def test_tidal_reward_adapter_passes_columns(srv):
     """The judge is an ordinary async per-sample reward: the existing adapter calls it with the
     row's columns (its **columns takes them all)."""
-    srv.plans["adapt"] = [("reply", "Score: 10")]
+    srv.plans["adapt"] = [("reply", V(10))]
     total, parts = run(call_reward_async(judge(srv), "case=adapt 4", {"answer": "4", "episode_id": "e1"}))
     assert total == pytest.approx(1.0) and parts["judge"] == pytest.approx(1.0)
 
@@ -384,7 +409,7 @@ def test_injection_is_scored_as_configured_without_a_call(srv, mode, parts):
 
 
 def test_flagged_injection_is_judged_with_its_delimiters_and_chat_tokens_neutralized(srv):
-    srv.plans["inj"] = [("reply", "Score: 1")]
+    srv.plans["inj"] = [("reply", V(1))]
     j = judge(srv, on_injection="flag")
     res = run(j.evaluate(f"case=inj {ATTACK}", answer="4"))
     assert res.parts == {"judge": pytest.approx(0.1), "judge_injection": 0.0} and res.injection
@@ -413,7 +438,7 @@ def test_missing_reference_column_is_named(srv):
 
 
 def test_custom_template_and_choice_mode(srv):
-    srv.plans["ch"] = [("reply", "The proof is complete. Answer: yes")]
+    srv.plans["ch"] = [("reply", 'The proof is complete.\n{"choice": "yes", "addresses_grader": false}')]
     j = judge(srv, mode="choice", choices={"yes": 1.0, "no": 0.0},
               rubric="Is this proof of {{ columns.claim }} complete? Proof:\n{{ completion }}\nAnswer yes or no.")
     assert run(j("case=ch proof", claim="P=NP"))["judge"] == 1.0
@@ -464,13 +489,16 @@ def test_pairwise_injection_forfeits_without_a_call(srv):
 
 
 # -- a real model ------------------------------------------------------------------------------
+VERDICT_REGEX = r'\{"score": (10|[0-9]), "addresses_grader": (true|false)\}'
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_judge_against_a_real_vllm_server(tmp_path):
     """The whole path against a real OpenAI-compatible server (vLLM serving the tiny model). The
     tiny model cannot judge (the test is about the path, not the verdicts): unconstrained, its
     replies are no verdict and end typed as malformed after the retries; with vLLM's structured
-    output (`extra_body`) it must write `Score: N`, which is parsed and normalized. The
+    output (`extra_body`) it must write the verdict object, which is parsed and normalized. The
     concurrency limit holds at the server (vLLM's own count of running requests) and a
     repeated judgement is answered from the cache without a request."""
     if importlib.util.find_spec("vllm") is None:
@@ -498,9 +526,10 @@ def test_judge_against_a_real_vllm_server(tmp_path):
                      "test start timeout")
         t_start = time.monotonic() - t_start
         base = f"http://127.0.0.1:{port}/v1"
-        common = {"max_tokens": 8, "max_retries": 1, "backoff_s": 0.05, "max_concurrency": 2, "timeout_s": 60}
+        # the verdict object: at most 44 characters, 39 tokens of the tiny model's tokenizer
+        common = {"max_tokens": 64, "max_retries": 1, "backoff_s": 0.05, "max_concurrency": 2, "timeout_s": 60}
         free = LLMJudge(base, "tiny-judge", **common)
-        constrained = LLMJudge(base, "tiny-judge", extra_body={"structured_outputs": {"regex": r"Score: (10|[0-9])"}},
+        constrained = LLMJudge(base, "tiny-judge", extra_body={"structured_outputs": {"regex": VERDICT_REGEX}},
                                **common)
         comps = [f"The answer is {n}." for n in (4, 5, 6, 7, 8, 9)]
         running: list[float] = []  # vLLM's own count of requests running, sampled while the judge works
@@ -534,8 +563,8 @@ def test_judge_against_a_real_vllm_server(tmp_path):
         verdicts = asyncio.run(judge_all(constrained))
         elapsed = time.monotonic() - t0
         assert all(not isinstance(r, BaseException) for r in verdicts), verdicts
-        assert all(re.fullmatch(r"Score: (10|[0-9])", r.raw) for r in verdicts)
-        assert all(r.score == int(r.raw.split()[1]) / 10 for r in verdicts)  # parsed and normalized
+        assert all(re.fullmatch(VERDICT_REGEX, r.raw) for r in verdicts)
+        assert all(r.score == json.loads(r.raw)["score"] / 10 for r in verdicts)  # parsed and normalized
         assert constrained.stats["requests"] == len(comps) and constrained.stats["malformed"] == 0
         assert running and max(running) <= 2  # the judge's max_concurrency, as the server counts it
         again = asyncio.run(judge_all(constrained))

@@ -24,7 +24,7 @@ LAYERS = [
     {"config"},
     {"models", "sandbox"},
     {"engines", "trainer", "envs", "rewards", "weightsync", "monitor"},
-    {"runtime"},
+    {"runtime", "plan"},
     {"cli", "recipes", "launch"},
 ]
 
@@ -198,3 +198,15 @@ def test_ray_is_imported_in_the_runtime_and_the_ray_reward_pool_only():
     assert not outside, f"ray imported outside tidal/runtime/ and tidal/rewards/pool_ray.py: {outside}"
     private = sorted(p for p, names in users.items() if any("._" in n or n.startswith("ray._") for n in names))
     assert private == ["tidal/runtime/placement.py"], private
+
+
+def test_the_architecture_page_places_every_package():
+    """docs/architecture.md's table of packages names each package of LAYERS, in its layer."""
+    doc = (TIDAL.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit() and cells[1].startswith("`tidal/"):
+            rows[cells[1].strip("`").removeprefix("tidal/").removesuffix("/").removesuffix(".py")] = int(cells[0])
+    want = {name: i + 1 for i, names in enumerate(LAYERS) for name in names if name != "tidal"}
+    assert rows == want

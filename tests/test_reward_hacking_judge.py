@@ -8,6 +8,7 @@ real HTTP server on 127.0.0.1 stands in for the judge API and counts the request
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 import time
@@ -164,9 +165,9 @@ def server():
             await asyncio.sleep(0)
             a = re.search(r"<<<RESPONSE-A-(\w+)>>>\n(.*?)\n<<<END-RESPONSE-A-\1>>>", user, re.DOTALL).group(2)
             seen.append(a)
-            return _reply("Winner: A")
+            return _reply(json.dumps({"winner": "A", "a_addresses_grader": False, "b_addresses_grader": False}))
         seen.append(m.group(2))
-        return _reply("Score: 9")
+        return _reply(json.dumps({"score": 9, "addresses_grader": False}))
 
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))

@@ -1,6 +1,7 @@
-"""The user bubblewrap runs as when tidal is root: the sandbox uid, no groups, no
-capabilities, whether the starter thread switches its own user (tidal/sandbox/thread_user.py)
-or `setpriv` does; and the rest of the host process never changes user."""
+"""The user bubblewrap runs as when tidal is root: a uid of the pool's range, its own for
+each live sandbox (or the one sandbox uid without a pool), no groups, no capabilities,
+whether the starter thread switches its own user (tidal/sandbox/thread_user.py) or
+`setpriv` does; and the rest of the host process never changes user."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tidal.sandbox import SandboxConfig, SandboxPool, launch, thread_user
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the user switch happens only when tidal runs as root")
 UID = SandboxConfig().sandbox_uid
+POOL = range(SandboxConfig().uid_pool_start, SandboxConfig().uid_pool_start + SandboxConfig().uid_pool_size)
 PR_GET_DUMPABLE = 3
 
 
@@ -40,9 +42,9 @@ def _bubblewrap_children() -> list[dict[str, str]]:
     return found
 
 
-def _started_bubblewraps() -> list[dict[str, str]]:
+def _started_bubblewraps(config: SandboxConfig | None = None) -> list[dict[str, str]]:
     async def main():
-        pool = SandboxPool(SandboxConfig(warm=2))
+        pool = SandboxPool(config or SandboxConfig(warm=2))
         try:
             result = await pool.run_python("print('ran')")
             assert result.stdout == "ran\n", result
@@ -56,13 +58,21 @@ def _started_bubblewraps() -> list[dict[str, str]]:
     return asyncio.run(main())
 
 
-def _assert_unprivileged(found: list[dict[str, str]]) -> None:
+def _assert_unprivileged(found: list[dict[str, str]], uids=POOL) -> None:
+    """Each bubblewrap runs as one uid of `uids` (real, effective, saved, filesystem), its
+    gid the same number; with a pool, no two share a uid."""
     assert found, "no warm sandbox's bubblewrap found among this process's children"
+    seen = []
     for status in found:
-        assert status["Uid"].split() == [str(UID)] * 4, status["Uid"]
-        assert status["Gid"].split() == [str(UID)] * 4, status["Gid"]
+        uid = int(status["Uid"].split()[0])
+        seen.append(uid)
+        assert uid in uids, (uid, uids)
+        assert status["Uid"].split() == [str(uid)] * 4, status["Uid"]
+        assert status["Gid"].split() == [str(uid)] * 4, status["Gid"]
         assert status["Groups"] == "", status["Groups"]
         assert int(status["CapPrm"], 16) == 0 and int(status["CapEff"], 16) == 0, (status["CapPrm"], status["CapEff"])
+    if len(uids) > 1:
+        assert len(set(seen)) == len(seen), f"two live sandboxes share a uid: {seen}"
 
 
 def _dumpable() -> int:
@@ -81,6 +91,11 @@ def test_bubblewrap_runs_as_the_sandbox_uid_with_no_groups_or_capabilities():
     assert thread_user.available(), "libseccomp resolves the credential syscalls here, so no setpriv is needed"
     _assert_unprivileged(_started_bubblewraps())
     _assert_host_unchanged(dumpable)
+
+
+def test_without_a_uid_pool_every_sandbox_runs_as_the_sandbox_uid():
+    require_bwrap()
+    _assert_unprivileged(_started_bubblewraps(SandboxConfig(warm=2, uid_pool_size=0)), uids=[UID])
 
 
 def test_without_the_thread_switch_setpriv_starts_it_as_the_same_user(monkeypatch):
@@ -117,3 +132,22 @@ def test_only_the_switching_thread_changes_user_and_it_switches_back():
     assert main_thread == ((0, 0, 0), (0, 0, 0))
     assert seen["after"] == ((0, 0, 0), (0, 0, 0))
     _assert_host_unchanged(dumpable)
+
+
+def test_the_uid_pool_hands_each_uid_to_one_holder_at_a_time():
+    """Two pools (as two tidal processes would: each its own lock descriptors) over one
+    small range: no uid is handed out twice while held, an exhausted range says so, and
+    a returned uid can be taken again."""
+    from tidal.sandbox.uids import UidPool, UidPoolExhausted
+
+    start = SandboxConfig().uid_pool_start + SandboxConfig().uid_pool_size  # past the default range
+    first, second = UidPool(start, 3), UidPool(start, 3)
+    taken = [first.acquire(), second.acquire(), first.acquire()]
+    assert sorted(taken) == [start, start + 1, start + 2]
+    with pytest.raises(UidPoolExhausted, match="all 3 sandbox uids"):
+        second.acquire()
+    first.release(taken[0])
+    assert second.acquire() == taken[0]
+    for pool in (first, second):
+        for uid in pool.held():
+            pool.release(uid)

@@ -168,16 +168,16 @@ def test_the_deadline_fires_again_after_a_swallowed_alarm():
     afterwards no alarm is pending and the previous handler is back."""
     import signal
 
-    from tidal.rewards.math import _deadline, _OutOfTime
+    from tidal.rewards.math import OutOfTime, deadline
 
     before = signal.getsignal(signal.SIGALRM)
     swallowed, t0 = 0, time.monotonic()
-    with pytest.raises(_OutOfTime), _deadline(1):
+    with pytest.raises(OutOfTime), deadline(1):
         while True:
             try:
                 while True:
                     pass
-            except _OutOfTime:
+            except OutOfTime:
                 swallowed += 1
                 if swallowed > 1:
                     raise
@@ -193,7 +193,7 @@ def test_a_swallowed_alarm_is_not_reported_and_other_unraisables_still_are():
     still reaches the hook that was installed before, and that hook is back afterwards."""
     import sys
 
-    from tidal.rewards.math import _deadline, _OutOfTime
+    from tidal.rewards.math import OutOfTime, deadline
 
     class Finalizer:
         def __init__(self, error: type[BaseException]):
@@ -207,8 +207,8 @@ def test_a_swallowed_alarm_is_not_reported_and_other_unraisables_still_are():
     sys.unraisablehook = lambda args: seen.append(args.exc_type)
     recorder = sys.unraisablehook
     try:
-        with _deadline(30):
-            Finalizer(_OutOfTime)  # dropped at once: its __del__ raises what an alarm would
+        with deadline(30):
+            Finalizer(OutOfTime)  # dropped at once: its __del__ raises what an alarm would
             Finalizer(ValueError)
         assert sys.unraisablehook is recorder
     finally:

@@ -12,6 +12,7 @@
     tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
     tidal launch slurm [CONFIG.yaml] [section.key=value ...] [--nodes N] [--gpus-per-node G] [--partition P]
                        [--time T] [--dry-run]
+    tidal plan SPEC.yaml [--simulate] [--explain] [--out DIR] | tidal plan calibrate RUN_DIR
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
 """
@@ -419,6 +420,13 @@ def _stacks_on_sigusr1() -> None:
             pass  # no stderr descriptor at all: nothing to print the stacks on
 
 
+def _plan_errors() -> tuple[type[Exception], ...]:
+    from tidal.plan.cli import MissingPlanExtra
+    from tidal.plan.spec import PlanSpecError
+
+    return MissingPlanExtra, PlanSpecError
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidal", description="RL post-training for language models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -426,6 +434,9 @@ def _parser() -> argparse.ArgumentParser:
     _build_commands(sub)
     _serve_commands(sub)
     _launch_commands(sub)
+    from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
+
+    add_plan_parser(sub)
     return p
 
 
@@ -545,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     _stacks_on_sigusr1()
     try:
         return ns.fn(ns)
-    except USER_ERRORS as err:
+    except (*USER_ERRORS, *_plan_errors()) as err:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:

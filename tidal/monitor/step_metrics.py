@@ -10,7 +10,7 @@ log = logging.getLogger("tidal")
 
 # Episode metrics summed over a step's episodes (counts), not averaged.
 SUMMED_PREFIXES = ("tools/", "rollout/prefix_breaks", "rollout/out_of_", "env/close_errors", "judge/injection",
-                   "math/no_answer", "math/several_answers")
+                   "math/no_answer", "math/several_answers", "math/refused/")
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -3,49 +3,53 @@
     task.reward: tidal.rewards.math:score
     task.rewards: [{fn: tidal.rewards.math:MathReward, args: {answer_column: solution_answer}}]
 
-The choice: the answer must be *given as an answer*, and every answer given must be right.
-The final answers are the completion's `\\boxed{...}` (and `\\fbox{...}`) contents, its
-`<answer>...</answer>` tags, and a final-answer phrase on its last non-empty line ("The
-answer is X", "Final answer: X", "Answer: X", "#### X"). Each is parsed by math-verify on
-its own, and compared with the reference by math-verify (so `\\frac{1}{2}`, `0.5` and `1/2`
-agree). No number is fished out of free text, which is what math-verify's own `parse` does
-with a whole completion (the last number wins): a completion that only scatters numbers
-through a ramble has no answer and scores 0. Several different final answers (two boxes,
-a box and a tag that differ) score 0, as do an empty answer and one that is too costly to
-check.
+The choice: the answer must be *given as an answer*, must name *one* value, and every answer
+given must be right. The final answers are the completion's `\\boxed{...}` (and `\\fbox{...}`)
+contents, its `<answer>...</answer>` tags, and a final-answer phrase on its last non-empty line
+("The answer is X", "Final answer: X", "Answer: X", "#### X"); a final answer *stated*
+anywhere else ("the answer is $5$") must agree with them. No number is fished out of free
+text, which is what math-verify's own `parse` does with a whole completion (the last number
+wins): a completion that only scatters numbers through a ramble has no answer and scores 0.
+
+math-verify is lenient by design, and a reward-maximizing policy turns leniency into hedges,
+so each answer goes through tidal's own steps around it, each refusal recorded in the
+metrics as `math/refused/<reason>`: split into candidates and units (math_forms.py: several
+values in one box, a relation chain, `\\pm`, prose in `\\text{...}`, a command math-verify
+would drop, a unit other than the reference's); parsed as a whole (a text math-verify reads
+only in part is refused); bounded in cost from the unevaluated parse (math_exact.py); compared
+exactly where both are numbers (math_exact.py), else by math-verify with a float rounding as
+tight as `rel_tol`. Several different final answers score 0, as do an empty answer and one that
+is too costly to check.
 
 Parts: `correct` (1 or 0) and `format` (`format_weight`, 0.1 by default, as the
 arithmetic task's exact-match reward gives: the comparison of the two on that task is
 fair): the completion has exactly one final answer, math-verify can parse it, and the
-completion ends with it. Metrics
-(not reward): `math/no_answer`, `math/several_answers`.
+completion ends with it. Metrics (not reward): `math/no_answer`, `math/several_answers`,
+`math/refused/<reason>`.
 
-Timeouts: the parse and the comparison of an answer are bounded by SIGALRM (tidal's own,
-repeated until the block ends: math-verify's single alarm can be swallowed, `_deadline`),
-which works only in a process's main thread. There `timeout_s` applies (an answer that runs
-out of it is wrong). In another thread (tidal's reward workers run synchronous rewards in a
-thread of their own), math-verify cannot be interrupted, and the reward pool's hard per-call timeout
-(`reward.timeout_s`, which kills the worker) is the guard. Cheap checks keep the known
-pathological answers from reaching it, in every thread: an answer longer than
-`max_answer_chars`, or nesting brackets deeper than `max_nesting` (the LaTeX parser's time
-grows steeply with depth: seconds at depth 10, tens of seconds at 40), is wrong unparsed; one
-whose parsed expression holds a huge power or factorial (a tower like `9^{9^{9^9}}`,
-`(10^{100})!`) is wrong before the comparison, the step that hangs on them.
+Bounds, before each step runs: an answer longer than `max_answer_chars` or nesting brackets
+deeper than `max_nesting` (the LaTeX parser's time grows steeply with depth) is wrong
+unparsed; a parsed answer over the cost bounds is wrong before any evaluation. In a process's
+main thread the parse and comparison are also bounded by `timeout_s` (math_deadline.py); in
+another thread (tidal's reward workers run synchronous rewards in a thread of their own)
+math-verify cannot be interrupted, and the bounds, then the reward pool's hard per-call
+timeout (`reward.timeout_s`), are the guard.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
+import math
 import re
-import signal
-import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tidal.rewards.contract import RewardParts
+from tidal.rewards.math_deadline import OutOfTime, deadline
+from tidal.rewards.math_exact import Bounds, cost_refusal, numbers_equal, plain_number
+from tidal.rewards.math_forms import RELATION, SPLIT, candidates, honest_forms, is_unit, split_top, unit_of
 
 # (Importing this module binds it as `tidal.rewards.math`: the package's __init__ imports no
 # `math` of its own, so nothing there is shadowed.)
@@ -57,12 +61,9 @@ TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 # Markdown emphasis around the phrase or the answer ("**Final Answer:** 5") is not part of it.
 FINAL_PHRASE_RE = re.compile(r"\banswer\b[*_]*\s*(?:is\b|:|=)[*_]*|^\s*####", re.IGNORECASE)
 INTEGER_RE = re.compile(r"[+-]?\d+")
+BOX_UNIT_RE = re.compile(r"[ \t$]*(?:\\[,;: ])*\s*(?:\\(?:text|mathrm|mbox)\{([^{}]{1,30})\}|([A-Za-z][A-Za-z/]{0,20}))")
 # After a final answer the completion may close its math and emphasis, and end its sentence.
 TRAILER_RE = re.compile(r"(?:\s|\$|\\\]|\\\)|\.|\*|_)*")
-# Beyond these the comparison (sympy evaluating the number) is what hangs.
-MAX_NUMERIC_EXPONENT = 10**6
-MAX_SYMBOLIC_EXPONENT = 1000
-MAX_FACTORIAL = 10**5
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,11 @@ def find_answers(completion: str, extract: Sequence[str] = EXTRACTORS) -> list[A
         for m in BOXED_RE.finditer(completion):
             close = _braced(completion, m.end() - 1)
             if close is not None and not any(a.start < m.start() < a.end for a in found):  # not a nested box
-                found.append(Answer("boxed", completion[m.end():close], m.start(), close + 1))
+                # A unit written just after the box (`\\boxed{2} minutes`) is part of the answer.
+                unit = BOX_UNIT_RE.match(completion, close + 1)
+                word = unit and (unit.group(1) or unit.group(2))
+                text = completion[m.end():close] + (f" \\text{{{word}}}" if word and is_unit(word) else "")
+                found.append(Answer("boxed", text, m.start(), close + 1))
     if "answer_tag" in extract:
         found += [Answer("answer_tag", m.group(1), m.start(), m.end()) for m in TAG_RE.finditer(completion)]
     if "final_line" in extract:
@@ -143,29 +148,56 @@ def _nesting(text: str) -> int:
     return deepest
 
 
-def _too_costly(parsed: list[Any]) -> bool:
-    """Whether a parsed answer holds a power or factorial that sympy would take forever to
-    compare (math-verify's own timeout cannot run outside the main thread)."""
-    import sympy
+# A final answer stated in prose anywhere ("the answer is $5$", "Final answer: 5"): it must agree
+# with the box. Its value: a math span, or a number (with a unit word) that ends the clause.
+STATEMENT_RE = re.compile(r"(?:\banswer\b[*_]*\s*(?:is\b|:|=)|^[ \t>*_]*####)[*_]*\s*:?\s*", re.IGNORECASE | re.MULTILINE)
+STATED_VALUE_RE = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]|"
+                             r"([-+\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?(?:\s*\\?%)?(?:\s+[A-Za-z]{1,12})?)"
+                             r"(?=\s*(?:[.,;!)]|\n|$))", re.DOTALL)
+HYPOTHETICAL_RE = re.compile(r"\b(?:if|suppose|supposing|assume|assuming|whether|check|not|guess|could|might|would|"
+                             r"claim|claimed|expected|tempting|wrong|incorrect)\b[^.\n]*$", re.IGNORECASE)
 
-    for expr in parsed:
-        if not isinstance(expr, sympy.Basic):
+
+def find_statements(completion: str, answers: list[Answer]) -> list[Answer]:
+    """Final answers stated in prose outside the answers already found (a box, a tag, the
+    last line's phrase), in text order; hypotheticals ("if the answer is 5") are not answers."""
+    out = []
+    for m in STATEMENT_RE.finditer(completion):
+        v = STATED_VALUE_RE.match(completion, m.end())
+        if v is None or completion.startswith(("\\boxed", "\\fbox"), m.end()):
             continue
-        for node in sympy.preorder_traversal(expr):
-            if isinstance(node, sympy.Pow) and node.exp.is_number:
-                bound = MAX_NUMERIC_EXPONENT if node.base.is_number else MAX_SYMBOLIC_EXPONENT
-                try:
-                    if abs(node.exp) > bound:
-                        return True
-                except TypeError:  # a complex or otherwise unorderable exponent
-                    continue
-            if isinstance(node, sympy.factorial) and node.args[0].is_number:
-                try:
-                    if abs(node.args[0]) > MAX_FACTORIAL:
-                        return True
-                except TypeError:
-                    continue
-    return False
+        sentence = completion[max(0, m.start() - 80):m.start()].rsplit(".", 1)[-1]
+        if HYPOTHETICAL_RE.search(sentence):
+            continue
+        group = next(i for i in range(1, 6) if v.group(i) is not None)
+        start, end = v.start(group), v.end(group)
+        if any(a.start <= end and start <= a.end for a in answers) or "\\boxed" in v.group(group):
+            continue
+        out.append(Answer("statement", v.group(group), start, end))
+    return out
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A reference answer as the comparison needs it (computed once per reference)."""
+
+    parsed: list[Any]
+    unit: str | None
+    is_list: bool  # a tuple, set, interval or several values: list connectives make one list
+    is_equation: bool
+    has_pm: bool
+    decimals: int | None  # written as a decimal with this many places
+    brackets: tuple[str, str]  # around a list reference: a list answer is read inside them
+
+
+@dataclass(frozen=True)
+class Check:
+    """One final answer checked: equal to the reference, parsed at all, and why it was
+    refused ("" when it was compared)."""
+
+    equal: bool
+    parsed: bool
+    refused: str = ""
 
 
 class MathReward:
@@ -179,16 +211,24 @@ class MathReward:
     timeout_s: math-verify's bound on each parse and comparison, in whole seconds (main thread only).
     max_answers / max_answer_chars / max_nesting: more final answers, a longer one, or one
         nesting brackets deeper, score 0 unparsed.
+    rel_tol: how far (relative) a decimal answer may be from an exact reference (1e-9: nine
+        significant digits); exact values are compared exactly (tidal/rewards/math_exact.py).
+    max_digits / max_nodes / max_symbolic_exponent / max_terms: the cost bounds checked on the
+        unevaluated parse before any comparison (math_exact.Bounds).
     """
 
     def __init__(self, answer_column: str = "answer", extract: Sequence[str] = EXTRACTORS, *,
                  solution_column: str | None = "solution", format_weight: float = 0.1, timeout_s: int = 5,
-                 max_answers: int = 8, max_answer_chars: int = 400, max_nesting: int = 10):
+                 max_answers: int = 8, max_answer_chars: int = 400, max_nesting: int = 10, rel_tol: float = 1e-9,
+                 max_digits: float = 10_000, max_nodes: int = 2000, max_symbolic_exponent: int = 1000,
+                 max_terms: int = 10_000):
         unknown = [e for e in extract if e not in EXTRACTORS]
         if unknown or not extract:
             raise ValueError(f"MathReward(extract={list(extract)!r}): choose from {list(EXTRACTORS)}")
         if int(timeout_s) != timeout_s or timeout_s < 1:
             raise ValueError(f"MathReward(timeout_s={timeout_s!r}): math-verify takes whole seconds, at least 1")
+        if not 0 <= rel_tol < 1:
+            raise ValueError(f"MathReward(rel_tol={rel_tol!r}): a relative tolerance in [0, 1)")
         self.answer_column = answer_column
         self.solution_column = solution_column
         self.extract = tuple(extract)
@@ -197,18 +237,32 @@ class MathReward:
         self.max_answers = max_answers
         self.max_answer_chars = max_answer_chars
         self.max_nesting = max_nesting
+        self.rel_tol = float(rel_tol)
+        self.bounds = Bounds(max_nodes, max_digits, max_symbolic_exponent, max_terms)
+        # For what math-verify still compares (containers): its rounding as tight as rel_tol.
+        self.float_rounding = max(6, round(-math.log10(rel_tol))) if rel_tol > 0 else 15
 
     def __call__(self, completion: str, **columns: Any) -> RewardParts:
         reference = self.reference(columns)
         answers = find_answers(completion, self.extract)
-        checks = [self.check(reference, a.text) for a in answers] if len(answers) <= self.max_answers else []
-        parts = {"correct": float(bool(checks) and all(equal for equal, _ in checks))}
+        statements = find_statements(completion, answers) if answers else []
+        given = answers + statements
+        checks = [self.check(reference, a.text) for a in given] if len(given) <= self.max_answers else []
+        parts = {"correct": float(bool(checks) and all(c.equal for c in checks))}
         if self.format_weight:
-            well_formed = self.well_formatted(completion, answers) and checks[0][1]
+            well_formed = self.well_formatted(completion, answers) and checks[0].parsed
             parts["format"] = self.format_weight * float(well_formed)
         # Per episode, summed into the step's metrics: how often completions give no answer
-        # or several (a policy drifting towards hedging shows here first).
-        return RewardParts(parts, {"math/no_answer": float(not answers), "math/several_answers": float(len(answers) > 1)})
+        # or several (a policy drifting towards hedging shows here first), and why answers were refused.
+        metrics = {"math/no_answer": float(not answers), "math/several_answers": float(len(answers) > 1)}
+        if len(given) > self.max_answers:
+            metrics["math/refused/too_many_answers"] = 1.0
+        for c in checks:
+            if c.refused:
+                metrics[f"math/refused/{c.refused.split(':')[0]}"] = 1.0
+        if checks and all(c.equal for c in checks[:len(answers)]) and not all(c.equal for c in checks[len(answers):]):
+            metrics["math/refused/statement_disagrees"] = 1.0
+        return RewardParts(parts, metrics)
 
     def reference(self, columns: dict[str, Any]) -> str:
         """The row's reference answer text (raises naming the columns when there is none)."""
@@ -236,113 +290,148 @@ class MathReward:
         return TRAILER_RE.fullmatch(completion, answers[0].end) is not None
 
     def equal(self, reference: str, given: str) -> bool:
-        """Whether the answer text `given` is math-verify-equal to `reference`."""
-        return self.check(reference, given)[0]
+        """Whether the answer text `given` equals `reference`."""
+        return self.check(reference, given).equal
 
-    def check(self, reference: str, given: str) -> tuple[bool, bool]:
-        """(equal to `reference`, parsed at all) for the answer text `given`. Not parsed: empty,
-        too long or too deeply nested, unparseable (`>`), or too costly to compare."""
+    def _fits(self, text: str) -> str:
+        if not text:
+            return "empty"
+        if len(text) > self.max_answer_chars:
+            return f"too_long: over max_answer_chars={self.max_answer_chars}"
+        if _nesting(text) > self.max_nesting:
+            return f"too_nested: brackets deeper than max_nesting={self.max_nesting}"
+        return ""
+
+    def check(self, reference: str, given: str) -> Check:
+        """The answer text `given` against `reference`: split into candidates, units compared,
+        each candidate bounded, parsed and compared; refused (not equal) with a reason when it
+        names several values, a unit other than the reference's, or costs too much."""
         given = _unwrap(given)
-        if not given or len(given) > self.max_answer_chars or _nesting(given) > self.max_nesting:
-            return False, False
-        if INTEGER_RE.fullmatch(given) and INTEGER_RE.fullmatch(reference.strip()):
-            return int(given) == int(reference.strip()), True  # the arithmetic task's case, without sympy
+        why = self._fits(given)
+        if why:
+            return Check(False, False, why)
+        while (inner := find_answers(given, ("boxed",))) and inner[0].start == 0 and inner[0].end == len(given):
+            given = _unwrap(inner[0].text)  # `\boxed{\boxed{7}}` is 7
+        if BOXED_RE.search(given):  # a box beside other text inside a box: math-verify would read the inner one
+            return Check(False, True, "nested_box")
+        ref_text = reference.strip()
+        if INTEGER_RE.fullmatch(given) and INTEGER_RE.fullmatch(ref_text):
+            return Check(int(given) == int(ref_text), True)  # the arithmetic task's case, without sympy
+        ref = self._reference(reference)
+        split = candidates(honest_forms(given, single=not ref.is_list), list_reference=ref.is_list,
+                           equation_reference=ref.is_equation, pm_reference=ref.has_pm)
+        if split.refused:
+            return Check(False, True, split.refused)
+        sides: list[str] = []
+        for piece in split.pieces:
+            for side in piece:
+                value, unit = unit_of(side)
+                if ref.unit is not None and unit is not None and unit != ref.unit:
+                    return Check(False, True, f"unit_mismatch: {unit} for {ref.unit} (conversions are not credited)")
+                sides.append(value)
+        if ref.is_list and len(split.pieces) > 1:
+            if any(len(p) > 1 for p in split.pieces):
+                return Check(False, True, "relation_chain")
+            sides = [ref.brackets[0] + ", ".join(sides) + ref.brackets[1]]
+        parsed_any = False
+        for side in sides:
+            result = self._compare(ref, side)
+            parsed_any = parsed_any or result.parsed
+            if not result.equal:
+                # A chain (`5 = 6`) names each side as an answer: one side unequal, the chain is a hedge.
+                return Check(False, parsed_any, result.refused or ("relation_chain" if len(sides) > 1 else ""))
+        return Check(True, True)
+
+    def _compare(self, ref: Reference, text: str) -> Check:
+        why = self._fits(text)
+        if why:
+            return Check(False, False, why)
         from math_verify import verify
 
-        gold = self._parse_reference(reference)
         try:
-            with _deadline(self._timeout()):
-                target = self._parse(given)
-                if not target or _too_costly(target):
-                    return False, False
-                equal = bool(verify(gold, target, timeout_seconds=None))
-        except _OutOfTime:
-            return False, False  # too costly to compare
+            with deadline(self._timeout()):
+                target = self._parse(text)
+                exprs = [t for t in target if not isinstance(t, str)]
+                if not exprs and self._partial(text):
+                    return Check(False, True, f"partial_parse: math-verify would read only {self._partial(text)!r}")
+                why = next((r for r in (cost_refusal(t, self.bounds) for t in exprs) if r), "")
+                if not target or why:
+                    return Check(False, False, why or "unparsed")
+                gold = ref.parsed[0]
+                if exprs and plain_number(gold) and plain_number(exprs[0]):
+                    try:
+                        equal = numbers_equal(gold, exprs[0], self.rel_tol, ref.decimals)
+                    except (ArithmeticError, ValueError, TypeError, RecursionError) as e:
+                        return Check(False, True, f"unevaluable: {type(e).__name__}")
+                else:
+                    equal = bool(verify(ref.parsed, target, float_rounding=self.float_rounding, numeric_precision=60,
+                                        timeout_seconds=None))
+                    if equal and exprs and _set_vs_interval(gold, exprs[0]):
+                        return Check(False, True, "set_for_interval")
+        except OutOfTime:
+            return Check(False, False, "timeout")  # too costly to compare
         # Only math-verify's string fallback (`>`): not a formula, unless it is the reference.
-        return equal, equal or any(not isinstance(t, str) for t in target)
+        return Check(equal, equal or bool(exprs))
 
     def _timeout(self) -> int | None:
         # The deadline is SIGALRM: only the main thread may set it.
         return self.timeout_s if threading.current_thread() is threading.main_thread() else None
 
     def _parse(self, text: str) -> list[Any]:
+        """The whole text as one formula (never searched for numbers): LaTeX first, else a plain
+        expression (`1/2`, `2*x`) only when math-verify's expression reading takes all of it."""
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-        # The whole text is the answer: given to math-verify as one formula, never searched for numbers.
-        return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-                     parsing_timeout=None)
+        latex = parse(f"${text}$", extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+        if any(not isinstance(t, str) for t in latex):
+            return latex
+        plain = parse(text, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+        whole = len(plain) == 2 and isinstance(plain[1], str) and plain[1].replace(" ", "") == text.replace(" ", "")
+        return plain if whole else latex
+
+    def _partial(self, text: str) -> str:
+        """What math-verify's plain-expression reading would take from a text its LaTeX reading
+        cannot parse ("" if nothing): it picks the last number (`5 | 6` reads as 6), which
+        would make any notation it does not know a way to write two values and be read as one."""
+        from math_verify import ExprExtractionConfig, parse
+
+        plain = parse(text, extraction_config=[ExprExtractionConfig()], parsing_timeout=None)
+        return plain[1] if len(plain) == 2 and isinstance(plain[1], str) else ""
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 — one reward object per run; references repeat
-    def _parse_reference(self, reference: str) -> list[Any]:
+    def _reference(self, reference: str) -> Reference:
+        import sympy
+
+        text = _unwrap(reference)
+        is_list = len(split_top(text, SPLIT)) > 1
+        value, unit = unit_of(honest_forms(text, single=not is_list))
         try:
-            with _deadline(self._timeout()):
-                parsed = self._parse(_unwrap(reference))
-        except _OutOfTime:
+            with deadline(self._timeout()):
+                parsed = self._parse(value)
+        except OutOfTime:
             raise ValueError(f"MathReward: math-verify did not parse the reference answer {reference[:200]!r} within "
                              f"timeout_s={self.timeout_s} (column `{self.answer_column}`)") from None
         if not parsed:
             raise ValueError(f"MathReward: math-verify cannot parse the reference answer {reference[:200]!r} "
                              f"(column `{self.answer_column}`)")
-        return parsed
+        first = parsed[0]
+        is_list = is_list or isinstance(first, (sympy.FiniteSet, sympy.Tuple, sympy.Interval, sympy.Union))
+        decimals = re.fullmatch(r"[-+]?\d*\.(\d+)", value.strip())
+        brackets = next(((a, b) for a, b in (("(", ")"), ("\\{", "\\}"), ("[", "]"), ("\\left(", "\\right)"))
+                         if value.strip().startswith(a) and value.strip().endswith(b)), ("", ""))
+        return Reference(parsed, unit, is_list, bool(split_top(text, RELATION)[1:]) and not is_list,
+                         bool(re.search(r"\\(?:pm|mp)\b", text)), len(decimals.group(1)) if decimals else None,
+                         brackets)
+
+
+def _set_vs_interval(gold: Any, given: Any) -> bool:
+    """A finite set is not an interval, nor the other way round (math-verify credits `(1, 2)`
+    for `\\{1, 2\\}`)."""
+    import sympy
+
+    kinds = {isinstance(x, sympy.FiniteSet) and "set" or isinstance(x, (sympy.Interval, sympy.Union)) and "interval"
+             for x in (gold, given)}
+    return kinds == {"set", "interval"}
 
 
 score = MathReward()
-
-
-class _OutOfTime(BaseException):
-    """Raised by the deadline's alarm. A BaseException, so that no `except Exception` inside
-    math-verify or sympy turns it into a result."""
-
-
-REFIRE_S = 0.05  # the alarm repeats until the deadline is cleared
-
-
-@contextlib.contextmanager
-def _deadline(seconds: int | None) -> Iterator[None]:
-    """Raise _OutOfTime in the block after `seconds` (None: no deadline). math-verify's own
-    timeout is one SIGALRM whose exception can land where Python ignores it (a weakref
-    callback during garbage collection: seen in CI, the parse then ran to completion and the
-    answer counted as correct); this alarm fires again every REFIRE_S until the block ends,
-    so a swallowed one is followed by another.
-
-    A swallowed alarm goes to `sys.unraisablehook`. For the block's length a hook drops it
-    (it is expected, and the next alarm ends the block) and hands any other unraisable
-    exception to the hook that was there, with the alarm held off meanwhile: a repeat that
-    landed inside that hook (reading source lines to format a traceback: seen in CI) would
-    break it."""
-    if seconds is None:
-        yield
-        return
-    armed, in_hook = [True], [False]
-
-    def fire(signum: int, frame: Any) -> None:
-        if armed[0] and not in_hook[0]:
-            raise _OutOfTime
-
-    previous_hook = sys.unraisablehook
-
-    def unraisable(args: Any) -> None:
-        if issubclass(args.exc_type, _OutOfTime):
-            return
-        in_hook[0] = True
-        try:
-            previous_hook(args)
-        finally:
-            in_hook[0] = False
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    sys.unraisablehook = unraisable
-    try:
-        signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
-        yield
-    finally:
-        while True:  # an alarm may still land here, before `armed` is cleared: clear it again
-            try:
-                armed[0] = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, previous)
-                if sys.unraisablehook is unraisable:  # unless something in the block replaced it
-                    sys.unraisablehook = previous_hook
-                break
-            except _OutOfTime:
-                continue

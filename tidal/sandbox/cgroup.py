@@ -1,24 +1,33 @@
-"""Per-run memory and process cgroups: what bounds a run as a whole, and how it is torn down.
+"""Per-run cgroups: what bounds a run as a whole (memory, processes, CPU), and how it is torn down.
 
 Each run (each session) gets its own cgroup, made under the cgroup this process is in (read
 from /proc/self/cgroup, never at a hierarchy's root unless that is where this process is),
 below one directory per pool: `<own cgroup>/tidal-sandbox-<pid>-<n>/run-<k>`. cgroup v2
 (one unified tree) is used where the machine has it for the memory and pids controllers;
-else v1 (`/sys/fs/cgroup/memory` and `/sys/fs/cgroup/pids`, as on a hybrid host).
+else v1 (`/sys/fs/cgroup/memory` and `/sys/fs/cgroup/pids`, as on a hybrid host). The cpu
+controller (a CPU quota per run) and the freezer (a session's processes stopped between its
+turns) are used where they are available too (v1: their own hierarchies; v2: `cpu` in the
+tree, `cgroup.freeze` in every non-root cgroup); where one is missing a warning says once what
+is then not bounded, or, with `require_cgroups`, nothing runs.
 
 The memory limit counts everything the kernel charges to the run's processes: anonymous
 memory, memfds and tmpfs pages (the private /workspace and /tmp are charged to whoever
 writes them), page cache they bring in, and kernel memory (inodes and dentries of their
-files, page tables, socket buffers): on v1 kernel memory is charged to the same counter
-(`memory.usage_in_bytes`, with its share shown in `memory.kmem.usage_in_bytes`), and
+files, page tables, pipe and unix socket buffers): on v1 kernel memory is charged to the same
+counter (`memory.usage_in_bytes`, with its share shown in `memory.kmem.usage_in_bytes`), and
 `memory.memsw.limit_in_bytes` is set equal where swap accounting exists so that swap is no
-way around it; on v2 `memory.max` counts all of it and `memory.swap.max` is 0. A run that
+way around it; on v2 `memory.max` counts all of it and `memory.swap.max` is 0. TCP and UDP
+buffers are the exception on v1: the kernel charges them to a counter of their own, and only
+once that counter has a limit (`memory.kmem.tcp.limit_in_bytes`; without one a run limited
+to 64 MiB held 375 MiB in loopback TCP connections): it is set to a quarter of the memory
+limit (SOCKET_SHARE). On v2 they are part of `memory.max` like the rest. A run that
 reaches it is OOM-killed by the kernel and ends `memory` (read from the cgroup's
 `oom_kill` counter, which the code cannot write).
 
 Teardown kills through the cgroup (v2 `cgroup.kill`; v1: SIGKILL to every member until none
 is left), waits until it is empty, and removes it: a removed cgroup is the proof that no
-process of the run survives, whatever it did (fork, setsid, re-parenting).
+process of the run survives, whatever it did (fork, setsid, re-parenting). One run's cgroup
+is `cgroup_run.RunCgroup`.
 
 Where no cgroup can be made (no write access, controllers not delegated), the pool says so
 once, in a warning, and runs are bounded by rlimits alone (docs/sandbox.md).
@@ -26,16 +35,11 @@ once, in a warning, and runs are bounded by rlimits alone (docs/sandbox.md).
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import collections
-import contextlib
-import errno
 import itertools
 import logging
 import os
-import signal
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +53,16 @@ ROOT = Path("/sys/fs/cgroup")
 THREAD_ENTRY = True
 _pool_numbers = itertools.count()
 _warned: set[str] = set()
+
+
+# v1 only: TCP/UDP buffers have their own counter there, bounded at this share of the
+# run's memory limit (on v2 they count inside it).
+SOCKET_SHARE = 4
+# Optional controllers, and what a run lacks without them (the warning says it).
+OPTIONAL = {"cpu": "a run's CPU is then bounded only per process, by RLIMIT_CPU (cpu_s), not by the `cpus` quota",
+            "freezer": "a session's background processes then keep running between its turns"}
+# Not a controller: v1's separate counter of TCP/UDP buffers (warned about when it cannot be set).
+WITHOUT = {**OPTIONAL, "socket memory": "a run's TCP and UDP buffers are then not bounded by its memory limit"}
 
 
 class CgroupError(RuntimeError):
@@ -65,7 +79,7 @@ def _own_paths() -> dict[str, str]:
     return paths
 
 
-def _write(path: Path | str, value: str) -> None:
+def write_value(path: Path | str, value: str) -> None:
     # Raw descriptors: these files are read and written several times per run, and
     # io.open's buffered text layer costs more than the kernel's side of it.
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -75,7 +89,7 @@ def _write(path: Path | str, value: str) -> None:
         os.close(fd)
 
 
-def _read(path: str) -> bytes:
+def read_value(path: str) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         chunks = []
@@ -89,10 +103,18 @@ def _read(path: str) -> bytes:
 @dataclass(frozen=True)
 class Layout:
     version: int  # 1 or 2
-    parents: tuple[Path, ...]  # the cgroups this process is in, where pool directories go (v1: memory, pids)
+    # The cgroups this process is in, where pool directories go, by controller (v1: memory,
+    # pids and those of cpu and freezer that are usable; v2: one directory for all).
+    parents: dict[str, Path]
+    missing: dict[str, str]  # optional controllers that cannot be used here, and why
+
+    @property
+    def hierarchies(self) -> tuple[Path, ...]:
+        """The distinct parent directories (memory's first)."""
+        return tuple(dict.fromkeys(self.parents.values()))
 
     def describe(self) -> str:
-        return f"cgroup v{self.version} under {', '.join(map(str, self.parents))}"
+        return f"cgroup v{self.version} under {', '.join(map(str, self.hierarchies))}"
 
 
 def detect() -> tuple[Layout | None, str]:
@@ -102,12 +124,23 @@ def detect() -> tuple[Layout | None, str]:
     except OSError as e:
         return None, f"cannot read /proc/self/cgroup: {e}"
     if "memory" in own and "pids" in own:
-        parents = (ROOT / "memory" / own["memory"].lstrip("/"), ROOT / "pids" / own["pids"].lstrip("/"))
-        if all(p.is_dir() for p in parents):
-            missing = [p for p in parents if not os.access(p, os.W_OK)]
-            if missing:
-                return None, f"no write access to {', '.join(map(str, missing))}"
-            return Layout(1, parents), ""
+        parents = {c: ROOT / c / own[c].lstrip("/") for c in ("memory", "pids")}
+        if all(p.is_dir() for p in parents.values()):
+            denied = [p for p in parents.values() if not os.access(p, os.W_OK)]
+            if denied:
+                return None, f"no write access to {', '.join(map(str, denied))}"
+            missing = {}
+            for controller in OPTIONAL:
+                parent = ROOT / controller / own.get(controller, "/").lstrip("/")
+                if controller not in own or not parent.is_dir():
+                    missing[controller] = f"no v1 {controller} hierarchy holds this process"
+                elif not os.access(parent, os.W_OK):
+                    missing[controller] = f"no write access to {parent}"
+                else:
+                    parents[controller] = parent
+            if not (parents["memory"] / "memory.kmem.tcp.limit_in_bytes").exists():
+                missing["socket memory"] = "the v1 memory controller has no memory.kmem.tcp.limit_in_bytes"
+            return Layout(1, parents, missing), ""
     if "" in own and (ROOT / "cgroup.controllers").exists():
         parent = ROOT / own[""].lstrip("/")
         try:
@@ -118,8 +151,29 @@ def detect() -> tuple[Layout | None, str]:
             return None, f"the memory and pids controllers are not available in {parent} (have: {available})"
         if not os.access(parent, os.W_OK):
             return None, f"no write access to {parent}"
-        return Layout(2, (parent,)), ""
+        parents = dict.fromkeys(("memory", "pids"), parent)
+        missing = {}
+        if "cpu" in available:
+            parents["cpu"] = parent
+        else:
+            missing["cpu"] = f"the cpu controller is not available in {parent} (have: {available})"
+        # cgroup.freeze is in every non-root cgroup from Linux 5.2 on.
+        if parent != ROOT and not (parent / "cgroup.freeze").exists():
+            missing["freezer"] = f"{parent} has no cgroup.freeze (Linux before 5.2)"
+        else:
+            parents["freezer"] = parent
+        return Layout(2, parents, missing), ""
     return None, "neither cgroup v1 memory+pids hierarchies nor a cgroup v2 tree are mounted under /sys/fs/cgroup"
+
+
+def warn_missing_once(missing: dict[str, str]) -> None:
+    """One warning per missing optional controller and reason (per process)."""
+    for controller, reason in missing.items():
+        key = f"{controller}: {reason}"
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("sandbox: no %s controller for per-run cgroups (%s): %s (docs/sandbox.md; "
+                        "sandbox.require_cgroups=true refuses to run instead)", controller, reason, WITHOUT[controller])
 
 
 def warn_once(reason: str) -> None:
@@ -142,8 +196,8 @@ def _sweep_stale(parents: tuple[Path, ...]) -> None:
             if pid == os.getpid() or Path(f"/proc/{pid}").exists():
                 continue
             for run in d.glob("run-*"):
-                _rmdir_quietly(run)
-            _rmdir_quietly(d)
+                rmdir_quietly(run)
+            rmdir_quietly(d)
 
 
 def _remove_at_exit() -> None:
@@ -159,18 +213,18 @@ _open_pools: weakref.WeakSet[PoolCgroups] = weakref.WeakSet()
 atexit.register(_remove_at_exit)
 
 
-def _delegate_v2(parent: Path) -> None:
-    """Enable the memory and pids controllers for the children of `parent` (this process's
-    cgroup). cgroup v2 refuses that while `parent` itself holds processes (the
+def _delegate_v2(parent: Path, controllers: list[str]) -> None:
+    """Enable the controllers for the children of `parent` (this process's cgroup).
+    cgroup v2 refuses that while `parent` itself holds processes (the
     no-internal-processes rule; only the root is exempt): then tidal must run in a
     cgroup with its own delegated subtree (e.g. `systemd-run --scope -p Delegate=yes`)."""
     enabled = (parent / "cgroup.subtree_control").read_text().split()
-    if {"memory", "pids"} <= set(enabled):
+    if set(controllers) <= set(enabled):
         return
     try:
-        _write(parent / "cgroup.subtree_control", "+memory +pids")
+        write_value(parent / "cgroup.subtree_control", " ".join(f"+{c}" for c in controllers))
     except OSError as e:
-        raise OSError(e.errno, f"cannot enable the memory and pids controllers below {parent} ({e.strerror}; "
+        raise OSError(e.errno, f"cannot enable the {', '.join(controllers)} controllers below {parent} ({e.strerror}; "
                       "cgroup v2 allows that only in a cgroup without processes of its own: run tidal in a "
                       "delegated cgroup, e.g. `systemd-run --scope -p Delegate=yes ...`)") from e
 
@@ -178,38 +232,51 @@ def _delegate_v2(parent: Path) -> None:
 class PoolCgroups:
     """The directory of one pool in each hierarchy, and the runs' cgroups below it."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, sandboxes: int = 1):
+        """`sandboxes`: how many of the pool's sandboxes run or start at once (concurrency
+        plus warm ones): the pool's CPU weight is that many processes' (see `_weigh`)."""
         self.layout = layout
-        _sweep_stale(layout.parents)
+        _sweep_stale(layout.hierarchies)
         name = f"tidal-sandbox-{os.getpid()}-{next(_pool_numbers)}"
-        self.dirs = tuple(parent / name for parent in layout.parents)
-        self._runs = itertools.count()
+        self.dirs = tuple(parent / name for parent in layout.hierarchies)
+        # Each controller's pool directory (v2: the same one for all).
+        self.controller_dirs = {c: parent / name for c, parent in layout.parents.items()}
+        v2_controllers = [c for c in ("memory", "pids", "cpu") if c in layout.parents]
+        self.run_numbers = itertools.count()  # names the runs' cgroups (run-0, run-1, ...)
         # Emptied run cgroups, handed to later runs: making and removing a memory cgroup
         # costs more than checking that one is empty. (Appended on the event loop, taken on
         # starter threads: deque operations are atomic.)
-        self.free: collections.deque[RunCgroup] = collections.deque()
+        self.free: collections.deque = collections.deque()  # RunCgroups kept for reuse (cgroup_run.new_run)
         made = []
         try:
             if layout.version == 2:
-                _delegate_v2(layout.parents[0])
+                _delegate_v2(layout.parents["memory"], v2_controllers)
             for d in self.dirs:
                 d.mkdir()
                 made.append(d)
             if layout.version == 2:
-                _write(self.dirs[0] / "cgroup.subtree_control", "+memory +pids")
+                write_value(self.dirs[0] / "cgroup.subtree_control", " ".join(f"+{c}" for c in v2_controllers))
+            if "cpu" in self.controller_dirs:
+                self._weigh(sandboxes)
         except OSError as e:
             for d in reversed(made):
-                _rmdir_quietly(d)
+                rmdir_quietly(d)
             raise CgroupError(f"cannot make the pool's cgroup {name} ({e})") from e
         _open_pools.add(self)
 
-    def new_run(self, memory_bytes: int, max_processes: int) -> RunCgroup:
-        try:
-            run = self.free.popleft()
-        except IndexError:
-            return RunCgroup(self, f"run-{next(self._runs)}", memory_bytes, max_processes)
-        run.reuse(memory_bytes, max_processes)
-        return run
+    def _weigh(self, sandboxes: int) -> None:
+        """Give the pool's cpu cgroup the weight of `sandboxes` ordinary processes. A cgroup
+        competes for CPU as one scheduling entity of a process's default weight: left at
+        that, every sandbox of the pool (the runs, the warm ones starting) would share one
+        process's share of a busy host (measured at a load of 29 on two cores: 12 runs/s
+        against 37 without the cpu cgroup). The pool weighs as many processes as it may
+        have sandboxes running or starting at once, what they weighed as separate processes
+        at most; each run below it weighs as one process (runs compete evenly, whatever
+        number of processes each starts), and each is capped by its own quota."""
+        if self.layout.version == 1:
+            write_value(self.controller_dirs["cpu"] / "cpu.shares", str(min(262144, 1024 * sandboxes)))
+        else:
+            write_value(self.controller_dirs["cpu"] / "cpu.weight", str(min(10000, 100 * sandboxes)))
 
     def leftovers(self) -> list[str]:
         """Run cgroups still present below the pool (each one a run not torn down)."""
@@ -219,7 +286,7 @@ class PoolCgroups:
         """Remove the pool's directories; CgroupError naming what is left when runs remain."""
         while self.free:
             run = self.free.popleft()
-            if not run._try_remove():
+            if not run.try_remove():
                 raise CgroupError(f"sandbox cgroup {run.dirs[0]} is not empty")
         left = self.leftovers()
         if left:
@@ -234,190 +301,10 @@ class PoolCgroups:
         _open_pools.discard(self)
 
 
-def _rmdir_quietly(path: Path) -> None:
+def rmdir_quietly(path: Path) -> None:
     try:
         path.rmdir()
     except OSError:
         pass
 
 
-class RunCgroup:
-    """The cgroup of one run (v1: one in the memory and one in the pids hierarchy)."""
-
-    # An emptied cgroup still charged more than this (memory its runs left, e.g. page cache)
-    # is removed rather than handed to another run.
-    REUSE_MAX_BYTES = 1 << 20
-
-    def __init__(self, pool: PoolCgroups, name: str, memory_bytes: int, max_processes: int):
-        self.pool = pool
-        self.version = pool.layout.version
-        self.dirs = tuple(d / name for d in pool.dirs)
-        self.removed = False
-        self.oom_kills_before = 0
-        self.limits: tuple[int, int] | None = None
-        # Paths as strings, made once: the per-run checks read them.
-        self._procs = [str(d / "cgroup.procs") for d in self.dirs]
-        self._tasks = [(str(d / "tasks"), str(d.parent.parent / "tasks")) for d in self.dirs]
-        self._oom_file = str(self.dirs[0] / ("memory.oom_control" if self.version == 1 else "memory.events"))
-        self._usage_file = str(self.dirs[0] / ("memory.usage_in_bytes" if self.version == 1 else "memory.current"))
-        made = []
-        try:
-            for d in self.dirs:
-                d.mkdir()
-                made.append(d)
-            if self.version == 2 and (self.dirs[0] / "memory.swap.max").exists():
-                _write(self.dirs[0] / "memory.swap.max", "0")
-            self.set_limits(memory_bytes, max_processes)
-        except (OSError, CgroupError) as e:
-            for d in reversed(made):
-                _rmdir_quietly(d)
-            raise CgroupError(f"cannot make the run's cgroup {self.dirs[0]} ({e})") from e
-
-    def reuse(self, memory_bytes: int, max_processes: int) -> None:
-        """Hand this emptied cgroup to a new run."""
-        self.removed = False
-        self.oom_kills_before = self._oom_kills()
-        self.set_limits(memory_bytes, max_processes)
-
-    def set_limits(self, memory_bytes: int, max_processes: int) -> None:
-        """The memory limit of the whole run and its process count (threads included; one
-        more for bubblewrap's own process, outside the sandbox's user namespace)."""
-        if self.limits == (memory_bytes, max_processes):
-            return
-        try:
-            if self.version == 1:
-                memory, pids = self.dirs
-                memsw = memory / "memory.memsw.limit_in_bytes"
-                # memsw must stay >= the memory limit: raise them in the order that keeps it so.
-                order = [memory / "memory.limit_in_bytes", memsw] if memsw.exists() else [memory / "memory.limit_in_bytes"]
-                if self.limits is not None and memory_bytes > self.limits[0]:
-                    order.reverse()
-                for path in order:
-                    _write(path, str(memory_bytes))
-                _write(pids / "pids.max", str(max_processes + 1))
-            else:
-                _write(self.dirs[0] / "memory.max", str(memory_bytes))
-                _write(self.dirs[0] / "pids.max", str(max_processes + 1))
-        except OSError as e:
-            raise CgroupError(f"cannot set the limits of {self.dirs[0]} ({e})") from e
-        self.limits = (memory_bytes, max_processes)
-
-    def add(self, pid: int) -> None:
-        """Move a process (not yet running untrusted code) into this cgroup."""
-        for d in self.dirs:
-            _write(d / "cgroup.procs", str(pid))
-
-    @property
-    def thread_entry(self) -> bool:
-        return self.version == 1 and THREAD_ENTRY
-
-    @contextlib.contextmanager
-    def entered_by_this_thread(self):
-        """v1 only: move the calling thread alone into this cgroup while the block runs, so
-        that a process it starts there is born in it (no later migration; a thread moving
-        itself skips the global lock that moving another process takes)."""
-        moved = []
-        try:
-            for inside, home in self._tasks:
-                _write(inside, "0")
-                moved.append(home)
-            yield
-        finally:
-            for home in moved:
-                _write(home, "0")
-
-    def pids(self) -> list[int]:
-        out: set[int] = set()
-        for path in self._procs:
-            try:
-                out.update(int(p) for p in _read(path).split())
-            except FileNotFoundError:
-                pass
-        return sorted(out)
-
-    def _oom_kills(self) -> int:
-        try:
-            text = _read(self._oom_file)
-        except OSError:
-            return 0
-        for line in text.splitlines():
-            if line.startswith(b"oom_kill "):
-                return int(line.split()[1])
-        return 0
-
-    def oom_killed(self) -> bool:
-        """Whether the kernel OOM-killed a process of the run (the memory limit was reached)."""
-        return self._oom_kills() > self.oom_kills_before
-
-    def _charged_bytes(self) -> int:
-        try:
-            return int(_read(self._usage_file))
-        except (OSError, ValueError):
-            return self.REUSE_MAX_BYTES + 1
-
-    def kill_members(self, members: list[int] | None = None) -> None:
-        if self.version == 2:
-            try:
-                _write(self.dirs[0] / "cgroup.kill", "1")
-                return
-            except OSError:
-                pass  # kernels before 5.14 have no cgroup.kill: signal each member
-        for pid in self.pids() if members is None else members:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    async def destroy(self, timeout_s: float) -> None:
-        """Kill every process in the cgroup, wait until none is left, and remove the cgroup
-        or, empty and (almost) uncharged, keep it for another run of the pool. CgroupError
-        (naming the survivors) if that takes longer than `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        delay = 0.001
-        while not self._teardown_round(deadline, timeout_s):
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    def destroy_sync(self, timeout_s: float) -> None:
-        """`destroy` for a thread without an event loop (a start that failed half-way)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._teardown_round(deadline, timeout_s):
-            time.sleep(0.005)
-
-    def _teardown_round(self, deadline: float, timeout_s: float) -> bool:
-        """One round of teardown: True once the cgroup is released (kept for reuse or removed);
-        otherwise its members are killed again, and past `deadline` CgroupError names them."""
-        if self.removed:
-            return True
-        members = self.pids()
-        if not members and self._release():
-            return True
-        self.kill_members(members)
-        if time.monotonic() > deadline:
-            raise CgroupError(f"sandbox processes {self.pids()} in {self.dirs[0]} survived SIGKILL for "
-                              f"{timeout_s:.0f} s")
-        return False
-
-    def _release(self) -> bool:
-        """An empty cgroup: keep it for another run if (almost) nothing is charged to it,
-        else remove it. False if the kernel still counts a process in it."""
-        if self._charged_bytes() <= self.REUSE_MAX_BYTES:
-            self.removed = True
-            self.pool.free.append(self)
-            return True
-        if self._try_remove():
-            self.removed = True
-            return True
-        return False
-
-    def _try_remove(self) -> bool:
-        for d in self.dirs:
-            try:
-                d.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                if e.errno == errno.EBUSY:
-                    return False
-                raise CgroupError(f"cannot remove {d}: {e}") from e
-        return True

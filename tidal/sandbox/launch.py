@@ -25,6 +25,7 @@ import functools
 import glob
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,12 @@ ETC_PATHS = ("/etc/ld.so.cache", "/etc/alternatives")
 DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 MERGED_USR_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+# Where host services keep their unix sockets (and other users their files): wherever a bind
+# would show one of these, an empty read-only tmpfs covers it (`mask_host_sockets`).
+# Connecting to a socket needs write permission on its inode, not a writable mount, so a
+# read-only bind alone does not stop a run from talking to a host service.
+SOCKET_DIRS = ("/run", "/var/run", "/tmp", "/var/tmp", "/dev/shm", "/var/lib/docker", "/var/lib/containerd",
+               "/var/lib/kubelet", "/var/spool", "/home", "/root")
 
 
 def python_flags(site_packages: bool) -> list[str]:
@@ -90,8 +97,17 @@ def _runs_as_root() -> bool:
     return os.geteuid() == 0
 
 
+def uid_pool_in_use(config: SandboxConfig) -> bool:
+    """Whether each sandbox gets a uid of its own (`uids`): as root, with a pool configured."""
+    return config.isolation == "bwrap" and _runs_as_root() and config.uid_pool_size > 0
+
+
 def sandbox_uid(config: SandboxConfig) -> int:
-    return config.sandbox_uid if _runs_as_root() else os.geteuid()
+    """The uid sandboxes run as (with a uid pool: its first, which stands for all of them in
+    permission checks: no host file belongs to a pool uid)."""
+    if not _runs_as_root():
+        return os.geteuid()
+    return config.uid_pool_start if uid_pool_in_use(config) else config.sandbox_uid
 
 
 @functools.lru_cache(maxsize=8)
@@ -144,6 +160,67 @@ def find_bwrap(config: SandboxConfig) -> str:
     return path
 
 
+# Kernel filesystems: no host socket lives there, and walking them takes long.
+NOT_SCANNED = ("/proc", "/sys", "/dev")
+
+
+def host_sockets(roots: list[str]) -> list[str]:
+    """Every unix socket under `roots` (symlinks not followed; /proc, /sys and /dev
+    skipped), through `find` where it is installed (three times faster than a Python walk
+    over /usr: it reads each entry's type from the directory, without a stat)."""
+    roots = [r for r in roots if os.path.lexists(r) and not any(r == n or r.startswith(n + "/") for n in NOT_SCANNED)]
+    if not roots:
+        return []
+    find = shutil.which("find")
+    if find is not None:
+        prune = [arg for n in NOT_SCANNED for arg in ("-path", n, "-o")][:-1]
+        out = subprocess.run([find, "-P", *roots, "(", *prune, ")", "-prune", "-o", "-type", "s", "-print0"],
+                             capture_output=True, timeout=300, check=False)
+        return sorted(p for p in out.stdout.decode(errors="surrogateescape").split("\0") if p)
+    found, stack = [], list(roots)
+    while stack:
+        path = stack.pop()
+        if _is_socket(path):
+            found.append(path)
+            continue
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        if entry.path not in NOT_SCANNED:
+                            stack.append(entry.path)
+                    elif not (entry.is_file(follow_symlinks=False) or entry.is_symlink()) and _is_socket(entry.path):
+                        found.append(entry.path)
+        except OSError:  # not a directory, not readable, gone
+            continue
+    return sorted(found)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+@functools.lru_cache(maxsize=16)
+def _socket_masks(bound: tuple[str, ...]) -> tuple[str, ...]:
+    """bubblewrap arguments that hide the host's sockets under the bound paths: an empty
+    read-only tmpfs over each socket directory a bind would show, and /dev/null over every
+    other socket found there now (one created later, outside those directories, would be
+    reachable if its permissions let the sandbox uid write it: docs/sandbox.md)."""
+    args = []
+    roots = [os.path.realpath(p) for p in bound]
+    masked = sorted({d for d in SOCKET_DIRS for r in roots
+                     if (d == r or d.startswith(r.rstrip("/") + "/")) and os.path.isdir(d) and not os.path.islink(d)})
+    for directory in masked:
+        args += ["--tmpfs", directory, "--remount-ro", directory]
+    for sock in host_sockets(roots):
+        if not any(sock.startswith(d + "/") for d in masked):
+            args += ["--ro-bind", "/dev/null", sock]
+    return tuple(args)
+
+
 def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLimits,
                 native_supervisor: str | None) -> list[str]:
     args = ["--ro-bind", "/usr", "/usr"]
@@ -156,8 +233,11 @@ def _mount_args(config: SandboxConfig, python: SandboxPython, limits: SandboxLim
     for path in [*ETC_PATHS, *site_config]:
         if os.path.exists(path):
             args += ["--ro-bind", path, path]
-    for path in [*python.prefixes, *config.extra_ro_binds, *([native_supervisor] if native_supervisor else [])]:
+    binds = [*python.prefixes, *config.extra_ro_binds, *([native_supervisor] if native_supervisor else [])]
+    for path in binds:
         args += ["--ro-bind", path, path]
+    if config.mask_host_sockets:
+        args += _socket_masks(("/usr", *ETC_PATHS, *site_config, *binds))
     for device in DEVICES:  # cheaper than --dev, and no /dev/pts, /dev/shm
         args += ["--dev-bind", device, device]
     # /proc/1 is the supervisor, which reports the run's result: an empty read-only
@@ -175,13 +255,29 @@ def _sandbox_env(config: SandboxConfig, workspace: str, tmp: str) -> dict[str, s
     return {"PATH": SANDBOX_PATH, "HOME": workspace, "TMPDIR": tmp, "LANG": "C.UTF-8", **config.env}
 
 
+def prepare(config: SandboxConfig) -> None:
+    """Build (and cache) the command line of the config's default limits now: the first
+    build walks the bound paths for host sockets (about a second over /usr), which a pool
+    does when it starts rather than in its first run."""
+    if config.isolation == "bwrap":
+        _command(config.model_dump_json(), config.limits.tmp_bytes, config.limits.workspace_bytes)
+
+
 def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, status_fd: int,
-                 bwrap_fds: dict[str, int] | None = None) -> Launch:
+                 bwrap_fds: dict[str, int] | None = None, uid: int | None = None) -> Launch:
     """The command that starts one runner, reading its request from `request_fd` and
     reporting set-up on `status_fd` (both inherited at the same numbers). `bwrap_fds` are
-    bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`)."""
-    head, tail, runner_frame, run_as, native = _command(config.model_dump_json(), limits.tmp_bytes,
+    bubblewrap's own descriptors by option (`seccomp`, `json-status-fd`, `block-fd`); `uid`
+    the host uid this sandbox runs as, when tidal runs as root (default: `sandbox_uid`)."""
+    head, tail, runner_frame, switch, native = _command(config.model_dump_json(), limits.tmp_bytes,
                                                         limits.workspace_bytes)
+    run_as = None
+    if switch is not None:
+        uid = config.sandbox_uid if uid is None else uid
+        if switch == "thread":
+            run_as = (uid, uid)
+        else:  # the path of setpriv
+            head = (switch, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *head)
     # Make the supervisor non-dumpable (proof against ptrace), needed only where no syscall
     # filter denies ptrace; the runner's last argument: whether it forks its own supervisor.
     undumpable = "1" if config.isolation == "bwrap" and not config.seccomp else "0"
@@ -201,11 +297,12 @@ def build_launch(config: SandboxConfig, limits: SandboxLimits, request_fd: int, 
 
 @functools.lru_cache(maxsize=32)
 def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
-             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, tuple[int, int] | None, str | None]:
+             ) -> tuple[tuple[str, ...], tuple[str, ...], bytes, str | None, str | None]:
     """The command line, split where bubblewrap's per-start options go, up to the runner's
     own arguments (the same for every sandbox of a config: built once, it spares each
-    start a few dozen stat calls), the user to start it as, if the starter thread
-    switches to it itself, and the native supervisor, if there is one (`supervisor`)."""
+    start a few dozen stat calls), how it changes user when tidal runs as root ("thread":
+    the starter thread switches itself; else the path of `setpriv`; None: it does not), and
+    the native supervisor, if there is one (`supervisor`)."""
     config = SandboxConfig.model_validate_json(config_json)
     python = resolve_python(config)
     runner = [python.executable, *python_flags(config.python_site_packages), "-c", BOOTSTRAP]
@@ -219,14 +316,16 @@ def _command(config_json: str, tmp_bytes: int, workspace_bytes: int
     for name, value in _sandbox_env(config, WORKSPACE, "/tmp").items():
         argv += ["--setenv", name, value]
     argv += ["--chdir", WORKSPACE]
-    run_as = None
+    if uid_pool_in_use(config):
+        # Inside, every sandbox is the same user whatever pool uid it runs as outside: what a
+        # program sees (`ls -l`, `id`) does not depend on which uid it was given.
+        argv += ["--uid", str(config.sandbox_uid), "--gid", str(config.sandbox_uid)]
+    switch = None
     if _runs_as_root() and thread_user.available():
-        run_as = (config.sandbox_uid, config.sandbox_uid)
+        switch = "thread"
     elif _runs_as_root():
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
+        switch = shutil.which("setpriv")
+        if switch is None:
             raise SandboxUnavailable("tidal runs as root and `setpriv` (util-linux) is missing: it is needed to start "
                                      "bubblewrap as an unprivileged uid")
-        uid = str(config.sandbox_uid)
-        argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
-    return tuple(argv), ("--", *runner), python.runner_frame, run_as, native
+    return tuple(argv), ("--", *runner), python.runner_frame, switch, native

@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from tidal.sandbox import cgroup, seccomp
+from tidal.sandbox import cgroup, seccomp, uids
+from tidal.sandbox.cgroup_run import new_run
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
-from tidal.sandbox.launch import find_bwrap, resolve_python
+from tidal.sandbox.launch import find_bwrap, prepare, resolve_python, uid_pool_in_use
 from tidal.sandbox.process import KILL_GRACE_S, SandboxProcess
 from tidal.sandbox.result import SandboxResult, SandboxStatus, SandboxUnavailable
 from tidal.sandbox.session import PythonSession, ShellSession
@@ -34,6 +36,13 @@ Files = Mapping[str, "bytes | str"]
 WARM_MARGIN_S = 5.0
 # Sandbox settings already shown to work in this process (one probe run each, not one per pool).
 _PROBED: set[str] = set()
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        log.warning("%s", message)
 
 
 def _request_files(files: Files | None, reserved: str | None = None) -> dict[str, bytes]:
@@ -69,6 +78,9 @@ class SandboxPool:
         self._starter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tidal-sandbox-start")
         self._sessions: set[PythonSession | ShellSession] = set()
         self._cgroups: cgroup.PoolCgroups | None = None  # where the runs' cgroups go (None: rlimits only)
+        # A uid per live sandbox (None: all run as sandbox_uid, or as this user when not root).
+        self._uids = (uids.UidPool(self.config.uid_pool_start, self.config.uid_pool_size)
+                      if uid_pool_in_use(self.config) else None)
         self._checked = False
         self._start_lock = asyncio.Lock()  # the first runs of many episodes arrive together
         self._closed = False
@@ -95,7 +107,12 @@ class SandboxPool:
 
     async def _check_and_warm(self) -> None:
         probe_key = self.config.model_dump_json(include={"isolation", "python", "python_site_packages",
-                                                         "extra_ro_binds", "sandbox_uid", "bwrap", "seccomp", "cgroups"})
+                                                         "extra_ro_binds", "sandbox_uid", "bwrap", "seccomp", "cgroups",
+                                                         "uid_pool_start", "uid_pool_size", "mask_host_sockets"})
+        if self.config.isolation == "bwrap" and self.config.uid_pool_size > 0 and self._uids is None:
+            _warn_once("sandbox: tidal does not run as root, so every sandbox runs as this user (uid "
+                       f"{os.geteuid()}) and they share its per-user kernel quotas (inotify instances, pipe buffers, "
+                       "message queues): one run can exhaust them for the others (docs/sandbox.md)")
         if self.config.isolation == "bwrap":
             if self.config.seccomp:
                 seccomp.filter_program()  # SandboxUnavailable without libseccomp
@@ -116,17 +133,24 @@ class SandboxPool:
             _PROBED.add(probe_key)
         else:
             resolve_python(self.config)
+        await asyncio.get_running_loop().run_in_executor(self._starter, prepare, self.config)
         self._checked = True
         self._fill_warm()
 
     def _make_cgroups(self) -> None:
         layout, reason = cgroup.detect()
+        if layout is not None and layout.missing and self.config.require_cgroups:
+            raise SandboxUnavailable(f"sandbox.require_cgroups is set but the {', '.join(layout.missing)} controller "
+                                     f"cannot be used: {'; '.join(layout.missing.values())}")
         if layout is not None:
             try:
-                self._cgroups = cgroup.PoolCgroups(layout)
+                self._cgroups = cgroup.PoolCgroups(layout, self.config.max_concurrency + self.config.warm)
+                cgroup.warn_missing_once(layout.missing)
                 return
             except cgroup.CgroupError as e:
                 reason = str(e)
+        if self.config.require_cgroups:
+            raise SandboxUnavailable(f"sandbox.require_cgroups is set but no per-run cgroup can be made: {reason}")
         cgroup.warn_once(reason)
 
     async def close(self) -> None:
@@ -204,17 +228,23 @@ class SandboxPool:
     def _spawn(self, limits: SandboxLimits, stdin_pipe: bool) -> SandboxProcess:
         """Start one sandbox in a cgroup of its own (on a starter thread)."""
         run_cgroup = None
-        if self._cgroups is not None:
-            try:
-                run_cgroup = self._cgroups.new_run(limits.memory_bytes, limits.max_processes)
-            except cgroup.CgroupError as e:
-                raise OSError(str(e)) from e
+        uid = self._uids.acquire() if self._uids is not None else None
         try:
-            return SandboxProcess.start(self.config, limits, stdin_pipe, run_cgroup)
+            if self._cgroups is not None:
+                try:
+                    run_cgroup = new_run(self._cgroups, limits.memory_bytes, limits.max_processes, limits.cpus)
+                except cgroup.CgroupError as e:
+                    raise OSError(str(e)) from e
+            process = SandboxProcess.start(self.config, limits, stdin_pipe, run_cgroup, uid)
         except BaseException:
             if run_cgroup is not None:
-                run_cgroup.destroy_sync(KILL_GRACE_S)
+                run_cgroup.destroy_sync(KILL_GRACE_S)  # raises if a process survived: the uid stays taken
+            if uid is not None:
+                self._uids.release(uid)
             raise
+        if uid is not None:
+            process.on_gone = lambda: self._uids.release(uid)
+        return process
 
     async def _start_process(self, limits: SandboxLimits, stdin_pipe: bool = False) -> SandboxProcess:
         started = asyncio.get_running_loop().run_in_executor(self._starter, self._spawn, limits, stdin_pipe)

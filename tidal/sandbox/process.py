@@ -37,10 +37,12 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidal.sandbox import seccomp, thread_user
-from tidal.sandbox.cgroup import CgroupError, RunCgroup
+from tidal.sandbox.cgroup import CgroupError
+from tidal.sandbox.cgroup_run import RunCgroup
 from tidal.sandbox.config import SandboxConfig, SandboxLimits
 from tidal.sandbox.launch import Launch, build_launch
 from tidal.sandbox.result import SandboxResult, SandboxStatus, classify_exit, classify_signal
@@ -194,6 +196,8 @@ class SandboxProcess:
 
     def __init__(self, popen: subprocess.Popen, launch: Launch, fds: dict[str, int], limits: SandboxLimits,
                  cgroup: RunCgroup | None):
+        # Called once no process of this sandbox is left (the pool gives its uid back then).
+        self.on_gone: Callable[[], None] | None = None
         self.popen = popen
         self.launch = launch
         self.limits = limits  # the tmpfs sizes it was started with
@@ -212,7 +216,7 @@ class SandboxProcess:
 
     @classmethod
     def start(cls, config: SandboxConfig, limits: SandboxLimits, stdin_pipe: bool = False,
-              cgroup: RunCgroup | None = None) -> SandboxProcess:
+              cgroup: RunCgroup | None = None, uid: int | None = None) -> SandboxProcess:
         """Start a sandbox whose runner then waits for its request (synchronous, on a starter
         thread: a fork and an exec, and with a cgroup the wait for bubblewrap's init)."""
         ours: dict[str, int] = {}
@@ -247,7 +251,7 @@ class SandboxProcess:
             if "json" in child_fds:
                 bwrap_fds["json-status-fd"] = child_fds["json"]
                 bwrap_fds["block-fd"] = child_fds["block"]
-            launch = build_launch(config, limits, request_r, status_w, bwrap_fds)
+            launch = build_launch(config, limits, request_r, status_w, bwrap_fds, uid)
             # Written before the runner exists: a pipe buffers 64 KiB, the runner is ~17 KiB
             # (a partial write, or BlockingIOError, would say it no longer fits).
             if os.write(ours["request"], launch.runner_frame) != len(launch.runner_frame):
@@ -313,7 +317,7 @@ class SandboxProcess:
         """Set the run's memory and process limits on its cgroup (a warm sandbox was
         started with the pool's defaults)."""
         if self.cgroup is not None:
-            self.cgroup.set_limits(limits.memory_bytes, limits.max_processes)
+            self.cgroup.set_limits(limits.memory_bytes, limits.max_processes, limits.cpus)
 
     async def send(self, message: dict) -> bool:
         """Write one frame to the runner; False when it is gone (the pipe is broken)."""
@@ -391,6 +395,10 @@ class SandboxProcess:
                 reader.close()
             if self.launch.host_workspace:
                 shutil.rmtree(self.launch.host_workspace, ignore_errors=True)
+            gone = self.popen.returncode is not None and (self.cgroup is None or self.cgroup.removed)
+            if gone and self.on_gone is not None:  # a survivor keeps its uid out of use
+                self.on_gone()
+                self.on_gone = None
 
     def _finish_teardown_sync(self) -> None:
         """The rest of `close` without the event loop (it was cancelled: a loop shutting

@@ -11,6 +11,10 @@ covers what Docker's and Flatpak's default profiles deny. Denied calls fail with
 (clone3 with ENOSYS, so that the C library falls back to clone, whose flags the filter can
 read); nothing is killed for asking. A syscall of another ABI (i386 `int 0x80`, x32 on
 x86-64) kills the process: the filter only knows the native numbers.
+
+Arguments the kernel reads as a C `int` (a socket's family, an ioctl request) are compared
+on their low 32 bits only: the kernel ignores the upper half of the register, so a rule on
+all 64 bits could be passed by setting bits the kernel never looks at.
 """
 
 from __future__ import annotations
@@ -72,10 +76,33 @@ TIOCSTI, TIOCLINUX = 0x5412, 0x541C  # push characters into a terminal's input; 
 # set, except in the query 0xffffffff).
 PERSONALITY_DENIED = {"READ_IMPLIES_EXEC": 0x0400000, "ADDR_NO_RANDOMIZE": 0x0040000, "MMAP_PAGE_ZERO": 0x0100000,
                       "ADDR_COMPAT_LAYOUT": 0x0200000, "ADDR_LIMIT_32BIT": 0x0800000, "ADDR_LIMIT_3GB": 0x8000000}
+# Socket families a run may create: local sockets, IP on the sandbox's own loopback, and
+# route netlink (the C library's getaddrinfo and getifaddrs read the interfaces through it;
+# without capabilities it can change nothing). Every other family up to FAMILY_SCAN_END is
+# refused with EAFNOSUPPORT, as if the kernel lacked it (Docker's profile refuses AF_VSOCK,
+# Flatpak's all but these): vsock, packet, bluetooth, the crypto API (AF_ALG), CAN, TIPC, RDS,
+# XDP… reach kernel code and host-wide state that no network namespace covers.
+ALLOWED_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+AF_NETLINK, NETLINK_ROUTE = 16, 0
+# The kernel refuses families >= AF_MAX (46 in Linux 6.x) itself; the scan leaves room for
+# families later kernels add.
+FAMILY_SCAN_END = 64
+# preadv2(RWF_NOWAIT) fails with EAGAIN exactly when the data is not in the page cache: a
+# precise probe of what other runs read (the page-cache channel, docs/sandbox.md). Refused
+# with EOPNOTSUPP, which callers already handle (files that cannot do non-blocking reads).
+RWF_NOWAIT = 0x8
+# posix_fadvise(POSIX_FADV_DONTNEED) evicts clean pages of any file the caller can open, the
+# page-cache channel's way to write a 0; made a no-op that succeeds (it is only advice).
+POSIX_FADV_DONTNEED = 4
 ARGUMENT_RULES = (
     ("clone", "with any CLONE_NEW* flag: new namespaces, as unshare"),
     ("clone3", "fails with ENOSYS (its flags sit in memory the filter cannot read); the C library then uses clone"),
     ("ioctl", "TIOCSTI and TIOCLINUX: typing into a terminal the sandbox shares (bubblewrap's own advice)"),
+    ("socket", (f"of a family other than {', '.join(ALLOWED_FAMILIES)} (EAFNOSUPPORT); netlink other than "
+                "NETLINK_ROUTE (EPROTONOSUPPORT)")),
+    ("socketpair", f"of a family other than {', '.join(ALLOWED_FAMILIES)} (EAFNOSUPPORT)"),
+    ("preadv2", "with RWF_NOWAIT (EOPNOTSUPP): it tells whether data is in the page cache"),
+    ("fadvise64", "POSIX_FADV_DONTNEED does nothing and succeeds: it would evict other runs' page cache"),
     ("personality", (f"with {', '.join(PERSONALITY_DENIED)} (READ_IMPLIES_EXEC makes every readable page "
                      "executable; the others undo address-space randomization or map page zero)")),
 )
@@ -123,6 +150,17 @@ def filter_program() -> bytes:
     rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for request in (TIOCSTI, TIOCLINUX):
         rule(deny, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    low32 = 0xFFFFFFFF
+    for family in range(FAMILY_SCAN_END):
+        if family not in ALLOWED_FAMILIES.values():
+            for call in ("socket", "socketpair"):
+                rule(sc.ERRNO(errno.EAFNOSUPPORT), call, sc.Arg(0, sc.MASKED_EQ, low32, family))
+    # Any protocol but NETLINK_ROUTE; "not 0" on all 64 bits refuses more, never less.
+    rule(sc.ERRNO(errno.EPROTONOSUPPORT), "socket", sc.Arg(0, sc.MASKED_EQ, low32, AF_NETLINK),
+         sc.Arg(2, sc.NE, NETLINK_ROUTE))
+    rule(sc.ERRNO(errno.EOPNOTSUPP), "preadv2", sc.Arg(5, sc.MASKED_EQ, RWF_NOWAIT, RWF_NOWAIT))
+    for call in ("fadvise64", "fadvise64_64"):  # the name differs between architectures
+        rule(sc.ERRNO(0), call, sc.Arg(3, sc.MASKED_EQ, low32, POSIX_FADV_DONTNEED))
     # A flag set, and some other bit of the 32-bit argument clear (so: not the query).
     for flag in PERSONALITY_DENIED.values():
         for bit in range(32):

@@ -8,7 +8,10 @@ or its output cap kills the whole session (its state is then unknowable); so doe
 exit of the interpreter or shell. Later turns raise `SandboxSessionClosed`.
 
 A session holds no concurrency slot while idle (the policy is generating); each turn
-takes one while it runs.
+takes one while it runs. Between turns its cgroup is frozen (where the freezer is
+available), so what it left running in the background gets no CPU while it holds no slot;
+the host then ends a session idle for `idle_timeout_s` (frozen, it cannot time out by
+itself).
 """
 
 from __future__ import annotations
@@ -48,12 +51,36 @@ class _Session:
         self._pending_err = bytearray()
         self._eof = {"out": False, "err": False}
         self.ended: str | None = None  # why the session is over
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_end: asyncio.Task | None = None
+        self._closing: asyncio.Future | None = None
 
     async def open(self, files: dict[str, bytes], runner_limits: dict[str, int]) -> None:
         self._registry.add(self)
         self.process.apply_limits(self.limits)
         if not await self.process.send(self._setup_request(files, runner_limits)):
             await self._end("the sandbox exited before the session was set up")
+        else:
+            self._pause()
+
+    def _pause(self) -> None:
+        """Between turns: freeze the session's processes and start the host's idle clock."""
+        cgroup = self.process.cgroup
+        if cgroup is None or not cgroup.can_freeze:
+            return  # unfrozen, the session's own idle timeout ends it
+        cgroup.freeze()
+        self._idle_timer = asyncio.get_running_loop().call_later(self._idle_timeout_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        if self.ended is None:
+            self._idle_end = asyncio.ensure_future(self._end(f"idle for idle_timeout_s={self._idle_timeout_s}"))
+
+    def _resume(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self.process.cgroup is not None:
+            self.process.cgroup.thaw()
 
     def _setup_request(self, files: dict[str, bytes], runner_limits: dict[str, int]) -> dict:
         raise NotImplementedError
@@ -65,11 +92,17 @@ class _Session:
         await self.close()
 
     async def close(self) -> None:
-        """End the session and its sandbox (at the episode's end)."""
+        """End the session and its sandbox (at the episode's end). Every caller returns once
+        the sandbox is gone (the pool's close waits for a session the host's idle clock
+        is ending): the session leaves the pool's registry only then."""
         if self.ended is None:
             self.ended = "closed"
-        self._registry.discard(self)
-        await self.process.close()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.process.close())
+            self._closing.add_done_callback(lambda _: self._registry.discard(self))
+        await asyncio.shield(self._closing)
 
     async def _end(self, reason: str) -> None:
         self.ended = reason
@@ -83,6 +116,9 @@ class _Session:
         token = secrets.token_hex(8).encode()
         out_marker, err_marker = b"\n" + token + b":", b"\n" + token + b"\n"
         async with self._slots:
+            if self.ended is not None:  # ended (idle) while waiting for the slot
+                raise SandboxSessionClosed(f"sandbox session has ended: {self.ended}")
+            self._resume()
             t0 = time.monotonic()
             if not await send(token.decode()):
                 return await self._exited(b"", b"", t0)
@@ -132,6 +168,7 @@ class _Session:
             self._pending_out[:0], self._pending_err[:0] = turn_out, turn_err
             return await self._killed(SandboxStatus.OUTPUT_LIMIT, t0,
                                       f"killed after output_bytes={cap} on one stream in a session turn")
+        self._pause()
         status, code, sig = classify_exit(exit_code, turn_err, from_bwrap=True)
         return SandboxResult(status, turn_out.decode(errors="replace"), turn_err.decode(errors="replace"), code, sig,
                              time.monotonic() - t0)

@@ -15,7 +15,8 @@ is far dearer than a vfork.
 The saved user id stays 0 while the thread runs as the other user, which is what allows
 the switch back; the exec clears it (the started program's saved id is its effective one,
 and it has no capabilities). Changing the effective user resets the process's "dumpable"
-flag, so it is restored afterwards.
+flag, which is the process's and not the thread's: with several starter threads switching
+at once, the first one in saves it and the last one out restores it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
+# Threads switched right now, and the process's dumpable flag from before the first of them.
+_switched = {"threads": 0, "dumpable": 0}
+_switched_lock = threading.Lock()
 
 
 class ThreadUserError(OSError):
@@ -79,7 +84,10 @@ def thread_runs_as(uid: int, gid: int):
     ruid, euid, suid = os.getresuid()  # the calling thread's: these are system calls, per thread
     rgid, egid, sgid = os.getresgid()
     groups = os.getgroups()
-    dumpable = prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+    with _switched_lock:
+        if _switched["threads"] == 0:
+            _switched["dumpable"] = prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+        _switched["threads"] += 1
     changed = []
     try:
         _set_groups([])  # while still privileged: groups, then the group, then the user
@@ -100,8 +108,10 @@ def thread_runs_as(uid: int, gid: int):
                     undo()
                 except ThreadUserError as e:
                     errors.append(str(e))
-        if dumpable > 0:
-            prctl(PR_SET_DUMPABLE, dumpable, 0, 0, 0)
+        with _switched_lock:
+            _switched["threads"] -= 1
+            if _switched["threads"] == 0 and _switched["dumpable"] > 0:
+                prctl(PR_SET_DUMPABLE, _switched["dumpable"], 0, 0, 0)
         if errors:
             raise ThreadUserError(0, "the sandbox starter thread could not switch back to its own user: "
                                   + "; ".join(errors))
