@@ -95,6 +95,14 @@ def test_a_job_too_small_for_the_roles_is_refused(capsys):
     assert main([*args, "--nodes", "2"]) == 0  # the control: enough nodes
 
 
+def test_without_sbatch_the_error_names_it_and_the_script_stays(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no Slurm client commands
+    run = tmp_path / "run"
+    assert main(["launch", "slurm", *SHORT, f"run.dir={run}"]) == 2
+    assert "`sbatch` is not on PATH" in capsys.readouterr().err
+    assert (run / "launch.sbatch").is_file()  # written: it can be submitted by hand
+
+
 def test_bad_override_is_refused_before_anything_is_written(tmp_path, capsys):
     assert main(["launch", "slurm", "placement.trainer_ranks=0", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "trainer_ranks" in capsys.readouterr().err
