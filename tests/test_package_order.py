@@ -25,7 +25,7 @@ LAYERS = [
     {"models", "sandbox"},
     {"engines", "trainer", "envs", "rewards", "weightsync", "monitor"},
     {"runtime", "plan"},
-    {"cli", "recipes"},
+    {"cli", "recipes", "launch"},
 ]
 
 

@@ -10,6 +10,8 @@
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
     tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
     tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
+    tidal launch slurm [CONFIG.yaml] [section.key=value ...] [--nodes N] [--gpus-per-node G] [--partition P]
+                       [--time T] [--dry-run]
     tidal plan SPEC.yaml [--simulate] [--explain] [--out DIR] | tidal plan calibrate RUN_DIR
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
@@ -197,6 +199,40 @@ def cmd_eval(ns: argparse.Namespace) -> int:
               f"(failed episodes, counted wrong: {failed}){tools}")
         if res.get("first_error"):
             print(f"  first failure: {res['first_error']}")
+    return 0
+
+
+def cmd_launch_slurm(ns: argparse.Namespace) -> int:
+    """Write an sbatch script that runs a Ray cluster and `tidal train` on it; submit it (tidal/launch/slurm.py)."""
+    from tidal.launch.slurm import (
+        SlurmJob,
+        check_nodes,
+        default_run_dir,
+        node_resources,
+        plan_nodes,
+        prepare,
+        render,
+        submit,
+    )
+
+    config, overrides = _split_args(ns.args)
+    cfg = load_config(config, [*overrides, "placement.mode=ray"])  # validated before anything is written
+    trainer_nodes, engine_nodes = plan_nodes(cfg, ns.gpus_per_node)
+    nodes = ns.nodes or trainer_nodes + engine_nodes
+    check_nodes(cfg, nodes, ns.gpus_per_node)
+    run_dir = default_run_dir(cfg)
+    job = SlurmJob(config=Path(config).resolve() if config else None, overrides=overrides, run_dir=run_dir,
+                   nodes=nodes, trainer_nodes=trainer_nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition,
+                   time=ns.time, job_name=f"tidal-{cfg.run.name}", node_resources=node_resources(cfg, nodes, trainer_nodes))
+    if ns.dry_run:
+        print(render(job), end="")
+        return 0
+    script = prepare(job)
+    job_id = submit(script)
+    print(f"tidal: submitted Slurm job {job_id}: {nodes} node(s), run directory {run_dir}\n"
+          f"  follow it: squeue -j {job_id}; tail -f {run_dir}/slurm-{job_id}.out; stop it: scancel {job_id}",
+          file=sys.stderr)
+    print(json.dumps({"job_id": job_id, "run_dir": str(run_dir), "script": str(script), "nodes": nodes}))
     return 0
 
 
@@ -413,10 +449,27 @@ def _parser() -> argparse.ArgumentParser:
     _run_commands(sub)
     _build_commands(sub)
     _serve_commands(sub)
+    _launch_commands(sub)
     from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
 
     add_plan_parser(sub)
     return p
+
+
+def _launch_commands(sub) -> None:
+    la = sub.add_parser("launch", help="run a training job on a cluster's scheduler (docs/clusters.md)")
+    lsub = la.add_subparsers(dest="scheduler", required=True)
+    s = lsub.add_parser("slurm", help="write and submit an sbatch script: a Ray cluster over the job's nodes, "
+                        "`tidal train` on it, the cluster stopped with the job")
+    s.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (as for `tidal train`)")
+    s.add_argument("--nodes", type=int, default=None, help="nodes to allocate (default: what the config's trainer "
+                   "and engine GPUs need at --gpus-per-node; 1 for a CPU job)")
+    s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (#SBATCH --gpus-per-node; Ray's "
+                   "--num-gpus); 0: a CPU job")
+    s.add_argument("--partition", default=None, help="Slurm partition (default: the cluster's default)")
+    s.add_argument("--time", default=None, help="time limit, as sbatch --time takes it (e.g. 04:00:00)")
+    s.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    s.set_defaults(fn=cmd_launch_slurm)
 
 
 def _run_commands(sub) -> None:
