@@ -96,9 +96,9 @@ class Controller:
         torch.manual_seed(cfg.run.seed)
         run_dir = Path(cfg.run.dir or f"runs/{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.paths = RunPaths(run_dir)
-        # One run per directory, from before its first write to close() (tidal/runtime/run_lock.py).
+        # One run per directory, from before its first write (in `_open`, once the inputs are
+        # checked) to close() (tidal/runtime/run_lock.py).
         self.run_lock = RunLock(run_dir)
-        self.run_lock.acquire()
         self.disk_error: DiskError | None = None  # a disk error met while closing (close() does not raise it)
         self.parts = self.run_log = self.resumed_from = None
         self._learning: int | None = None  # the step being learned (named by a write that fails in it)
@@ -149,6 +149,7 @@ class Controller:
         its config.yaml and train.log, and what an earlier attempt left past the checkpoint
         (resumes.jsonl gets its line once the start has succeeded)."""
         run_dir, cfg = self.paths.root, self.cfg
+        self.run_lock.acquire()  # a second run, or a resume of a live one, is refused here by name
         resume_from = self.paths.latest_checkpoint() if resume else None
         if resume and resume_from is None:
             raise FileNotFoundError(f"--resume: no complete checkpoint under {self.paths.checkpoints}")
