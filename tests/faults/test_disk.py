@@ -139,9 +139,9 @@ def _fill_before_train_log(disk, monkeypatch, ctl):
 
 
 def _fill_before_events(disk, monkeypatch, ctl):
-    import tidal.runtime.controller as controller_module
+    import tidal.runtime.health as health_module  # the step's health checks write events.jsonl
 
-    real = getattr(controller_module, "append_lines", None)
+    real = getattr(health_module, "append_lines", None)
 
     def append(path, lines):
         if path.name == "events.jsonl":
@@ -149,11 +149,11 @@ def _fill_before_events(disk, monkeypatch, ctl):
             disk.fail(path)
         return real(path, lines)
     if disk.kind == "injected":
-        monkeypatch.setattr(controller_module, "append_lines", append)
+        monkeypatch.setattr(health_module, "append_lines", append)
     else:
-        _wrap(monkeypatch, ctl, "_alert", lambda *a: disk.fill())
+        _wrap(monkeypatch, ctl.health, "watch", lambda *a: disk.fill())
     # an alert fires at this step (a long message: more than the file's slack), so events.jsonl is written
-    monkeypatch.setattr(ctl.alerts, "update", lambda step, *a: [AlertEvent("kl_spike", step, "k" * 9000, 1.0, 0.5)])
+    monkeypatch.setattr(ctl.health.alerts, "update", lambda step, *a: [AlertEvent("kl_spike", step, "k" * 9000, 1.0, 0.5)])
     return "events.jsonl"
 
 

@@ -107,12 +107,12 @@ class Health:
             if events:
                 append_lines(self.root / "hacking_events.jsonl", [json.dumps(e.to_dict()) + "\n" for e in events])
         fired = self.alerts.update(step, metrics, events) if self.alerts is not None else []
+        restarts = role_restarts(self.roles, step) if self.roles is not None else []
+        if lines := [a.to_dict() for a in fired] + restarts:  # recorded before it is said: a full disk names this file
+            append_lines(self.root / "events.jsonl", [json.dumps(e) + "\n" for e in lines])
         for a in fired:
             metrics[f"alerts/{a.alert}"] = 1.0
             log.warning("alert %s at step %d: %s", a.alert, step, a.message)
-        restarts = role_restarts(self.roles, step) if self.roles is not None else []
-        if lines := [a.to_dict() for a in fired] + restarts:
-            append_lines(self.root / "events.jsonl", [json.dumps(e) + "\n" for e in lines])
         return fired
 
     # -- after the step's metrics are written ------------------------------------------------------
