@@ -255,6 +255,15 @@ class ParallelConfig(_Section):
         return {"dp_replicate": self.dp_replicate, "dp_shard": shard, "cp": self.cp, "tp": self.tp, "ep": self.ep}
 
 
+class MoeConfig(_Section):
+    """Mixture-of-experts training (a model with top-k routers, e.g. Qwen3-MoE; docs/moe.md). The
+    router always runs in float32 (tidal/models/moe.py)."""
+
+    routing_replay: Literal["none", "R2", "R3"] = Field("none", description="Routing replay. R3 (rollout routing replay): on every generated token the trainer's forward (log-prob pass and update) uses the experts the engine chose (recorded per token and layer, carried by the episodes), while the router's weight still gets its gradient through its softmax at those experts; prompt and observation tokens (which the engine did not generate) use the trainer's own routing. R2: the trainer's own routing, recorded in the log-prob pass that computes the PPO anchor, is replayed in the updates (only when there is such a pass: train.mini_batches x train.epochs > 1). none: the trainer routes every token itself.")
+    aux_loss_coef: float = Field(0.0, ge=0.0, description="Load-balancing loss (Switch/transformers': experts x sum over experts of token share x mean router probability, per layer, averaged over layers) added to the policy loss with this coefficient. 0 (the default, as the large-MoE RL recipes run): off.")
+    measure_unreplayed: bool = Field(False, description="With routing replay on, also run each micro-batch once without replay (no gradient) to report the engine/trainer log-prob mismatch the replay removed (moe/logprob_abs_diff_unreplayed): one more forward per micro-batch.")
+
+
 class TrainConfig(_Section):
     steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0.0, description="Peak AdamW learning rate.")
@@ -275,6 +284,7 @@ class TrainConfig(_Section):
     logprob_chunk_tokens: int = Field(512, ge=1, description="Log-probs and entropy are computed from the output head this many tokens at a time (their logits recomputed in the backward pass), so memory holds chunk x vocabulary logits, never tokens x vocabulary (tidal/trainer/parallel/logprob.py).")
     mini_batches: int = Field(1, ge=1, description="Optimizer steps per rollout batch; the global batch must divide evenly.")
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    moe: MoeConfig = Field(default_factory=MoeConfig, description="Mixture-of-experts models: routing replay and the balancing loss (docs/moe.md).")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")
 
 
@@ -482,6 +492,17 @@ class TidalConfig(_Section):
                 and self.rollout.max_turns > 1):
             raise ValueError(f"rollout.prefix_policy=split with algorithm.advantage={self.algorithm.advantage}: a critic cannot value a segment "
                              "apart from its episode; use rollout.prefix_policy=continue")
+        moe = self.train.moe
+        # (that model.path is a mixture of experts is checked when it is resolved: tidal/runtime/assemble.py)
+        if moe.routing_replay != "none" and self.train.parallel.cp > 1:
+            raise ValueError(f"train.moe.routing_replay={moe.routing_replay} with train.parallel.cp={self.train.parallel.cp}: "
+                             "replay is not laid out over context-parallel slices yet; use cp=1")
+        if moe.routing_replay != "none" and self.train.activation_checkpointing:
+            raise ValueError(f"train.moe.routing_replay={moe.routing_replay} with train.activation_checkpointing: the "
+                             "recomputed forward would route without the replayed experts; turn one off")
+        if moe.routing_replay == "R3" and self.engine.kind not in ("auto", "torch", "vllm"):
+            raise ValueError(f"train.moe.routing_replay=R3 needs an engine that records its experts (torch, vllm); "
+                             f"engine.kind={self.engine.kind} does not")
         if self.rollout.global_batch % self.train.mini_batches:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} does not divide the global batch "

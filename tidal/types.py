@@ -79,6 +79,9 @@ class GenerationResult:
     finish_reason: str  # "stop" (a stop token or stop string was produced) | "length"
     version: int  # newest weight version that produced a token of this result
     token_versions: list[int] | None = None  # per token; None: all tokens are `version`'s
+    # A mixture of experts: the experts each token was routed to when fed back ([tokens, layers, k]
+    # uint8/int16, the dtype's maximum where none: the last token): tidal/models/moe.py. None: not recorded.
+    routed_experts: Any = None
 
     def versions_per_token(self) -> list[int]:
         """The weight version of each token in `token_ids`."""
@@ -152,6 +155,10 @@ class Episode:
     # the pictures are in `image_blobs` while the episode is in memory and under RUN/images/ on disk.
     images: list[str] = field(default_factory=list)
     image_blobs: dict[str, Any] = field(default_factory=dict, repr=False)  # id -> ImageBlob; not stored in Parquet
+    # A mixture of experts: the engine's experts per token ([len(tokens), layers, k] uint8/int16, the dtype's
+    # maximum where the engine routed nothing: prompt and observation tokens), for routing replay
+    # (tidal/models/moe.py, docs/moe.md). None: the engine recorded none.
+    routed_experts: Any = None
 
     @property
     def num_policy_tokens(self) -> int:

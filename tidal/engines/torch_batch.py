@@ -13,6 +13,7 @@ import concurrent.futures
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tidal.engines.lean_decode import KVCache
@@ -42,6 +43,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    routed: list[np.ndarray] = field(default_factory=list)  # an MoE's experts [layers, k] per fed token
 
     @property
     def request(self) -> GenerationRequest:
@@ -50,13 +52,22 @@ class Seq:
     def finish(self, reason: str) -> None:
         call = self.call
         call.out[self.index] = GenerationResult(self.request.request_id, self.tokens, self.logprobs, reason,
-                                                max(self.versions), token_versions=self.versions)
+                                                max(self.versions), token_versions=self.versions,
+                                                routed_experts=self._routed())
         call.left -= 1
         if call.left == 0 and not call.future.done():
             try:
                 call.future.set_result(call.out)
             except concurrent.futures.InvalidStateError:  # cancelled just now
                 pass
+
+
+    def _routed(self) -> np.ndarray | None:
+        """[tokens, layers, k]: the experts of each fed token; the last (never fed) row marks none."""
+        if not self.routed:
+            return None
+        last = np.full_like(self.routed[0], np.iinfo(self.routed[0].dtype).max)[None]
+        return np.concatenate([np.stack(self.routed[: len(self.tokens) - 1]), last])
 
 
 def calls_of(waiting: Waiting, rows: Rows | None) -> set[Call]:

@@ -56,6 +56,12 @@ before sampling, so they are never drawn and the log-probs are those of the mask
 distribution, as the trainer computes them. A session's next turn reuses its prefix KV only if
 its images begin with the ones that prefix saw (image pads are one token id for every picture).
 
+Mixture of experts (a model with top-k routers, e.g. Qwen3-MoE): its routers are tidal's
+(tidal/models/moe.py: float32, as the trainer's) and record the experts each decode step
+chose; every fed generated token's choice (per layer, top-k) comes back in
+`GenerationResult.routed_experts`, for rollout routing replay (docs/moe.md). Prompt tokens
+are not recorded (the trainer routes them itself), nor the last sampled token, never fed.
+
 Stop strings (`SamplingParams.stop`) need the tokenizer (`TorchEngine(..., tokenizer=)`):
 the row's newest tokens are decoded in a short window after each step
 (`stop_strings.py`); the token that completes a stop string ends the request and is kept.
@@ -81,6 +87,7 @@ from tidal.engines.stop_strings import StopStringMatcher, check_stop_strings
 from tidal.engines.torch_batch import Call, Rows, Seq, Waiting, calls_of, fail_calls, image_ids, shared_prompts
 from tidal.engines.torch_prefill import PromptForward
 from tidal.engines.weights_lock import WeightsLock
+from tidal.models.moe import install_routers, recorded, routing_dtype
 from tidal.models.vision import Vision, mask_banned
 from tidal.types import GenerationRequest, GenerationResult
 
@@ -122,6 +129,11 @@ class TorchEngine(PromptForward, EngineBase):
         # caller's thread would give that thread an OpenMP team of its own (docs/engines.md).
         self._lean_wanted = lean_decode
         self._decode_step: Callable | None = None
+        # A mixture of experts: routers that record each decode step's experts (module docstring).
+        self._routers = install_routers(self.model)
+        for r in self._routers:
+            r.record = True
+        self._routing_dtype = routing_dtype(self._routers[0].num_experts) if self._routers else None
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.partial_rollout = partial_rollout
@@ -417,6 +429,10 @@ class TorchEngine(PromptForward, EngineBase):
         if len(keep) < len(rows):  # finished rows leave the batch and the cache
             tok = tok[rows.select(keep)]
         rows.decode(self._decoder(), tok, self._version)
+        if self._routers:  # the experts each row's fed token went to: [layers, rows, k] -> per row
+            chosen = recorded(self._routers).permute(1, 0, 2).to("cpu", torch.int16).numpy().astype(self._routing_dtype)
+            for seq, experts in zip(rows.seqs, chosen):
+                seq.routed.append(experts)
         return rows
 
     def _decoder(self):

@@ -20,7 +20,8 @@ DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-arith"  # `tidal build-default-model` (re
 DEFAULT_VLM_DIR = ASSETS_DIR / "tiny-vlm"  # `tidal build-default-vlm` (recipes/vlm_build.py)
 TOOL_MODEL_DIR = ASSETS_DIR / "tiny-tool"  # `tidal build-tool-model` (recipes/tool_model.py)
 BROWSER_MODEL_DIR = ASSETS_DIR / "tiny-browser"  # `tidal build-browser-model` (recipes/browser_model.py)
-NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR}
+MOE_MODEL_DIR = ASSETS_DIR / "tiny-moe"  # `tidal build-moe` (recipes/moe_model.py)
+NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR, "default-moe": MOE_MODEL_DIR}
 
 
 class ModelLoadError(ValueError):
@@ -30,7 +31,7 @@ class ModelLoadError(ValueError):
 def resolve_model_dir(path: str | Path) -> Path:
     """A model directory, or the `model/` folder inside a tidal checkpoint directory, or a peft
     LoRA adapter directory (`merged_adapter_dir`). `default` names the embedded text model,
-    `default-vlm` the embedded vision-language model."""
+    `default-vlm` the embedded vision-language model, `default-moe` the embedded mixture of experts."""
     p = Path(path)
     if str(path) in NAMED_MODELS:
         p = NAMED_MODELS[str(path)]

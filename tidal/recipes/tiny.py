@@ -141,6 +141,7 @@ def build_default_model(
     task: ArithmeticConfig | None = None,
     train_size: int = 10_000,
     stop_after: int | None = None,
+    model_fn=None,
 ) -> dict:
     """Build tokenizer and model, warm-start them, save an HF directory; return a summary.
 
@@ -156,6 +157,10 @@ def build_default_model(
     `stop_after` ends the warm start early, on the schedule of `steps` (the learning rate of
     step n is the same as in the full build), evaluating there: a quick check that the build
     still learns what it did, comparable with the shipped model's history at that step.
+
+    `model_fn(tokenizer, seed=)` builds another architecture on the same warm start (default:
+    `build_model`; the tiny MoE: tidal/recipes/moe_model.py); the forward's `loss` is what trains
+    (an MoE adds its balancing loss there when its config asks for router logits).
     """
     task = task or ArithmeticConfig()
     random.seed(seed)
@@ -163,7 +168,7 @@ def build_default_model(
     train = make_problems(task, "train", train_size, seed=10_000 + seed)
     val, train = train[:400], train[400:]
     tokenizer = build_tokenizer(task_corpus(train[:5000]))
-    model = build_model(tokenizer, seed=seed)
+    model = (model_fn or build_model)(tokenizer, seed=seed)
     rng = random.Random(seed)
     examples = []
     for row in train:

@@ -32,7 +32,8 @@ from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.base import is_agent_env
 from tidal.envs.dataset import DatasetError, load_prompts
 from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
-from tidal.models.vision import Vision
+from tidal.models.moe import is_moe_config
+from tidal.models.vision import Vision, read_config
 from tidal.rewards.pool import build_scorer, spec_keys
 from tidal.runtime.gateway_http import start_gateway
 from tidal.runtime.placement import build_roles
@@ -121,6 +122,7 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
     if purpose not in PURPOSES:
         raise ValueError(f"build_run: purpose must be one of {PURPOSES}, got {purpose!r}")
     model_dir = resolve_model_dir(str(model) if model is not None else cfg.model.path)
+    check_moe(cfg, model_dir)
     tokenizer = load_tokenizer(model_dir)
     kind, why = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
     if purpose == "serve":
@@ -137,6 +139,15 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
         parts.close()
         raise
     return parts
+
+
+def check_moe(cfg: TidalConfig, model_dir: Path) -> None:
+    """train.moe asks for routing replay or a balancing loss only of a mixture of experts."""
+    moe = cfg.train.moe
+    if (moe.routing_replay != "none" or moe.aux_loss_coef > 0) and not is_moe_config(read_config(model_dir)):
+        raise ConfigError(f"train.moe.routing_replay={moe.routing_replay}, train.moe.aux_loss_coef={moe.aux_loss_coef}: "
+                          f"the model `{model_dir}` is not a mixture of experts (its config.json has no num_experts "
+                          "and num_experts_per_tok)")
 
 
 def _task_scorer(cfg: TidalConfig, task: Task, ray_handles=None):

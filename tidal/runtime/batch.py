@@ -103,7 +103,8 @@ def build_batch(
     seg_batch, where = _segments(episodes, image_token_id) if split else (None, [])
     batch = TrainBatch(tokens=[e.tokens for e in episodes], loss_mask=[e.loss_mask for e in episodes],
                        advantages=[], behaviour_logprobs=[e.logprobs for e in episodes],
-                       images=[e.image_list() for e in episodes] if any(e.images for e in episodes) else None)
+                       images=[e.image_list() for e in episodes] if any(e.images for e in episodes) else None,
+                       routed_experts=_routing(episodes))
     lengths = [len(e.tokens) - 1 for e in episodes]
     mask_BT = pad_rows([m[1:] for m in batch.loss_mask], False, torch.bool)
     token_rewards_BT = token_rewards(episodes, mask_BT)
@@ -154,7 +155,7 @@ def _segments(episodes: list[Episode], image_token_id: int | None = None) -> tup
     """One training sequence per segment with trained tokens, and for each its (episode
     index, start offset). Per-position lists are filled in by `build_batch`. A segment's
     images are those of the episode's image runs that start inside it (`segment_images`)."""
-    tokens, masks, behaviour, images, where = [], [], [], [], []
+    tokens, masks, behaviour, images, where, routed = [], [], [], [], [], []
     for i, e in enumerate(episodes):
         spans = e.segment_spans()
         per_span = segment_images(e, spans, image_token_id) if e.images else [[] for _ in spans]
@@ -166,7 +167,15 @@ def _segments(episodes: list[Episode], image_token_id: int | None = None) -> tup
             behaviour.append(e.logprobs[a:b])
             images.append(ims)
             where.append((i, a))
-    return TrainBatch(tokens, masks, [], behaviour, images=images if any(images) else None), where
+            routed.append(None if e.routed_experts is None else e.routed_experts[a:b])
+    return TrainBatch(tokens, masks, [], behaviour, images=images if any(images) else None,
+                      routed_experts=routed if any(r is not None for r in routed) else None), where
+
+
+def _routing(episodes: list[Episode]) -> list | None:
+    """The engine's experts per episode (a mixture of experts), None when no episode has them."""
+    routed = [e.routed_experts for e in episodes]
+    return routed if any(r is not None for r in routed) else None
 
 
 def segment_images(episode: Episode, spans: list[tuple[int, int]], image_token_id: int | None) -> list[list]:

@@ -183,7 +183,8 @@ def _router(cfg: TidalConfig, engines: list, names: list[str]):
 def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     worker = TrainerWorker(cfg, str(model_dir), pad_token_id)
     worker.setup()
-    trainer = TrainerGroup([Handle("trainer", worker)], timeout_s=cfg.placement.call_timeout_s)
+    trainer = TrainerGroup([Handle("trainer", worker)], timeout_s=cfg.placement.call_timeout_s,
+                           routing_replay=cfg.train.moe.routing_replay)
     engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine") for _ in range(cfg.engine.replicas)]
     engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
     return Roles(trainer, engine, WeightPusher.in_driver(trainer, engine))
@@ -235,7 +236,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     addr, port = ranks[0].call("where", timeout_s=pl.start_timeout_s)
     gather([h.submit("setup", addr, port) for h in ranks], timeout_s=pl.start_timeout_s)
     dims = ParallelDims.from_config(cfg.train.parallel, n_train)
-    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s, dp_index=[dims.dp_index(r) for r in range(n_train)])
+    trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s, dp_index=[dims.dp_index(r) for r in range(n_train)],
+                           routing_replay=cfg.train.moe.routing_replay)
 
     def spawn_engine(i: int) -> Handle:
         if colocated:

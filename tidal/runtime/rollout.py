@@ -43,6 +43,7 @@ from typing import Any
 
 from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride, is_agent_env, optional
 from tidal.images import ImageError, message_images, normalize_messages
+from tidal.models.moe import append_routing
 from tidal.monitor import trace
 from tidal.rewards.contract import RewardInput, RewardOutcome
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
@@ -340,6 +341,7 @@ class Rollout:
         ep.loss_mask += [True] * len(res.token_ids)
         ep.logprobs += res.logprobs
         ep.versions += res.versions_per_token()
+        ep.routed_experts = append_routing(ep.routed_experts, start, res.routed_experts, len(res.token_ids))
         c.last_text = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         spent = self.max_total_tokens is not None and len(ep.tokens) - c.seg >= self.max_total_tokens
         action = Action(c.last_text, res.finish_reason, tuple(res.token_ids), turn,
@@ -405,6 +407,7 @@ class Rollout:
         c.images += added_images
         self._add_images(ep, added_images)
         c.context_text = after
+        ep.routed_experts = append_routing(ep.routed_experts, len(ep.tokens), None, len(new))
         ep.tokens += new
         ep.loss_mask += [False] * len(new)
         ep.logprobs += [0.0] * len(new)

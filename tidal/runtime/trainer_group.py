@@ -171,6 +171,11 @@ class TrainerWorker(SyncReceiver):
         with trace.span("logprobs", cat="train", rank=self.rank, sequences=len(batch)):
             return self.trainer.logprobs(batch)
 
+    def logprobs_routed(self, batch) -> list:
+        self._training()
+        with trace.span("logprobs", cat="train", rank=self.rank, sequences=len(batch)):
+            return self.trainer.logprobs_routed(batch)
+
     def ref_logprobs(self, batch) -> list[list[float]]:
         self._training()
         with trace.span("ref_logprobs", cat="train", rank=self.rank, sequences=len(batch)):
@@ -244,8 +249,10 @@ def mini_batch_indices(n: int, k: int) -> list[list[int]]:
 
 
 class TrainerGroup:
-    def __init__(self, ranks: list[Handle], timeout_s: float = 600.0, dp_index: list[int] | None = None):
+    def __init__(self, ranks: list[Handle], timeout_s: float = 600.0, dp_index: list[int] | None = None,
+                 routing_replay: str = "none"):
         self.ranks = ranks
+        self.routing_replay = routing_replay  # train.moe.routing_replay: R2 records the anchor pass's routing
         # each rank's data-parallel position (tidal.trainer.parallel.ParallelDims.dp_index); default: its own
         self.dp_index = list(range(len(ranks))) if dp_index is None else dp_index
         self.timeout_s = timeout_s
@@ -300,7 +307,11 @@ class TrainerGroup:
         first is the PPO anchor (`old_logprobs`, unless the batch has it already)."""
         def run() -> list[dict[str, float]]:
             minis = mini_batch_indices(len(batch), mini_batches)
-            if epochs * len(minis) > 1 and batch.old_logprobs is None:
+            if epochs * len(minis) > 1 and self.routing_replay == "R2":  # the anchor's routing, replayed in the updates
+                routed = self._per_position("logprobs_routed", batch)
+                batch.old_logprobs = batch.old_logprobs or [lp for lp, _ in routed]
+                batch.trainer_routing = [r for _, r in routed]
+            elif epochs * len(minis) > 1 and batch.old_logprobs is None:
                 batch.old_logprobs = self.logprobs(batch)
             out = []
             for _ in range(epochs):

@@ -24,6 +24,7 @@ A critic (algorithm.advantage=gae) is refused for these models.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import shutil
@@ -40,6 +41,7 @@ from tidal.durable import disk_error
 from tidal.images import as_image
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
+from tidal.models.moe import install_routers
 from tidal.models.vision import Vision
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
@@ -60,6 +62,7 @@ from tidal.trainer.parallel.checkpoint import DIRNAME as SHARDS
 from tidal.trainer.parallel.checkpoint import load_sharded, save_sharded
 from tidal.trainer.parallel.context import ContextParallel
 from tidal.trainer.parallel.logprob import head_scores
+from tidal.trainer.routing import TrainerRouting
 
 
 @dataclass
@@ -80,6 +83,11 @@ class TrainBatch:
     # Vision-language models: per sequence, its images (tidal.images.ImageBlob), one per run of
     # image pads in its tokens, in order. None: no sequence has an image.
     images: list[list] | None = None
+    # A mixture of experts (tidal/trainer/routing.py): per sequence, the engine's experts per token
+    # ([len, layers, k], tidal/models/moe.py's compact record; None: none), replayed under R3 and
+    # compared with the trainer's own; `trainer_routing`: the log-prob pass's, replayed under R2.
+    routed_experts: list | None = None
+    trainer_routing: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -88,7 +96,8 @@ class TrainBatch:
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]
         return TrainBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
                           pick(self.behaviour_logprobs), pick(self.old_logprobs), pick(self.returns),
-                          pick(self.old_values), pick(self.images))
+                          pick(self.old_values), pick(self.images), pick(self.routed_experts),
+                          pick(self.trainer_routing))
 
     def totals(self) -> tuple[float, float]:
         """(masked tokens, sequences with any masked token): the loss denominators of this
@@ -130,6 +139,10 @@ class Trainer:
             raise ValueError(f"train.share_prompts is for text models; `{model_path}` is a vision-language model, whose "
                              "positions and pictures are laid out per sequence: turn it off (or use train.packing)")
         self.model = load_model(model_path, dtype=dtype, device=device, attention=self.attention)
+        # A mixture of experts: float32 routers that record and replay (tidal/trainer/routing.py),
+        # installed before LoRA and sharding wrap the model.
+        self.routing = TrainerRouting(self.model, train.moe.routing_replay, train.moe.aux_loss_coef)
+        self._records: list | None = None  # the last forward's routing per sequence, when asked (R2)
         self._hidden = int(getattr(self.model.config, "hidden_size", 0) or 0)  # train.share_prompts' unit length
         self.model.config.use_cache = False
         self.lora = train.lora.rank > 0
@@ -164,6 +177,7 @@ class Trainer:
         if self.has_ref and not self.lora:  # no reference model is loaded when it cannot matter
             self.ref_model = load_model(model_path, dtype=dtype, device=device,
                                         attention=self.attention).eval().requires_grad_(False)
+            install_routers(self.ref_model)  # its router in float32 too
             parallelize(self.ref_model, self.dims, mixed_precision=mixed, reshard_root=True)
             if self.context is not None:
                 self.context.prepare(self.ref_model)
@@ -185,7 +199,8 @@ class Trainer:
         return ids, attn
 
     def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None,
-                 images: list[list] | None = None, prompts: list[int] | None = None, unit_len: int | None = None):
+                 images: list[list] | None = None, prompts: list[int] | None = None, unit_len: int | None = None,
+                 routing: dict | None = None):
         """(log-probs, entropy) [B, longest - 1] of every sequence's targets under softmax(logits /
         temperature), float32, 0 outside `keep` ([B, longest - 1] bool, the targets' layout;
         default: every sequence's own targets). Only the kept positions reach the output head
@@ -204,7 +219,12 @@ class Trainer:
         A vision-language model (`images`: per sequence, one per image run of its tokens) also
         gets each sequence's mRoPE positions and the micro-batch's pixels in the order its image
         pads appear, and its vision special tokens' logits are masked (`banned`): the policy's
-        distribution is the one the engines sample from."""
+        distribution is the one the engines sample from.
+
+        A mixture of experts (`routing`: `TrainerRouting.forward`'s keyword arguments: `records` to
+        replay, `policy_BT` and `engine` to count, `aux`, and `keep_records` to keep this forward's
+        routing per sequence in `self._records`): the policy's routers run inside it, given each
+        token's flat position in the laid-out rows (tidal/trainer/routing.py)."""
         targets = pad_rows(tokens, self.pad_token_id, torch.long, self.device)[:, 1:]
         B, T = targets.shape
         if keep is None:
@@ -216,12 +236,12 @@ class Trainer:
         kw = {}
         if prompts is not None and len(seqs) > 1:
             ids, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len)
-            rows = index[:B, :T][keep]
+            flat = index[:B, :T]
             kw = {"position_ids": pos, "attention_mask": self._mask_4d(allowed), "use_cache": False}
         elif self.train_cfg.packing and len(seqs) > 1:
             rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
             ids, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
-            rows = index[:B, :T][keep]  # index[:B]: a dummy image's sequence (data parallel) is not scored
+            flat = index[:B, :T]  # index[:B]: a dummy image's sequence (data parallel) is not scored
             kw = {"position_ids": pos, "use_cache": False,
                   **({} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs])))}
         else:
@@ -232,9 +252,9 @@ class Trainer:
                 for i, (t, im) in enumerate(zip(seqs, vis)):
                     vpos[:, i, :len(t)] = self._rope(t, im, i)
                 kw |= {"position_ids": vpos.to(self.device), "use_cache": False, **self._pixels(vis, range(len(seqs)))}
-            # flat positions of the kept targets in [B, longest] hidden states
-            rows = (torch.arange(B, device=self.device)[:, None] * ids.shape[1]
-                    + torch.arange(T, device=self.device))[keep]
+            # flat positions of the targets in [B, longest] hidden states
+            flat = torch.arange(B, device=self.device)[:, None] * ids.shape[1] + torch.arange(T, device=self.device)
+        rows = flat[keep]
 
         def run(model, ids, rows, targets, **kw):
             head = head_scores(model, targets, self.temperature, self.train_cfg.logprob_chunk_tokens, self._banned)
@@ -243,7 +263,13 @@ class Trainer:
                 return model(input_ids=ids, **kw).logits
 
         if self.context is None:
-            out = run(model, ids, rows, kept, **kw)
+            routed = routing is not None and model is self.model and self.routing
+            with self.routing.forward(flat_BT=flat, lengths=[len(t) for t in tokens], numel=ids.numel(),
+                                      **{k: v for k, v in routing.items() if k != "keep_records"}) \
+                    if routed else contextlib.nullcontext():
+                out = run(model, ids, rows, kept, **kw)
+            if routed and routing.get("keep_records"):
+                self._records = self.routing.records(flat, [len(t) for t in tokens])
         else:  # context parallel: this rank's slice of the positions; the scores come back whole
             out = self.context.forward(
                 model, ids, pos, attn, allowed, rows,
@@ -363,10 +389,10 @@ class Trainer:
         unit_len = self._unit_len(batch)
         for idx in self._micro_batches(batch):
             if idx is None:  # data parallel: another rank still has micro-batches; join its all-gathers
-                fn(self._dummy_tokens(), None, None, None)
+                fn(self._dummy_tokens(), None, None, None, None)
                 continue
             values = fn([batch.tokens[i] for i in idx], None if batch.images is None else [batch.images[i] for i in idx],
-                        self._prompts(batch, idx), unit_len)
+                        self._prompts(batch, idx), unit_len, idx)
             for row, i in enumerate(idx):
                 out[i] = values[row, : len(batch.tokens[i]) - 1].tolist()
         dp.reshard(model)
@@ -375,9 +401,35 @@ class Trainer:
     def logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Current-policy log-probs of every token after the first (position 0 scores token 1).
         Data parallel: a collective; each rank scores its own batch."""
-        return self._per_position(batch, self.model,
-                                  lambda toks, ims, prompts, unit_len: self._forward(
-                                      self.model, toks, images=ims, prompts=prompts, unit_len=unit_len)[0])
+        return self._logprobs(batch)
+
+    def logprobs_routed(self, batch: TrainBatch) -> list[tuple[list[float], object]]:
+        """R2 (train.moe.routing_replay): per sequence, its log-probs (as `logprobs`) and the experts
+        this pass routed its tokens to (a compact record, tidal/models/moe.py), to replay in the
+        updates. Data parallel: a collective."""
+        records: list = [None] * len(batch)
+        lps = self._logprobs(batch, records)
+        return list(zip(lps, records))
+
+    def _logprobs(self, batch: TrainBatch, records: list | None = None) -> list[list[float]]:
+        def fn(toks, ims, prompts, unit_len, idx):
+            routing = self._routing_args(batch, idx, keep_records=records is not None and idx is not None)
+            out = self._forward(self.model, toks, images=ims, prompts=prompts, unit_len=unit_len, routing=routing)[0]
+            if routing.get("keep_records"):
+                for row, i in enumerate(idx):
+                    records[i] = self._records[row]
+            return out
+
+        return self._per_position(batch, self.model, fn)
+
+    def _routing_args(self, batch: TrainBatch, idx: list[int] | None, **kw) -> dict:
+        """`_forward`'s `routing` for the micro-batch `idx` of `batch`: the records that
+        train.moe.routing_replay replays (R3: the engine's; R2: the log-prob pass's, when the batch
+        has them), and `kw` (statistics, keep_records)."""
+        pick = lambda xs: None if xs is None or idx is None else [xs[i] for i in idx]
+        mode = self.routing.mode
+        records = pick(batch.routed_experts) if mode == "R3" else pick(batch.trainer_routing) if mode == "R2" else None
+        return {"records": records, **kw}
 
     def _ref_forward(self, tokens: list[list[int]], keep: torch.Tensor | None = None, images: list[list] | None = None,
                      prompts: list[int] | None = None, unit_len: int | None = None):
@@ -393,14 +445,14 @@ class Trainer:
         if not self.has_ref:
             raise RuntimeError("no reference model: algorithm.kl_coef is 0")
         return self._per_position(batch, self.model if self.lora else self.ref_model,
-                                  lambda toks, ims, prompts, unit_len: self._ref_forward(
+                                  lambda toks, ims, prompts, unit_len, _idx: self._ref_forward(
                                       toks, images=ims, prompts=prompts, unit_len=unit_len)[0])
 
     def values(self, batch: TrainBatch) -> list[list[float]]:
         """The critic's V(s_t), aligned as `logprobs`."""
         if self.critic is None:
             raise RuntimeError(f"no critic: algorithm.advantage={self.algo.advantage} declares no needs_values")
-        return self._per_position(batch, self.critic.model, lambda toks, _i, _p, _u: self.critic.forward(*self._inputs(toks)))
+        return self._per_position(batch, self.critic.model, lambda toks, _i, _p, _u, _idx: self.critic.forward(*self._inputs(toks)))
 
     def _dummy_backward(self, kl_in_loss: bool, with_critic: bool) -> None:
         """A pass that adds exactly zero to every gradient but runs the same FSDP collectives
@@ -444,7 +496,10 @@ class Trainer:
             diff = self._micro_backward(batch, idx, masks, sums, kl_coef=kl_coef, kl_in_loss=kl_in_loss,
                                         with_critic=with_critic, totals=(total_tokens, total_seqs), unit_len=unit_len)
             max_diff = max(max_diff, diff)
-        return self._global_metrics(sums, masks, max_diff, kl_in_loss)
+        if self.train_cfg.moe.measure_unreplayed and self.routing.mode != "none":
+            sums.setdefault("moe/logprob_abs_diff_unreplayed", 0.0)  # every rank has the key: it is all-reduced
+        metrics = self._global_metrics(sums, masks, max_diff, kl_in_loss)
+        return metrics | self.routing.metrics(self.world_size, self.device, self.dims.dp_group)
 
     def _micro_backward(self, batch: TrainBatch, idx: list[int], masks: list[list[bool]], sums: dict[str, float], *,
                         kl_coef: float, kl_in_loss: bool, with_critic: bool, totals: tuple[float, float],
@@ -457,7 +512,17 @@ class Trainer:
         # forward: logits at the policy tokens only; log-probs and entropy 0 elsewhere
         mask = pad_rows([masks[i] for i in idx], False, torch.bool, self.device)
         prompts = self._prompts(batch, idx)
-        logp, entropy = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len)
+        moe_cfg = self.train_cfg.moe
+        aux = moe_cfg.aux_loss_coef > 0
+        routing = self._routing_args(batch, idx, policy_BT=mask, aux=aux,
+                                     engine=None if batch.routed_experts is None else [batch.routed_experts[i] for i in idx])
+        unreplayed = None
+        if moe_cfg.measure_unreplayed and routing["records"] is not None:  # the mismatch the replay removes
+            with torch.no_grad():
+                unreplayed = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len,
+                                           routing={"records": None})[0]
+        logp, entropy = self._forward(self.model, toks, keep=mask, images=ims, prompts=prompts, unit_len=unit_len,
+                                      routing=routing)
         ref_logp = None
         if kl_in_loss:
             with torch.no_grad():
@@ -480,7 +545,10 @@ class Trainer:
             v_loss.backward()  # the critic's own parameters: no interaction with the policy loss
             for k, v in v_sums.items():
                 sums[k] += v
-        out.loss.backward()
+        if aux:  # its share of the batch's balancing loss, weighted by its policy tokens like the loss
+            (out.loss + moe_cfg.aux_loss_coef * self.routing.aux * (float(mask.sum()) / totals[0])).backward()
+        else:
+            out.loss.backward()
         for k, v in out.sums.items():
             if k in sums:
                 sums[k] += v
@@ -491,6 +559,9 @@ class Trainer:
             diff = (logp.detach() - behav).abs() * m
             sums["logprob_abs_diff"] += float(diff.sum())
             sums["mismatch_kl"] += float((kl_estimate(behav, logp.detach(), "k3") * m).sum())
+            if unreplayed is not None:
+                sums["moe/logprob_abs_diff_unreplayed"] = sums.get("moe/logprob_abs_diff_unreplayed", 0.0) + float(
+                    ((unreplayed - behav).abs() * m).sum())
             return float(diff.max()) if diff.numel() else 0.0
 
     def _global_metrics(self, sums: dict[str, float], masks: list[list[bool]], max_diff: float,

@@ -1,0 +1,185 @@
+"""Mixture of experts: the float32 router that records and replays (tidal/models/moe.py), the torch
+engine's record of its experts, rollout routing replay in the trainer (R3, R2), routing metrics.
+
+The models here are tiny random Qwen3-MoEs (tidal/recipes/moe_model.py's architecture, smaller)
+on the default model's tokenizer, built in a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from tidal.config import AlgorithmConfig, MoeConfig, TrainConfig
+from tidal.engines.torch_engine import TorchEngine
+from tidal.models import load_model, load_tokenizer
+from tidal.models.moe import Router, append_routing, from_index, install_routers, missing, routers, to_index
+from tidal.recipes.moe_model import build_moe_model
+from tidal.recipes.tiny import save_model
+from tidal.trainer.trainer import TrainBatch, Trainer
+from tidal.types import GenerationRequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    tok = load_tokenizer("default")
+    model = build_moe_model(tok, hidden=32, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_size=32, seed=0)
+    model.config.output_router_logits = False
+    return save_model(model, tok, tmp_path_factory.mktemp("moe") / "m")
+
+
+def _generate(model, n=6, new=12, seed=0):
+    engine = TorchEngine(model, pad_token_id=0)
+    reqs = [GenerationRequest(f"r{i}", [1, 5 + i, 17, 40 + i, 3], SamplingParams(max_new_tokens=new, seed=seed + i))
+            for i in range(n)]
+    try:
+        return reqs, asyncio.run(engine.generate(reqs))
+    finally:
+        engine.close()
+
+
+def _episodes_batch(reqs, results) -> TrainBatch:
+    """A TrainBatch of prompt + generation per request, with the engine's records on the generated
+    tokens (as the rollout assembles them: tidal/runtime/rollout.py)."""
+    tokens, masks, behav, adv, routed = [], [], [], [], []
+    for q, r in zip(reqs, results):
+        p = len(q.prompt_ids)
+        tokens.append(q.prompt_ids + r.token_ids)
+        masks.append([False] * p + [True] * len(r.token_ids))
+        behav.append([0.0] * p + r.logprobs)
+        adv.append([1.0 if m else 0.0 for m in masks[-1][1:]])
+        routed.append(append_routing(None, p, r.routed_experts, len(r.token_ids)))
+    return TrainBatch(tokens, masks, adv, behav, routed_experts=routed)
+
+
+def test_router_is_transformers_router_in_float32_and_replays(moe_dir):
+    """The installed router gives transformers' outputs (float32 model: the same numbers), keeps
+    the same parameter (state dict unchanged), and replays given experts with weights from its
+    own softmax at them, renormalised over k."""
+    model = load_model(moe_dir)
+    hf = model.model.layers[0].mlp.gate
+    keys = set(model.state_dict())
+    h = torch.randn(10, model.config.hidden_size)
+    logits, scores, index = hf(h)
+    rs = install_routers(model)
+    assert len(rs) == 2 and isinstance(model.model.layers[0].mlp.gate, Router) and set(model.state_dict()) == keys
+    assert rs[0].weight is hf.weight
+    l2, s2, i2 = rs[0](h)
+    assert torch.equal(i2, index) and torch.allclose(s2, scores) and torch.allclose(l2, logits)
+    given = torch.tensor([[0, 1]] * 5 + [[-1, -1]] * 5)  # half replayed, half routed by the router
+    rs[0].replay = given
+    _, s3, i3 = rs[0](h)
+    rs[0].replay = None
+    assert i3[:5].tolist() == [[0, 1]] * 5 and torch.equal(i3[5:], index[5:])
+    p = torch.softmax(l2, -1)[:5, :2]
+    assert torch.allclose(s3[:5], p / p.sum(-1, keepdim=True))
+    # bfloat16 model: the router still computes in float32 (its logits are float32)
+    assert rs[0](h.bfloat16())[0].dtype == torch.float32
+
+
+def test_compact_record_round_trips():
+    idx = torch.tensor([[[0, 7], [3, 2]], [[-1, -1], [-1, -1]]])
+    rec = from_index(idx, num_experts=8)
+    assert rec.dtype == np.uint8 and rec[1, 0, 0] == missing(rec.dtype) == 255
+    assert torch.equal(to_index(rec), idx)
+    assert from_index(idx, num_experts=256).dtype == np.int16  # DeepSeek-V3's 256 experts
+    grown = append_routing(append_routing(None, 3, rec, 2), 5, None, 4)
+    assert grown.shape == (9, 2, 2) and (grown[:3] == 255).all() and (grown[5:] == 255).all()
+
+
+def test_torch_engine_records_the_experts_of_every_fed_token(moe_dir):
+    """Each generated token's experts, per layer, as the engine routed it when feeding it back;
+    checked against a plain forward of the whole sequence (float32: the same routing)."""
+    model = load_model(moe_dir)
+    reqs, results = _generate(model)
+    r = results[0]
+    assert r.routed_experts.shape == (len(r.token_ids), 2, 2) and (r.routed_experts[-1] == 255).all()
+    check = load_model(moe_dir)
+    rs = install_routers(check)
+    for r_ in rs:
+        r_.record = True
+    seq = reqs[0].prompt_ids + r.token_ids
+    with torch.no_grad():
+        check(input_ids=torch.tensor([seq]))
+    full = torch.stack([x.recorded for x in rs])  # [L, tokens, K]
+    p = len(reqs[0].prompt_ids)
+    want = full[:, p:p + len(r.token_ids) - 1].permute(1, 0, 2).sort(-1).values
+    got = to_index(r.routed_experts[:-1]).sort(-1).values
+    assert torch.equal(got, want)
+
+
+def _trainer(moe_dir, mode, **moe):
+    return Trainer(str(moe_dir), TrainConfig(moe=MoeConfig(routing_replay=mode, **moe)), AlgorithmConfig(), pad_token_id=0)
+
+
+def _perturbed_engine_model(moe_dir, scale=0.5):
+    """The engine's copy with a perturbed router: its choices differ from the trainer's on some
+    tokens (what bfloat16 and kernel differences do, made certain here)."""
+    model = load_model(moe_dir)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            w = layer.mlp.gate.weight
+            w.add_(scale * w.abs().mean() * torch.randn(w.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_r3_makes_the_trainer_route_every_generated_token_as_the_engine_did(moe_dir, packing):
+    """R3: on every generated token with a record, the trainer's experts (each layer) are the
+    engine's, and the router's weight still gets a gradient. Positive control: without replay the
+    same batch is routed differently on some tokens (the engine's router was perturbed)."""
+    reqs, results = _generate(_perturbed_engine_model(moe_dir))
+    batch = _episodes_batch(reqs, results)
+    for mode, agrees in (("none", False), ("R3", True)):
+        tr = _trainer(moe_dir, mode)
+        tr.train_cfg = tr.train_cfg.model_copy(update={"packing": packing})
+        metrics = tr.forward_backward(batch)
+        grad = tr.model.model.layers[0].mlp.gate.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, "no gradient reached the router"
+        assert metrics["moe/topk_disagree"] > 0  # the trainer's own choice differs, replayed or not
+        assert _agreement(tr, batch) == agrees, (mode, metrics)
+        if mode == "R3":
+            assert metrics["moe/replayed_frac"] > 0.5
+
+
+def _agreement(tr: Trainer, batch: TrainBatch) -> bool:
+    """Whether the experts the trainer uses (a log-prob pass, with its configured replay) are the
+    engine's on every recorded token."""
+    recs: list = [None] * len(batch)
+    tr._logprobs(batch, recs)
+    for rec, eng in zip(recs, batch.routed_experts):
+        has = (eng != 255).all(axis=(1, 2))
+        if not np.array_equal(np.sort(rec[has], -1), np.sort(eng[has], -1)):
+            return False
+    return True
+
+
+def test_r2_replays_the_log_prob_pass_routing_in_the_update(moe_dir):
+    """R2: the log-prob pass's routing comes back per sequence and, replayed, the update uses it."""
+    reqs, results = _generate(load_model(moe_dir))
+    batch = _episodes_batch(reqs, results)
+    tr = _trainer(moe_dir, "R2")
+    routed = tr.logprobs_routed(batch)
+    batch.trainer_routing = [r for _, r in routed]
+    for (lp, rec), toks in zip(routed, batch.tokens):
+        assert len(lp) == len(toks) - 1 and rec.shape == (len(toks), 2, 2) and (rec[-1] == 255).all()
+    assert _agreement(tr, TrainBatch(batch.tokens, batch.loss_mask, batch.advantages, batch.behaviour_logprobs,
+                                     routed_experts=batch.trainer_routing, trainer_routing=batch.trainer_routing))
+
+
+def test_routing_metrics_and_the_balancing_loss(moe_dir):
+    reqs, results = _generate(load_model(moe_dir))
+    batch = _episodes_batch(reqs, results)
+    tr = _trainer(moe_dir, "none", aux_loss_coef=0.01)
+    m = tr.forward_backward(batch)
+    for layer in range(2):
+        shares = (m[f"moe/share_min/l{layer}"], m[f"moe/share_max/l{layer}"])
+        assert 0 <= shares[0] <= 2 / 8 <= shares[1] <= 1  # shares sum to k=2 over 8 experts: the mean is 2/8
+        assert m[f"moe/imbalance/l{layer}"] == pytest.approx(shares[1] / (2 / 8))
+    assert m["moe/topk_disagree"] == 0.0  # the same float32 weights route the same way
+    assert m["moe/aux_loss"] >= 1.0 - 1e-6  # 1 when perfectly balanced, more otherwise
+    assert routers(tr.model)[0].weight.grad.abs().sum() > 0
