@@ -78,6 +78,9 @@ def test_router_is_transformers_router_in_float32_and_replays(moe_dir):
     assert torch.allclose(s3[:5], p / p.sum(-1, keepdim=True))
     # bfloat16 model: the router still computes in float32 (its logits are float32)
     assert rs[0](h.bfloat16())[0].dtype == torch.float32
+    # transformers still finds the routers (its balancing loss reads their logits)
+    out = model(input_ids=torch.tensor([[1, 5, 17, 3]]), output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].dtype == torch.float32
 
 
 def test_compact_record_round_trips():
@@ -183,3 +186,19 @@ def test_routing_metrics_and_the_balancing_loss(moe_dir):
     assert m["moe/topk_disagree"] == 0.0  # the same float32 weights route the same way
     assert m["moe/aux_loss"] >= 1.0 - 1e-6  # 1 when perfectly balanced, more otherwise
     assert routers(tr.model)[0].weight.grad.abs().sum() > 0
+
+
+def test_the_episode_store_keeps_the_engine_experts(tmp_path):
+    """The record round-trips through the Parquet store, as raw bytes (k bytes per token and layer)."""
+    from tidal.monitor.episodes import EpisodeWriter, iter_episodes
+    from tidal.types import Episode
+
+    rec = np.full((5, 4, 2), 255, dtype=np.uint8)
+    rec[2:4] = [[0, 3], [1, 2], [7, 6], [5, 4]]
+    eps = [Episode(f"e{i}", "g", "t", "env", tokens=[1, 2, 3, 4, 5], loss_mask=[False, False, True, True, True],
+                   logprobs=[0.0] * 5, versions=[-1] * 5, routed_experts=rec if i == 0 else None) for i in range(2)]
+    with EpisodeWriter(tmp_path) as w:
+        w.write(1, eps)
+    back = list(iter_episodes(tmp_path))
+    assert back[0].routed_experts.dtype == np.uint8 and np.array_equal(back[0].routed_experts, rec)
+    assert back[1].routed_experts is None

@@ -36,7 +36,7 @@ class Router(nn.Module):
     float32, with `record` and `replay` (module docstring)."""
 
     def __init__(self, weight: nn.Parameter, top_k: int, norm_topk_prob: bool):
-        super().__init__()
+        nn.Module.__init__(self)  # not the router it stands in for (`install_routers` makes it one of its kind)
         self.weight = weight  # [experts, hidden]: the parameter of the router it replaces
         self.top_k, self.num_experts, self.hidden_dim = top_k, weight.shape[0], weight.shape[1]
         self.norm_topk_prob = norm_topk_prob
@@ -74,6 +74,9 @@ def _is_hf_router(module: nn.Module) -> bool:
         hasattr(module, a) for a in ("weight", "top_k", "norm_topk_prob"))
 
 
+_KINDS: dict[type, type] = {}
+
+
 def install_routers(model: nn.Module) -> list[Router]:
     """Replace every transformers top-k router of `model` by a `Router` on the same weight
     (idempotent); the routers in layer order. Empty for a model without experts."""
@@ -81,7 +84,10 @@ def install_routers(model: nn.Module) -> list[Router]:
         if _is_hf_router(module) and not isinstance(module, Router):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Router(module.weight, int(module.top_k), bool(module.norm_topk_prob)))
+            # Of the replaced router's class too, so that transformers' isinstance checks (its
+            # `output_router_logits` recorder) still find it.
+            kind = _KINDS.setdefault(type(module), type(f"Tidal{type(module).__name__}", (Router, type(module)), {}))
+            setattr(parent, child, kind(module.weight, int(module.top_k), bool(module.norm_topk_prob)))
     return routers(model)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Self
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -56,6 +57,9 @@ TURN_TYPE = pa.struct([
     ("text", pa.string()), ("finish_reason", pa.string()), ("reward", pa.float64()), ("version", pa.int32()),
     ("tool_calls", pa.list_(TOOL_CALL_TYPE)),
 ])
+# A mixture of experts' record of the engine's experts per token ([tokens, layers, k], uint8 or
+# int16: tidal/models/moe.py), as its raw bytes: no per-token list overhead (docs/moe.md measures it).
+ROUTING_TYPE = pa.struct([("dtype", pa.string()), ("layers", pa.int32()), ("k", pa.int32()), ("data", pa.binary())])
 SCHEMA = pa.schema([
     ("step", pa.int64()), ("episode_id", pa.string()), ("group_id", pa.string()), ("task_id", pa.string()),
     ("env", pa.string()), ("status", pa.string()), ("error", pa.string()), ("reward", pa.float64()),
@@ -63,7 +67,7 @@ SCHEMA = pa.schema([
     ("prompt_len", pa.int64()), ("tokens", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.bool_())),
     ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())), ("text", pa.string()),
     ("seed", pa.int64()), ("outcome_reward", pa.float64()), ("segments", pa.list_(pa.int32())),
-    ("turns", pa.list_(TURN_TYPE)), ("images", pa.list_(pa.string())),
+    ("turns", pa.list_(TURN_TYPE)), ("images", pa.list_(pa.string())), ("routed_experts", ROUTING_TYPE),
 ])
 # Min/max statistics only where a query filters on them (the footer stays small).
 _STATS_COLUMNS = ["step", "episode_id", "group_id", "task_id", "env", "status", "reward", "prompt_len", "seed",
@@ -141,8 +145,22 @@ def episodes_table(episodes: list[Episode], texts: list[str] | None = None, step
     for name, typ in _LISTS:
         cols[name] = _list_column([getattr(e, name) for e in episodes], typ)
     cols["turns"] = _turns_column(episodes)
+    cols["routed_experts"] = pa.array([_routing_row(e.routed_experts) for e in episodes], ROUTING_TYPE)
     cols["text"] = pa.array(texts if texts is not None else [""] * n, pa.string())
     return pa.Table.from_arrays([cols[f.name] for f in SCHEMA], schema=SCHEMA)
+
+
+def _routing_row(record) -> dict | None:
+    if record is None:
+        return None
+    arr = np.ascontiguousarray(record)
+    return {"dtype": arr.dtype.str, "layers": arr.shape[1], "k": arr.shape[2], "data": arr.tobytes()}
+
+
+def _routing_array(row: dict | None) -> np.ndarray | None:
+    if row is None:
+        return None
+    return np.frombuffer(row["data"], dtype=np.dtype(row["dtype"])).reshape(-1, row["layers"], row["k"]).copy()
 
 
 def batch_decoder(tokenizer):
@@ -173,6 +191,9 @@ def _check(ep: Episode) -> None:
         if len(getattr(ep, name)) != n:
             raise ValueError(f"episode {ep.episode_id} of step {ep.step}: {name} has {len(getattr(ep, name))} entries "
                              f"for {n} tokens")
+    if ep.routed_experts is not None and len(ep.routed_experts) != n:
+        raise ValueError(f"episode {ep.episode_id} of step {ep.step}: routed_experts has {len(ep.routed_experts)} "
+                         f"entries for {n} tokens")
 
 
 @dataclass
@@ -421,6 +442,8 @@ def row_to_episode(row: dict) -> Episode:
     kw["reward_parts"] = dict(kw["reward_parts"])
     kw["metrics"] = dict(kw["metrics"])
     kw["turns"] = [_turn(t) for t in kw["turns"]]
+    if "routed_experts" in kw:
+        kw["routed_experts"] = _routing_array(kw["routed_experts"])
     return Episode(**kw)
 
 
