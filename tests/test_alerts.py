@@ -19,7 +19,9 @@ def healthy(step: int) -> dict[str, float]:
     wobble = (step % 3 - 1) * 0.05  # deterministic noise of ±5%
     return {"reward": 0.5 + 0.01 * step, "entropy": 0.05 * (0.97 ** step), "kl": 0.002 * (1 + wobble),
             "grad_norm": 0.3 * (1 + wobble), "mismatch_kl": 1e-4 * (1 + wobble), "episodes/failed_frac": 0.01,
-            "tools/error_rate": 0.1 + wobble, "tokens_per_s": 2000 * (1 + wobble), "staleness/over_bound": 0.0}
+            "tools/error_rate": 0.1 + wobble, "tokens_per_s": 2000 * (1 + wobble), "staleness/over_bound": 0.0,
+            # a mixture of experts' layer, 8 experts top-2 (mean share 0.25), roughly balanced
+            "moe/share_min/l0": 0.15 + wobble, "moe/share_max/l0": 0.35, "moe/imbalance/l0": 1.4}
 
 
 def provoked(alert: str, step: int) -> dict[str, float]:
@@ -35,6 +37,8 @@ def provoked(alert: str, step: int) -> dict[str, float]:
         m["grad_norm"] = 40.0
     elif alert == "mismatch_growth":
         m["mismatch_kl"] = 0.02
+    elif alert == "expert_collapse":  # one expert takes 95% of the tokens
+        m.update({"moe/share_max/l0": 0.95, "moe/imbalance/l0": 3.8})
     elif alert == "staleness_over_bound":
         m["staleness/over_bound"] = 0.1
     elif alert == "failure_rate_jump":

