@@ -215,3 +215,67 @@ def test_expert_collapse_alert_fires_on_an_expert_that_gets_nothing():
     assert alerts.update(1, balanced) == []
     fired = alerts.update(2, starving)
     assert [e.alert for e in fired] == ["expert_collapse"] and "l3" in fired[0].message
+
+
+def test_a_run_on_the_moe_syncs_checkpoints_stores_and_evaluates(moe_dir, tmp_path, capsys):
+    """Two GRPO steps of R3 on a mixture of experts (local placement): the engine receives the
+    trainer's weights (in-process weight sync, routers included), the episodes carry and store the
+    engine's experts, the checkpoint's model/ is a plain HF directory `tidal eval` scores."""
+    import json
+
+    from tidal.cli import main
+    from tidal.config import load_config
+    from tidal.monitor.episodes import iter_episodes
+    from tidal.runtime.controller import Controller
+
+    run = tmp_path / "run"
+    ctl = Controller(load_config(None, [
+        f"model.path={moe_dir}", f"run.dir={run}", "train.moe.routing_replay=R3", "train.moe.measure_unreplayed=true",
+        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "task.train_size=16",
+        "train.steps=2", "run.progress=false", "run.eval_every=0", "run.save_every=2", "reward.isolation=inline"]))
+    try:
+        ctl.train()
+        engine_w = dict(ctl.engine.model.named_parameters()) if hasattr(ctl.engine, "model") else None
+        trainer_w = ctl.trainer.named_weights()
+    finally:
+        ctl.close()
+    if engine_w is not None:  # the torch engine in this process: the synced weights are the trainer's
+        gate = "model.layers.0.mlp.gate.weight"
+        assert torch.equal(engine_w[gate], trainer_w[gate])
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["moe/replayed_frac"] > 0 for m in lines if "moe/replayed_frac" in m)
+    assert any("moe/logprob_abs_diff_unreplayed" in m for m in lines)
+    eps = list(iter_episodes(run / "episodes"))
+    assert eps and all(e.routed_experts is not None and len(e.routed_experts) == len(e.tokens) for e in eps)
+    ckpt = max((run / "checkpoints").iterdir())
+    assert main(["eval", str(ckpt), "--json", "eval.n=4", "reward.isolation=inline"]) == 0
+    assert "accuracy" in json.loads(capsys.readouterr().out.splitlines()[-1])
+
+
+def test_lora_on_the_moe_adapts_attention_only(moe_dir):
+    """peft's LoRA wraps linear modules: the experts (3-D parameters) and the router get no
+    adapters and stay frozen; the merged weights hold them for the engines. The default targets
+    name the dense MLP's projections, which an MoE lacks: the error says which layers it has."""
+    from tidal.config import LoraConfig
+
+    with pytest.raises(ValueError, match=r"no module of the model is named \['down_proj', 'gate_proj', 'up_proj'\]"):
+        Trainer(str(moe_dir), TrainConfig(lora=LoraConfig(rank=4)), AlgorithmConfig(), pad_token_id=0)
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    tr = Trainer(str(moe_dir), TrainConfig(lora=LoraConfig(rank=4, targets=attention), moe=MoeConfig(routing_replay="R3")),
+                 AlgorithmConfig(), pad_token_id=0)
+    trainable = [n for n, p in tr.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n and "self_attn" in n for n in trainable)
+    merged = tr.named_weights()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in merged and "model.layers.0.mlp.gate.weight" in merged
+    reqs, results = _generate(load_model(moe_dir))
+    batch = _episodes_batch(reqs, results)
+    m = tr.forward_backward(batch)
+    assert m["moe/replayed_frac"] > 0.5 and all(p.grad is not None for n, p in tr.model.named_parameters() if "lora_B" in n)
+
+
+def test_moe_configs_are_recognised_from_their_files(moe_dir, tiny_model_dir):
+    from tidal.models.moe import is_moe_config
+    from tidal.models.vision import read_config
+
+    assert is_moe_config(read_config(moe_dir)) and not is_moe_config(read_config(tiny_model_dir))
+    assert is_moe_config(load_model(moe_dir).config)

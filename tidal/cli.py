@@ -6,6 +6,7 @@
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
     tidal build-default-vlm [--out DIR] [--seed N] [--threads N]
+    tidal build-moe [--out DIR] [--seed N] [--threads N]
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
     tidal serve-rm MODEL_DIR [--host 127.0.0.1] [--port N] [--token-env NAME | --token T]
     tidal serve-policy MODEL_OR_CHECKPOINT [section.key=value ...] [--host H] [--port N] [--token-env NAME]
@@ -289,6 +290,18 @@ def cmd_build_vlm(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_moe(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.recipes.moe_model import build_default_moe
+
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build_default_moe(ns.out, seed=ns.seed)
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return 0
+
+
 def _no_extra_args(ns: argparse.Namespace) -> None:
     if ns.args:
         raise ConfigError(f"tidal {ns.command}: unexpected arguments {' '.join(ns.args)}")
@@ -486,7 +499,7 @@ def _run_commands(sub) -> None:
 
 def _build_commands(sub) -> None:
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
-    from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR
+    from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, MOE_MODEL_DIR, TOOL_MODEL_DIR
 
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
@@ -508,6 +521,12 @@ def _build_commands(sub) -> None:
     bv.add_argument("--seed", type=int, default=0)
     bv.add_argument("--threads", type=int, default=2, help="torch threads (the result is deterministic per count)")
     bv.set_defaults(fn=cmd_build_vlm, args=[])
+    bm = sub.add_parser("build-moe", help="rebuild the embedded tiny mixture of experts (default-moe) deterministically")
+    bm.add_argument("--out", default=str(MOE_MODEL_DIR))
+    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--threads", type=int, default=1,
+                    help="torch threads (the result is deterministic per count; the shipped model: 1)")
+    bm.set_defaults(fn=cmd_build_moe, args=[])
     r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
     r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
     r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")

@@ -502,9 +502,10 @@ class TidalConfig(_Section):
         if moe.routing_replay != "none" and self.train.activation_checkpointing:
             raise ValueError(f"train.moe.routing_replay={moe.routing_replay} with train.activation_checkpointing: the "
                              "recomputed forward would route without the replayed experts; turn one off")
-        if moe.routing_replay == "R3" and self.engine.kind not in ("auto", "torch", "vllm"):
-            raise ValueError(f"train.moe.routing_replay=R3 needs an engine that records its experts (torch, vllm); "
-                             f"engine.kind={self.engine.kind} does not")
+        if moe.routing_replay == "R3" and self.engine.kind not in ("auto", "torch"):
+            raise ValueError(f"train.moe.routing_replay=R3 needs an engine that records the experts it chose: the torch "
+                             f"engine (engine.kind={self.engine.kind} does not: vLLM 0.32 returns them only from its V2 "
+                             "model runner, which needs Triton, and tidal does not read them yet; docs/moe.md)")
         if self.rollout.global_batch % self.train.mini_batches:
             raise ValueError(
                 f"train.mini_batches={self.train.mini_batches} does not divide the global batch "

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Self
 
 from tidal.engines.base import EngineBase
 from tidal.engines.gate import UpdateGate, with_tied_head
+from tidal.models.moe import checkpoint_names
 from tidal.types import GenerationRequest, GenerationResult
 
 
@@ -185,7 +186,8 @@ class ServedEngine(EngineBase):
         what = f"update_weights(version={version})"
         self._check_open(what)
         try:
-            named = with_tied_head(tensors, self._tied)
+            # a mixture of experts' fused experts by their checkpoint names, as the server loads them
+            named = with_tied_head(checkpoint_names(tensors), self._tied)
         except ValueError as e:
             raise self.error(f"{self.name}: {what}: {e}") from None
         too_slow = lambda n: self.error(

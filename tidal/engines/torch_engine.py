@@ -133,6 +133,8 @@ class TorchEngine(PromptForward, EngineBase):
         self._routers = install_routers(self.model)
         for r in self._routers:
             r.record = True
+        if self._routers:  # generation computes no balancing loss (transformers' would, from its config)
+            self.model.config.output_router_logits = False
         self._routing_dtype = routing_dtype(self._routers[0].num_experts) if self._routers else None
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size

