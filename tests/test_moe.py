@@ -217,10 +217,12 @@ def test_expert_collapse_alert_fires_on_an_expert_that_gets_nothing():
     assert [e.alert for e in fired] == ["expert_collapse"] and "l3" in fired[0].message
 
 
-def test_a_run_on_the_moe_syncs_checkpoints_stores_and_evaluates(moe_dir, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["R3", pytest.param("R2", marks=pytest.mark.slow)])
+def test_a_run_on_the_moe_syncs_checkpoints_stores_and_evaluates(moe_dir, tmp_path, capsys, mode):
     """Two GRPO steps of R3 on a mixture of experts (local placement): the engine receives the
     trainer's weights (in-process weight sync, routers included), the episodes carry and store the
-    engine's experts, the checkpoint's model/ is a plain HF directory `tidal eval` scores."""
+    engine's experts, the checkpoint's model/ is a plain HF directory `tidal eval` scores. R2 (two
+    mini-batches: a log-prob pass, then updates that replay its routing) through the same loop."""
     import json
 
     from tidal.cli import main
@@ -230,7 +232,8 @@ def test_a_run_on_the_moe_syncs_checkpoints_stores_and_evaluates(moe_dir, tmp_pa
 
     run = tmp_path / "run"
     ctl = Controller(load_config(None, [
-        f"model.path={moe_dir}", f"run.dir={run}", "train.moe.routing_replay=R3", "train.moe.measure_unreplayed=true",
+        f"model.path={moe_dir}", f"run.dir={run}", f"train.moe.routing_replay={mode}", "train.moe.measure_unreplayed=true",
+        *(["train.mini_batches=2"] if mode == "R2" else []),
         "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=8", "task.train_size=16",
         "train.steps=2", "run.progress=false", "run.eval_every=0", "run.save_every=2", "reward.isolation=inline"]))
     try:
@@ -279,3 +282,69 @@ def test_moe_configs_are_recognised_from_their_files(moe_dir, tiny_model_dir):
 
     assert is_moe_config(read_config(moe_dir)) and not is_moe_config(read_config(tiny_model_dir))
     assert is_moe_config(load_model(moe_dir).config)
+
+
+def test_default_moe_ships_as_an_hf_directory():
+    """`default-moe` (tidal build-moe): a Qwen3-MoE with the default model's tokenizer, partly right
+    on the default task (room for RL), its router's balancing loss off for RL."""
+    import json
+
+    from tidal.models import MOE_MODEL_DIR, resolve_model_dir
+    from tidal.models.moe import is_moe_config
+    from tidal.models.vision import read_config
+
+    assert resolve_model_dir("default-moe") == MOE_MODEL_DIR
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tidal_build.json"):
+        assert (MOE_MODEL_DIR / name).is_file(), name
+    cfg = read_config(MOE_MODEL_DIR)
+    assert cfg["model_type"] == "qwen3_moe" and is_moe_config(cfg) and cfg["output_router_logits"] is False
+    build = json.loads((MOE_MODEL_DIR / "tidal_build.json").read_text())
+    assert 0.1 <= build["val"]["accuracy"] <= 0.6 and build["val"]["pass_at_k"] > build["val"]["accuracy"]
+    assert build["threads"] == 1 and build["arch"]["experts"] == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_build_moe_rebuilds_the_shipped_one(tmp_path):
+    """`tidal build-moe` still builds the warm start it shipped: the first 300 of its 600 steps, on
+    the full build's schedule (`stop_after`), reach the shipped build's recorded step-300 accuracy.
+    Not the same weights (another CPU sums in another order: tests/test_default_job.py says why)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tidal.models import MOE_MODEL_DIR
+    from tidal.recipes.moe_model import build_default_moe
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the shipped model was built with 1 thread
+    try:
+        summary = build_default_moe(tmp_path / "m", stop_after=300)
+    finally:
+        torch.set_num_threads(before)
+    shipped = json.loads((MOE_MODEL_DIR / "tidal_build.json").read_text())
+    at_300 = next(h for h in shipped["history"] if h["step"] == 300)
+    assert summary["val"]["step"] == 300 and summary["steps"] == shipped["steps"]
+    # 400 held-out problems: binomial std ≤ 0.025 for accuracy and pass@8; 0.07 is about 2 std of
+    # the difference of two equally good builds plus room, as in tests/test_default_job.py.
+    assert summary["val"]["accuracy"] == pytest.approx(at_300["accuracy"], abs=0.07), summary["val"]
+    assert summary["val"]["pass_at_k"] == pytest.approx(at_300["pass_at_k"], abs=0.07), summary["val"]
+    new, old = load_file(str(tmp_path / "m" / "model.safetensors")), load_file(str(MOE_MODEL_DIR / "model.safetensors"))
+    assert new.keys() == old.keys() and all(new[k].shape == old[k].shape for k in new)
+
+
+def test_replay_settings_that_cannot_work_are_refused_before_the_run(tiny_model_dir, tmp_path):
+    from tidal.config import ConfigError, load_config
+    from tidal.runtime.controller import Controller
+
+    for bad, match in ((["train.moe.routing_replay=R3", "train.activation_checkpointing=true"], "activation_checkpointing"),
+                       (["train.moe.routing_replay=R3", "engine.kind=vllm"], "torch engine"),
+                       (["train.moe.routing_replay=R2", "train.parallel.cp=2", "placement.mode=ray",
+                         "placement.trainer_ranks=2"], "context-parallel")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, bad)
+    # a dense model: named when its path is resolved, before any role starts
+    with pytest.raises(ConfigError, match="not a mixture of experts"):
+        Controller(load_config(None, [f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
+                                      "train.moe.routing_replay=R3", "run.progress=false"]))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
