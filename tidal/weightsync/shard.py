@@ -290,10 +290,12 @@ class ShardReceiver:
                 v.copy_(payload[at:at + p.nbytes].view(v.dtype).view(v.shape))
                 at += p.nbytes
         else:
-            flat = [tensor_bytes(v).clone() for v in dests]
+            # XOR in place where the engine's box of the piece is contiguous (a row block), else on a copy
+            flat = [v.view(-1).view(torch.uint8) if v.is_contiguous() else tensor_bytes(v).clone() for v in dests]
             decode_into(payload.numpy().data, flat, [v.element_size() for v in dests], codec)
             for v, f in zip(dests, flat):
-                v.copy_(f.view(v.dtype).view(v.shape))
+                if not v.is_contiguous():
+                    v.copy_(f.view(v.dtype).view(v.shape))
         bad = []
         if check:
             for v, p, want in zip(dests, m.pieces, meta[1:]):
