@@ -250,3 +250,17 @@ def test_sharded_trainer_syncs_torch_engines_bit_for_bit(parallel, tmp_path):
         assert all(r["bytes"] < r["raw_bytes"] for r in res[1:] if not r["mismatched"])  # deltas are smaller
         assert res[corrupt_at]["mismatched"] == (["model.norm.weight"] if dst == 1 else [])
     assert tr["results"][corrupt_at]["repaired"] and not tr["results"][corrupt_at - 1]["repaired"]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["placement.weight_sync_delta=true"], "placement.weight_sync_delta needs placement.weight_sync=shard"),
+    (["placement.weight_sync=shard"], "placement.weight_sync=shard needs placement.mode=ray"),
+    (["placement.mode=ray", "placement.weight_sync=shard", "placement.colocate=true"], "colocated engines"),
+])
+def test_bad_shard_or_delta_settings_name_the_key(overrides, says):
+    from tidal.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, overrides)
+    ok = load_config(None, ["placement.mode=ray", "placement.weight_sync=shard", "placement.weight_sync_delta=true"])
+    assert ok.placement.weight_sync_delta.enabled and ok.placement.weight_sync_delta.full_every == 20

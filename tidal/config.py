@@ -306,6 +306,18 @@ class RoleResources(_Section):
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources one actor needs, e.g. {node_type_a: 1}: pins the role to nodes that offer them.")
 
 
+class WeightSyncDeltaConfig(_Section):
+    """Delta weight sync (docs/weightsync.md#delta-sync): each engine gets the XOR of the new
+    weights with the version it holds, compressed, with a checksum per piece; a full sync when a
+    checksum fails, when an engine is new or restarted, and every `full_every` versions. Bit for
+    bit the full sync's result. `placement.weight_sync_delta=true` is short for `enabled: true`."""
+
+    enabled: bool = Field(False, description="Send deltas (placement.weight_sync=shard; needs the `delta` extra: pip install 'tidal[delta]'). Off: every sync sends the full bytes, which on fast links is quicker (BENCHMARKS.md, Weight sync at scale).")
+    full_every: int = Field(20, ge=1, description="A full sync every this many versions, whatever the checksums say.")
+    codec: Literal["zstd", "lz4"] = Field("zstd", description="Compressor of the XOR's byte planes: zstd (smaller) or lz4.")
+    level: int = Field(1, ge=-5, le=19, description="Compression level (zstd: 1 is its fast default; lz4: 0 fast, 3+ high-compression mode).")
+
+
 class PlacementConfig(_Section):
     mode: Literal["local", "ray"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors.")
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
@@ -321,15 +333,21 @@ class PlacementConfig(_Section):
     env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step/close, tools, sandboxes, per-turn rewards), least-loaded per episode; 0: environments run in the driver's rollout. The task's reward functions score in the reward pool either way.")
     env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
-    weight_sync: Literal["auto", "inprocess", "broadcast", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; disk = safetensors under weight_sync_dir (a filesystem every node sees).")
+    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
     weight_sync_bucket_mb: float = Field(256.0, gt=0.0, description="broadcast transport: size of one flat bucket.")
     weight_sync_checksum: bool = Field(False, description="Verify every sync: engines checksum what arrived against the trainer's checksum.")
+    weight_sync_delta: WeightSyncDeltaConfig = Field(default_factory=WeightSyncDeltaConfig, description="Delta weight sync (placement.weight_sync=shard): send only what changed since the version each engine holds.")
     call_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one remote call (a trainer step, a weight sync); past it the role is reported hung, with role, call and step.")
     collective_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one torch.distributed collective of trainer ranks and weight broadcast.")
     start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
     ping_s: float = Field(30.0, gt=0.0, description="An env worker with a call pending this long is pinged; one that does not answer the ping within as long is hung (stopped, deadlocked): killed and replaced as a dead one is (run.max_restarts).")
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
+
+    @field_validator("weight_sync_delta", mode="before")
+    @classmethod
+    def _delta_flag(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
 
 
 class GatewayConfig(_Section):
@@ -463,8 +481,20 @@ class TidalConfig(_Section):
         self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
         if pl.colocate and self.engine.replicas != pl.trainer_ranks:
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
-        if pl.mode == "local" and pl.weight_sync == "broadcast":
-            raise ValueError("placement.weight_sync=broadcast needs placement.mode=ray (local mode moves weights in process)")
+        if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard"):
+            raise ValueError(f"placement.weight_sync={pl.weight_sync} needs placement.mode=ray (local mode moves weights in process)")
+        if pl.weight_sync == "shard" and pl.colocate:
+            raise ValueError("placement.weight_sync=shard sends to engine actors of their own; colocated engines "
+                             "(placement.colocate) take the weights in process")
+        if pl.weight_sync == "shard" and self.train.lora.rank > 0:
+            raise ValueError("placement.weight_sync=shard sends the trainer's own shards; with LoRA the engines get merged "
+                             "weights: use placement.weight_sync=broadcast")
+        if pl.weight_sync_delta.enabled:
+            if pl.weight_sync != "shard":
+                raise ValueError(f"placement.weight_sync_delta needs placement.weight_sync=shard (got {pl.weight_sync})")
+            missing = [m for m in ("zstandard", "lz4", "xxhash") if importlib.util.find_spec(m) is None]
+            if missing:
+                raise ValueError(f"placement.weight_sync_delta needs {', '.join(missing)}: pip install 'tidal[delta]'")
         if self.train.mixed_precision and self.model.dtype != "float32":
             raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")

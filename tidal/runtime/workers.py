@@ -69,6 +69,7 @@ class SyncReceiver:
 
     engine = None
     _group = None
+    _shard = None  # weight_sync=shard: this side of the transfer plan
 
     def sync_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str,
                   timeout_s: float) -> None:
@@ -82,6 +83,21 @@ class SyncReceiver:
         from tidal.weightsync import receive_into
 
         return receive_into(self.engine, self._group)
+
+    def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
+                   **_) -> None:
+        """weight_sync=shard: join the group of the trainer ranks and the engine ranks; the transfer
+        plan arrives from trainer rank 0."""
+        from tidal.weightsync import BroadcastGroup
+        from tidal.weightsync.shard import ShardReceiver, share_plan
+
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
+        self._shard = ShardReceiver(self._group, share_plan(self._group, None))
+
+    def shard_recv(self) -> dict:
+        return self._shard.recv(self.engine)
 
     def load_weights_file(self, path: str) -> int:
         from tidal.weightsync import DiskSync

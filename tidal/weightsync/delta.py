@@ -25,21 +25,14 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+
+from tidal.config import WeightSyncDeltaConfig
 
 SKIP, FULL, DELTA = 0, 1, 2  # what one sync sends one engine rank
 CODECS = ("zstd", "lz4")
 
 
-class DeltaConfig(BaseModel):
-    """Delta weight sync (`placement.weight_sync_delta`, docs/weightsync.md#delta-sync)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    enabled: bool = Field(False, description="Send each engine only the XOR of the new weights with the version it holds, compressed, with a checksum per piece (needs the `delta` extra: zstandard, lz4, xxhash). Off: every sync sends the full bytes.")
-    full_every: int = Field(20, ge=1, description="A full sync every this many versions, whatever the checksums say (bounds how long a silent divergence the checksum could miss would live).")
-    codec: str = Field("zstd", pattern="^(zstd|lz4)$", description="Compressor of the XOR: zstd (smaller) or lz4 (faster).")
-    level: int = Field(1, ge=-5, le=19, description="Compression level (zstd: 1 is its fast default; lz4: 0 fast, >2 high-compression mode).")
+DeltaConfig = WeightSyncDeltaConfig  # placement.weight_sync_delta (tidal/config.py)
 
 
 def xor_(out: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
