@@ -264,3 +264,22 @@ def test_bad_shard_or_delta_settings_name_the_key(overrides, says):
         load_config(None, overrides)
     ok = load_config(None, ["placement.mode=ray", "placement.weight_sync=shard", "placement.weight_sync_delta=true"])
     assert ok.placement.weight_sync_delta.enabled and ok.placement.weight_sync_delta.full_every == 20
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_the_simulators_bytes_model_is_the_plans(engine_tp):
+    """tidal/plan/sync_model.py's `expected_bytes` (written out there so `tidal plan` needs no torch)
+    gives what build_plan gives: 2 trainer ranks sharding rows, one engine replica of engine_tp
+    ranks each holding its share of the rows."""
+    from tidal.plan.sync_model import expected_bytes
+
+    params = {n: p for n, p in _layout(2).items() if n not in ("odd", "norm")}  # evenly divisible, all sharded
+    slices = [{n: ((r * p.shape[0] // engine_tp, (r + 1) * p.shape[0] // engine_tp),) + full_box(p.shape)[1:]
+               for n, p in params.items()} for r in range(engine_tp)]
+    plan = build_plan(params, slices, MB, trainer_ranks=2)
+    want = expected_bytes(plan.model_bytes(), 2, engine_tp, "shard")
+    assert [plan.bytes_to(d) for d in range(engine_tp)] == [want.per_engine_rank] * engine_tp
+    assert [plan.bytes_from(s) for s in range(2)] == [want.per_trainer_rank] * 2 and want.gathered == 0
+    assert expected_bytes(100.0, 2, engine_tp, "delta", 0.25).per_engine_rank == want.per_engine_rank / plan.model_bytes() * 25
+    today = expected_bytes(100.0, 2, engine_tp, "broadcast")  # every engine rank gets everything, after a gather
+    assert today.per_engine_rank == 100.0 and today.gathered == 50.0
