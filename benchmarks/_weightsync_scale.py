@@ -221,7 +221,7 @@ def delta_job(steps: int) -> dict:
 
 
 def delta_table(r: dict) -> str:
-    head = ("| weights | elements changed | sparse (index + value) | XOR + shuffle + zstd-1 | XOR + zstd-1, no shuffle "
+    head = ("| weights | elements changed | sparse (index + value) | XOR + shuffle + zstd-1 | XOR + zstd-1, one plane "
             "| XOR + shuffle + lz4 |")
     rows = [head, "| --- | --- | --- | --- | --- | --- |"]
     for dt in ("float32", "bfloat16"):
