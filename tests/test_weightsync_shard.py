@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import sys
 
@@ -283,3 +284,66 @@ def test_the_simulators_bytes_model_is_the_plans(engine_tp):
     assert expected_bytes(100.0, 2, engine_tp, "delta", 0.25).per_engine_rank == want.per_engine_rank / plan.model_bytes() * 25
     today = expected_bytes(100.0, 2, engine_tp, "broadcast")  # every engine rank gets everything, after a gather
     assert today.per_engine_rank == 100.0 and today.gathered == 50.0
+
+
+def test_tensor_parallel_engine_slices_become_boxes():
+    """The slices of a TP engine (slices.py's `Slice(dim, start, stop)` or None for whole) plug into
+    the plan: rank r gets its range, an empty range (a padded vocabulary's last rank) no box."""
+    from collections import namedtuple
+
+    from tidal.weightsync.plan import boxes_from_slices
+
+    Slice = namedtuple("Slice", "dim start stop")
+    params = _layout(2)
+    shapes = {n: p.shape for n, p in params.items()}
+    slices = [{"embed": Slice(0, 0, 1000), "q": Slice(0, 0, 32), "o": Slice(1, 0, 32), "norm": None, "odd": None},
+              {"embed": Slice(0, 1000, 1000), "q": Slice(0, 32, 64), "o": Slice(1, 32, 64), "norm": None, "odd": None}]
+    boxes = boxes_from_slices(slices, shapes)
+    assert boxes[0]["o"] == ((0, 64), (0, 32)) and boxes[1]["q"] == ((32, 64), (0, 64))
+    assert "embed" not in boxes[1] and boxes[1]["norm"] == full_box((64,))
+    plan = build_plan(params, boxes, 50_000, trainer_ranks=2)
+    _check_cover(plan)
+    assert plan.bytes_to(1) == (32 * 64 * 2 + 64 + 21) * 4  # q and o halves, norm, odd: no embedding
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("silent", ["engine", "trainer"])
+def test_a_hung_shard_sync_times_out_naming_rank_and_version(silent):
+    """One side never takes part in the sync: the other's call ends within the group's timeout
+    with a WeightSyncError naming the engine rank and the version, not a hang."""
+    import threading
+
+    from tidal.engines.served import free_port
+    from tidal.weightsync import BroadcastGroup
+    from tidal.weightsync.shard import ShardReceiver, ShardSender, share_plan
+
+    params = {n: p for n, p in _layout(1).items()}
+    plan = build_plan(params, full_slices(params, 1), MB, trainer_ranks=1)
+    named = {n: torch.ones(p.shape) for n, p in params.items()}
+    port, out = free_port(), {}
+
+    def engine_side():
+        g = BroadcastGroup.join("127.0.0.1", port, 1, 2, timeout_s=3, name="hung")
+        recv = ShardReceiver(g, share_plan(g, None))
+        if silent != "engine":
+            try:
+                recv.recv()
+            except WeightSyncError as e:
+                out["error"] = str(e)
+        out["group"] = g
+
+    t = threading.Thread(target=engine_side)
+    t.start()
+    g = BroadcastGroup.join("127.0.0.1", port, 0, 2, timeout_s=3, name="hung")
+    share_plan(g, plan)
+    try:
+        if silent == "engine":
+            with pytest.raises(WeightSyncError, match=r"(engine rank 0|round 0).*v1.*timed out after 3 s"):
+                ShardSender(g, plan).send(1, named)
+        else:
+            t.join(timeout=60)
+            assert re.search(r"round 0 of the next version.*timed out after 3 s", out["error"]), out["error"]
+    finally:
+        t.join(timeout=60)
+        g.close()
+        out["group"].close()

@@ -8,8 +8,8 @@ Inputs are two layouts over the same Hugging Face parameter names:
   included) and exchanged once (`gather_layout`). Replicas (HSDP, a parameter tensor
   parallelism leaves whole) hold the same box;
 - the engines': for every engine rank, the box of each parameter it holds (`full_slices` for an
-  engine that holds whole tensors: the torch engine, vLLM at TP 1; a tensor-parallel engine's
-  slices plug in here as the same `{name: box}` per rank).
+  engine that holds whole tensors: the torch engine, vLLM at TP 1; `boxes_from_slices` for a
+  tensor-parallel engine's `engine_slices`).
 
 `build_plan` intersects them: every engine rank's box of a parameter is cut by the trainer
 boxes it overlaps, each piece is sent by one owner (among replicas, the one that has sent the
@@ -165,6 +165,25 @@ class TransferPlan:
 def full_slices(params: Mapping[str, ParamLayout], engine_ranks: int) -> list[dict[str, Box]]:
     """Engine slices of engines that hold whole tensors: every rank every parameter, whole."""
     return [{n: full_box(p.shape) for n, p in params.items()} for _ in range(engine_ranks)]
+
+
+def boxes_from_slices(slices: Sequence[Mapping[str, object]], shapes: Mapping[str, Sequence[int]]
+                      ) -> list[dict[str, Box]]:
+    """Engine boxes from a tensor-parallel engine's slices (tidal/weightsync/slices.py's
+    `engine_slices`: per rank `{name: Slice(dim, start, stop) | None}`, None = whole): the slice's
+    range on its dimension, the other dimensions whole. A rank whose slice of a tensor is empty
+    (the last ranks of a padded vocabulary) gets no box for it."""
+    out = []
+    for rank in slices:
+        boxes = {}
+        for name, sl in rank.items():
+            box = list(full_box(shapes[name]))
+            if sl is not None:
+                box[sl.dim] = (sl.start, sl.stop)
+            if box_numel(tuple(box)) > 0:
+                boxes[name] = tuple(box)
+        out.append(boxes)
+    return out
 
 
 def _split_rows(box: Box, itemsize: int, limit: int) -> list[Box]:
