@@ -226,7 +226,7 @@ def _proc(i, world, ports, tmp, parallel, steps, bucket, corrupt_at):
         _engine_side(i - world, world, ports, tmp, steps, corrupt_at)
 
 
-@pytest.mark.slow  # 75 s a shape on this shared 2-core machine (4 processes, each loading torch and the model)
+@pytest.mark.slow  # 75-113 s a shape on this shared 2-core machine under load (4 processes, each loading torch)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}], ids=["dp_shard2", "tp2"])
 def test_sharded_trainer_syncs_torch_engines_bit_for_bit(parallel, tmp_path):

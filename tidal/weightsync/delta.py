@@ -83,7 +83,7 @@ def digest(b: torch.Tensor) -> int:
     """xxh3-64 of a uint8 tensor's bytes, as a signed int64 (it travels in an int64 tensor)."""
     import xxhash
 
-    v = xxhash.xxh3_64_intdigest(b.numpy().data)
+    v = xxhash.xxh3_64_intdigest(b.cpu().numpy().data)
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
