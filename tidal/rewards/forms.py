@@ -350,7 +350,42 @@ def combine(rewards: list[LoadedReward], inp: RewardInput, results: list[Result]
         else:
             parts[r.name] = parts.get(r.name, 0.0) + r.weight * res.value
         for k, v in res.metrics.items():
-            metrics[f"{r.name}/{k}" if several else k] = v
+            metrics[extra_key(k, r.name if several else None)] = v
+    if correct is None:
+        correct = _correct_elsewhere(rewards, results)
     if correct is not None:
         metrics["correct"] = correct
     return RewardOutcome("ok", reward=sum(parts.values()), parts=parts, metrics=metrics)
+
+
+def extra_key(key: str, reward: str | None) -> str:
+    """The metric name of a number a reward reported besides its value (veRL's `acc`, a
+    RewardParts metric): `reward/extra/<key>` (`reward/extra/<reward>/<key>` among several
+    rewards), so that it reaches the step's metrics; a key with a `/` (`judge/injection`) is
+    already a metric name and stays as it is."""
+    if "/" in key:
+        return key
+    return f"reward/extra/{reward}/{key}" if reward else f"reward/extra/{key}"
+
+
+def says_correct(reward: LoadedReward) -> str | None:
+    """Where a reward's answers say what is correct, as a person reads its config, or None:
+    a tidal-form `correct` part can only be seen in its answers (None here)."""
+    if reward.name == "correct":
+        return f"the reward named `correct` (`{reward.label}`)"
+    if reward.form == "verl":
+        return f"veRL's `acc` of `{reward.label}`, where it returns one"
+    return None
+
+
+def _correct_elsewhere(rewards: list[LoadedReward], results: list[Result]) -> float | None:
+    """Accuracy where no `correct` part says it: a reward named `correct` (its unweighted
+    value: a TRL or veRL function named so in config), else veRL's `acc` (its extra key for
+    accuracy, as veRL's own validation reads it)."""
+    for r, res in zip(rewards, results):
+        if r.name == "correct" and isinstance(res, Scored) and not res.parts:
+            return res.value
+    for r, res in zip(rewards, results):
+        if r.form == "verl" and isinstance(res, Scored) and "acc" in res.metrics:
+            return res.metrics["acc"]
+    return None
