@@ -22,7 +22,8 @@ from tidal.importing import adapter_of, check_extra
 # The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
 # without importing the monitors: they sit above config in the package order and read these.
 ALERTS = ("entropy_collapse", "kl_spike", "grad_norm_spike", "mismatch_growth", "staleness_over_bound",
-          "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "reward_up_eval_down", "reward_hacking")
+          "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "no_learning_signal", "reward_up_eval_down",
+          "reward_hacking")
 HACKING_KINDS = ("divergence", "length_correlation", "part_dominance", "verifier_errors", "judge_disagreement")
 # What each optional metric sink (run.loggers) imports, and the extra that installs it.
 SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -407,6 +408,7 @@ class AlertsConfig(_Section):
     tool_error_jump: float = Field(0.2, gt=0, le=1, description="tool_error_rate_jump: tools/error_rate over its recent median plus this.")
     throughput_drop_ratio: float = Field(0.2, gt=0, lt=1, description="throughput_drop: tokens_per_s under this fraction of its recent median...")
     throughput_drop_steps: int = Field(3, ge=1, description="...for this many steps in a row.")
+    no_signal_steps: int = Field(10, ge=1, description="no_learning_signal: every group's rewards equal (groups/zero_std_frac = 1: no advantage, no gradient) for this many steps in a row.")
     hacking_kinds: list[str] = Field(default_factory=lambda: ["divergence", "part_dominance", "verifier_errors", "judge_disagreement"], description="Reward-hacking monitor events that are alerts (divergence as reward_up_eval_down, the others as reward_hacking). length_correlation is left out by default: it fires on the healthy default job (measured: Spearman r 0.57-0.70 between the format part and length, in 4 and 15 steps of two 60-step runs); its events stay in hacking_events.jsonl and the metrics.")
 
     @field_validator("hacking_kinds")
