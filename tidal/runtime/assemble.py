@@ -84,11 +84,14 @@ class RunParts:
             engine.close()
 
 
-def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None) -> Rollout:
+def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None,
+                 training: bool = False) -> Rollout:
+    """`training`: a step stops waiting for its rewards past reward.failure_budget
+    (tidal/runtime/step_budget.py); evaluation and replay wait for every one."""
     r = cfg.rollout
     return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
                    max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer,
-                   gateway=gateway, vision=vision)
+                   gateway=gateway, vision=vision, failure_budget=cfg.reward.failure_budget if training else 1.0)
 
 
 def sampling_params(cfg: TidalConfig, tokenizer, purpose: str) -> SamplingParams:
@@ -159,12 +162,14 @@ def _training(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
     # The OpenAI-compatible gateway over the engines: agent tasks call it (and so may tools
     # outside the run, with gateway.enabled).
     parts.gateway = start_run_gateway(cfg, task, parts.engine, parts.tokenizer, parts.model_dir, run_dir)
-    parts.rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.scorer, parts.gateway, parts.vision)
-    parts.eval_scorer, parts.eval_rollout = parts.scorer, parts.rollout
+    parts.rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.scorer, parts.gateway, parts.vision,
+                                 training=True)
+    parts.eval_scorer = parts.scorer
     if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
         parts.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-        parts.eval_rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.eval_scorer, parts.gateway,
-                                          parts.vision)
+    # Its own rollout: evaluation waits for every reward (no step failure budget).
+    parts.eval_rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.eval_scorer, parts.gateway,
+                                      parts.vision)
     for name, path in cfg.eval.sets.items():  # named by their key when they cannot load
         try:
             parts.eval_sets[name] = load_prompts(path)[: cfg.eval.n]
