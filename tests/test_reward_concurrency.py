@@ -110,16 +110,18 @@ def test_a_crash_beside_other_lanes_is_charged_to_its_call_alone(rewards_file):
     assert "the crash was this call's" in outs[1].error and scorer.crashes == 1
 
 
-@pytest.mark.slow  # a whole training step of the tiny model, with its hung worker's replacements: ~15 s here
+@pytest.mark.slow  # a whole training step of the tiny model, with its hung workers' replacements: ~15 s here
 def test_a_step_whose_rewards_fail_past_the_budget_stops_waiting(rewards_file, tiny_model_dir, tmp_path, caplog):
-    """An always-hanging reward, 16 episodes, 2 sync lanes: waiting out every episode would
-    take 8 timeouts; with reward.failure_budget=0.2 the step gives up once 4 have failed
-    (2 timeouts), its other episodes end reward_error saying why, and the run stops."""
+    """An always-hanging reward, 16 episodes, 2 workers of 2 sync lanes: waiting out every
+    episode takes 4 waves of 4 hung calls; with reward.failure_budget=0.2 the step gives up
+    once more than 3 have failed (after the first wave), its other episodes end reward_error
+    saying why, and the run stops."""
+    timeout_s = 2.0  # long beside generation and a worker's start, which a loaded machine stretches
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}", "train.steps=3",
                              "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "rollout.max_new_tokens=4",
                              "run.eval_every=0", "run.progress=false", "run.save_every=0",
-                             f"task.reward={rewards_file}:always_hangs", f"reward.timeout_s={TIMEOUT_S}",
-                             "reward.workers=1", "reward.sync_concurrency=2", "reward.failure_budget=0.2",
+                             f"task.reward={rewards_file}:always_hangs", f"reward.timeout_s={timeout_s}",
+                             "reward.workers=2", "reward.sync_concurrency=2", "reward.failure_budget=0.2",
                              "reward.failure_steps=1"])
     ctl = Controller(cfg)
     try:
@@ -129,11 +131,11 @@ def test_a_step_whose_rewards_fail_past_the_budget_stops_waiting(rewards_file, t
         elapsed = time.monotonic() - t0
     finally:
         ctl.close()
-    # Waiting out every episode takes at least 8 waves of 2 hung calls (8 s); stopped after 2
-    # waves, each a timeout and the start of the hung worker's replacement (~1-2 s here).
-    assert elapsed < 8 * TIMEOUT_S, elapsed
     rows = [json.loads(line) for line in (ctl.paths.root / "metrics.jsonl").read_text().splitlines()]
     assert (rows[0]["episodes/timeout"], rows[0]["episodes/reward_error"]) == (4, 12)  # 4 > 0.2 x 16, then no wait
+    # Not waiting is what the counts show (waited out, all 16 end timeout); the time is logged
+    # and not asserted: on this shared machine generation alone ranged from 2 s to 10 s.
+    print(f"the step stopped after {elapsed:.1f} s; waiting out 4 waves takes {4 * timeout_s:g} s at the least")
     said = "\n".join(r.getMessage() for r in caplog.records)
     assert "12 of 16 episodes ended reward_error (not trained on); first: not scored: 4 of the step's 16 episodes " \
            "had failed, over reward.failure_budget=0.2" in said

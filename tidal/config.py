@@ -383,6 +383,7 @@ class EvalConfig(_Section):
     k: int = Field(8, ge=1, description="Samples per problem for pass@k.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the pass@k samples.")
     reward: str | None = Field(None, description="The reward held-out evaluation measures accuracy with (its `correct` part), as a dotted or file path, e.g. the task's verifier when training on a reward model or a judge; None: the task's own rewards.")
+    reward_form: Literal["tidal", "trl", "verl"] = Field("tidal", description="The calling convention of eval.reward, as task.reward_form: tidal, trl or verl (accuracy from its `correct` part, veRL's `acc`, or, for a TRL function, its float when eval.reward's function is named `correct`).")
     at_start: bool = Field(False, description="With run.eval_every > 0: evaluate the starting weights before step 1 too (a metrics.jsonl line of step 0).")
     k_every: int = Field(0, ge=0, description="Every N steps also sampled: eval/pass_at_k and eval/pass_at_1 with eval.k samples per problem at eval.temperature (0: off; k×n generations, costly).")
     sets: dict[str, str] = Field(default_factory=dict, description="More held-out sets, name → dataset (JSONL, Parquet or HF datasets dir, with the task's columns): eval/<name>/accuracy at every evaluation, on at most eval.n rows each.")

@@ -47,7 +47,7 @@ import weakref
 from typing import Any
 
 from tidal.rewards.contract import RewardInput, RewardOutcome
-from tidal.rewards.forms import default_keys, spec_data
+from tidal.rewards.forms import OncePerStep, default_keys, spec_data
 from tidal.rewards.pool_base import PoolScorer, RewardLoadError, calls_of, outcomes
 from tidal.rewards.pool_process import ProcessPool
 from tidal.rewards.pool_ray import RayPool
@@ -86,6 +86,7 @@ class InlineScorer:
         self.host = RewardHost(specs, cfg.timeout_s, sync_in_thread=False)
         self.rewards = self.host.rewards
         self.per_group = any(r.form == "trl" for r in self.rewards)
+        self.logged = OncePerStep()  # a failure's traceback: once per distinct error and step
 
     async def score(self, inputs: list[RewardInput]) -> list[RewardOutcome]:
         if not inputs:
@@ -93,7 +94,7 @@ class InlineScorer:
         calls = calls_of(self.rewards, inputs)
         runs = [self.host.run(si, [inputs[j] for j in rows]) for si, rows in calls]
         answers = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
-        return outcomes(self.rewards, inputs, calls, [a for a, _ in answers])
+        return outcomes(self.rewards, inputs, calls, [a for a, _ in answers], self.logged)
 
     async def close(self) -> None:
         await self.host.close()

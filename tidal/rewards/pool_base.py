@@ -18,7 +18,7 @@ from collections import deque
 from typing import Any
 
 from tidal.rewards.contract import RewardInput, RewardOutcome
-from tidal.rewards.forms import Failed, LoadedReward, Result, combine, reward_meta, timed_out
+from tidal.rewards.forms import Failed, LoadedReward, OncePerStep, Result, combine, reward_meta, timed_out
 
 log = logging.getLogger("tidal.rewards")
 
@@ -49,14 +49,15 @@ def calls_of(rewards: list[LoadedReward], inputs: list[RewardInput]) -> list[tup
     return out
 
 
-def outcomes(rewards: list[LoadedReward], inputs: list[RewardInput], calls, answers) -> list[RewardOutcome]:
+def outcomes(rewards: list[LoadedReward], inputs: list[RewardInput], calls, answers,
+             logged: OncePerStep | None = None) -> list[RewardOutcome]:
     """Each input's outcome from the answers of `calls` (as `calls_of` planned them): its
-    rewards' results combined into one reward and its parts."""
+    rewards' results combined into one reward and its parts (failures logged through `logged`)."""
     per_input: list[list[Result | None]] = [[None] * len(rewards) for _ in inputs]
     for (si, rows), results in zip(calls, answers):
         for j, res in zip(rows, results):
             per_input[j][si] = res
-    return [combine(rewards, inp, res) for inp, res in zip(inputs, per_input)]  # type: ignore[arg-type]
+    return [combine(rewards, inp, res, logged) for inp, res in zip(inputs, per_input)]  # type: ignore[arg-type]
 
 
 # -- the pools ---------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ class PoolScorer:
     def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int, max_async: int):
         self.specs = specs
         self.rewards = reward_meta(specs)  # names and weights; the code itself is imported in the workers
+        self.logged = OncePerStep()  # a failure's traceback: once per distinct error and step
         self.per_group = any(r.form == "trl" for r in self.rewards)
         self.timeout_s = float(cfg.timeout_s)
         self.max_async = max_async
@@ -208,7 +210,7 @@ class PoolScorer:
                 for c in calls:
                     c.finished = True  # in flight it stays on its worker's books until it answers or its deadline
             raise
-        return outcomes(self.rewards, inputs, plan, answers)
+        return outcomes(self.rewards, inputs, plan, answers, self.logged)
 
     def submit(self, calls: list[tuple[int, list[RewardInput]]], loop) -> list[asyncio.Future]:
         """Calls (reward index, inputs) as they are, without combining: a future per call for

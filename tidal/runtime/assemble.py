@@ -34,6 +34,7 @@ from tidal.envs.dataset import DatasetError, load_prompts
 from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.models.vision import Vision
 from tidal.rewards.pool import build_scorer, spec_keys
+from tidal.runtime.evaluate import accuracy_note
 from tidal.runtime.gateway_http import start_gateway
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout
@@ -142,6 +143,17 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
     return parts
 
 
+def _eval_spec(cfg: TidalConfig) -> RewardSpec:
+    return RewardSpec(fn=cfg.eval.reward, form=cfg.eval.reward_form)
+
+
+def _accuracy_note(cfg: TidalConfig, task: Task) -> str | None:
+    """The line to log at start when no reward evaluation uses can say what is correct."""
+    if cfg.eval.reward:
+        return accuracy_note([_eval_spec(cfg)], ["eval.reward"])
+    return accuracy_note(task.rewards, spec_keys(cfg.task))
+
+
 def _task_scorer(cfg: TidalConfig, task: Task, ray_handles=None):
     return build_scorer(task.rewards, cfg.reward, ray_handles=ray_handles, keys=spec_keys(cfg.task))
 
@@ -166,7 +178,9 @@ def _training(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
                                  training=True)
     parts.eval_scorer = parts.scorer
     if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
-        parts.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
+        parts.eval_scorer = build_scorer([_eval_spec(cfg)], cfg.reward, keys=["eval.reward"])
+    if cfg.run.eval_every and (note := _accuracy_note(cfg, task)):
+        log.warning("%s", note)
     # Its own rollout: evaluation waits for every reward (no step failure budget).
     parts.eval_rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.eval_scorer, parts.gateway,
                                       parts.vision)
@@ -184,7 +198,7 @@ def _evaluation(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None
                                 device=device, pad_token_id=parts.tokenizer.pad_token_id, seed=cfg.run.seed)
     parts.engines = [parts.engine]
     if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
-        parts.scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
+        parts.scorer = build_scorer([_eval_spec(cfg)], cfg.reward, keys=["eval.reward"])
     elif parts.task.rewards:
         parts.scorer = _task_scorer(cfg, parts.task)
     parts.gateway = start_run_gateway(cfg, parts.task, parts.engine, parts.tokenizer, parts.model_dir, run_dir)
