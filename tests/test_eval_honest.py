@@ -137,3 +137,9 @@ def test_eval_reward_takes_every_form_and_a_trl_task_says_at_start(setup, tiny_m
         ctl = Controller(load_config(None, [*base[:1], f"run.dir={tmp_path / 'run2'}", *base[2:]]))
         ctl.close()
     assert any("no reward says what is correct" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    no_heldout = [o for o in base[2:] if not o.startswith("task.eval_dataset=")]
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        ctl = Controller(load_config(None, [*base[:1], f"run.dir={tmp_path / 'run3'}", *no_heldout]))
+        ctl.close()
+    assert any("no held-out rows (task.eval_dataset is not set" in r.getMessage() for r in caplog.records)

@@ -179,7 +179,11 @@ def _training(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
     parts.eval_scorer = parts.scorer
     if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
         parts.eval_scorer = build_scorer([_eval_spec(cfg)], cfg.reward, keys=["eval.reward"])
-    if cfg.run.eval_every and (note := _accuracy_note(cfg, task)):
+    if cfg.run.eval_every and not task.eval_rows and not cfg.eval.sets:
+        log.warning("evaluation: no held-out rows (task.eval_dataset is not set for the dataset %s), so "
+                    "run.eval_every=%d evaluates nothing: set task.eval_dataset (or eval.sets)",
+                    cfg.task.dataset, cfg.run.eval_every)
+    elif cfg.run.eval_every and (note := _accuracy_note(cfg, task)):
         log.warning("%s", note)
     # Its own rollout: evaluation waits for every reward (no step failure budget).
     parts.eval_rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.eval_scorer, parts.gateway,
