@@ -2,6 +2,7 @@
 
     tidal train [CONFIG.yaml] [section.key=value ...] [--resume]
     tidal eval MODEL_OR_CHECKPOINT [CONFIG.yaml] [section.key=value ...] [--json]
+    tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
@@ -199,6 +200,23 @@ def cmd_eval(ns: argparse.Namespace) -> int:
               f"(failed episodes, counted wrong: {failed}){tools}")
         if res.get("first_error"):
             print(f"  first failure: {res['first_error']}")
+    return 0
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    """Every config key (or those of the sections named) with its type, default and description."""
+    from tidal.config_doc import render_markdown, render_text, select
+
+    if ns.markdown:
+        if ns.keys:
+            raise ConfigError("tidal config --markdown prints the whole reference (docs/config.md): give no keys")
+        print(render_markdown(), end="")
+        return 0
+    try:
+        docs = select(ns.keys)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(render_text(docs), end="")
     return 0
 
 
@@ -482,6 +500,10 @@ def _run_commands(sub) -> None:
     e.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (eval.n, eval.k, ...)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
+    c = sub.add_parser("config", help="every config key with its type, default and description (docs/config.md)")
+    c.add_argument("keys", nargs="*", help="sections or keys to show (e.g. rollout, train.lora); default: all")
+    c.add_argument("--markdown", action="store_true", help="the whole reference as Markdown (docs/config.md)")
+    c.set_defaults(fn=cmd_config, args=[])
 
 
 def _build_commands(sub) -> None:

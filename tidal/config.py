@@ -7,8 +7,10 @@ global batch (prompts × samples per prompt) and a token budget per micro-batch.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -534,12 +536,60 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    """` (did you mean `PREFIXx`?)` for the closest of `choices` to `word` (difflib's ratio, at
+    least its default 0.6), or ""."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean `{prefix}{close[0]}`?)" if close else ""
+
+
+def _section_model(ann: Any) -> Any:
+    """The section model of a field's annotation (`Section` or `list[Section]`), or None."""
+    if typing.get_origin(ann) is list and typing.get_args(ann):
+        ann = typing.get_args(ann)[0]
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def all_keys(model: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (`[]` for the items of a list of sections), sections too."""
+    out = []
+    for name, field in (model or TidalConfig).model_fields.items():
+        out.append(prefix + name)
+        sub = _section_model(field.annotation)
+        if sub is not None:
+            brackets = "[]" if typing.get_origin(field.annotation) is list else ""
+            out += all_keys(sub, f"{prefix}{name}{brackets}.")
+    return out
+
+
+def section_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the section at `loc` (a validation error's location up to its last part; list
+    indices included) accepts; [] when `loc` names no section."""
+    model: Any = TidalConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of a list of sections: its model was taken at the list
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        model = _section_model(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
 def _explain(e: ValidationError, source: str) -> str:
     lines = []
     for err in e.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            lines.append(f"`{key}`: unknown key")
+            loc = tuple(err["loc"])
+            prefix = "".join(f"{p}." for p in loc[:-1])
+            # the right name in the wrong section first (`run.samples_per_prompt`), then a near spelling
+            same = [k for k in all_keys() if k.rsplit(".", 1)[-1] == str(loc[-1])] if loc else []
+            hint = f" (did you mean `{same[0]}`?)" if len(same) == 1 else \
+                did_you_mean(str(loc[-1]), section_keys(loc[:-1]), prefix) if loc else ""
+            lines.append(f"`{key}`: unknown key{hint} (`tidal config` lists every key)")
         else:
             got = err.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {got!r})"
