@@ -1,6 +1,6 @@
 """`tidal train | eval | build-default-model`.
 
-    tidal train [CONFIG.yaml] [section.key=value ...] [--resume]
+    tidal train [CONFIG.yaml ...] [section.key=value ...] [--resume | --overwrite]
     tidal eval MODEL_OR_CHECKPOINT [CONFIG.yaml] [section.key=value ...] [--json]
     tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tidal.config import ConfigError, TidalConfig, load_config
+from tidal.config import ConfigError, TidalConfig, load_config, load_resume_config, parse_overrides
 from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
 from tidal.rewards.pool import RewardLoadError
@@ -40,43 +40,57 @@ USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileE
 RUN_FAILED_EXIT = 3  # the run stopped itself (failure budget); its last checkpoint is intact
 
 
-def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
-    config = None
-    overrides = []
+def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(config files, overrides): several files merge in order, later ones winning (config.load_config)."""
+    configs, overrides = [], []
     for a in args:
         if "=" in a:
             overrides.append(a)
-        elif config is None and a.endswith((".yaml", ".yml")):
-            config = a
+        elif a.endswith((".yaml", ".yml")):
+            configs.append(a)
         else:
-            raise ConfigError(f"unexpected argument `{a}`: expected a YAML config file or `section.key=value`")
-    return config, overrides
+            raise ConfigError(f"unexpected argument `{a}`: expected YAML config files or `section.key=value`")
+    return configs, overrides
+
+
+def _train_config(ns: argparse.Namespace) -> tuple[TidalConfig, dict | None]:
+    """The config of `tidal train` (for --resume the run's own, the overrides on top, and the record of them)."""
+    config, overrides = _split_args(ns.args)
+    if ns.resume and ns.overwrite:
+        raise ConfigError("--resume continues the run in run.dir and --overwrite deletes it: give one of them")
+    if not ns.resume:
+        return load_config(config, overrides), None
+    if config:
+        raise ConfigError(f"--resume continues with the run's own config.yaml: give overrides only "
+                          f"(section.key=value), not {' '.join(config)}")
+    run_dir = (parse_overrides(overrides).get("run") or {}).get("dir")
+    if not run_dir:
+        raise ConfigError("--resume needs run.dir=RUN_DIR: the directory of the run to continue")
+    cfg, record = load_resume_config(run_dir, [o for o in overrides if not o.startswith("run.dir=")])
+    cfg.run.dir = str(run_dir)
+    return cfg, record
+
+
+def _say_resume(ctl, cfg: TidalConfig, record: dict) -> None:
+    start = f"from checkpoint {ctl.resumed_from}" if ctl.resumed_from is not None else \
+        "from the start (it stopped before its first checkpoint)"
+    print(f"tidal: resuming {ctl.paths.root} {start} (step {ctl.step} of train.steps={cfg.train.steps})",
+          file=sys.stderr)
+    for key, (old, new) in record["changed"].items():
+        note = "  (changes what the resumed steps compute)" if key in record["changes_computation"] else ""
+        print(f"tidal:   {key}: {old!r} -> {new!r}{note}", file=sys.stderr)
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from tidal.runtime.controller import Controller
+    from tidal.runtime.controller import Controller  # torch, transformers: only for a command that trains
     from tidal.runtime.recovery import Recovering
 
-    config, overrides = _split_args(ns.args)
-    record = None
-    if ns.resume:  # the run's own config, the overrides on top, recorded
-        from tidal.config import load_resume_config, parse_overrides
-
-        if config is not None:
-            raise ConfigError(f"--resume continues with the run's own config.yaml: give overrides only "
-                              f"(section.key=value), not {config}")
-        run_dir = (parse_overrides(overrides).get("run") or {}).get("dir")
-        if not run_dir:
-            raise ConfigError("--resume needs run.dir=RUN_DIR: the directory of the run to continue")
-        cfg, record = load_resume_config(run_dir, [o for o in overrides if not o.startswith("run.dir=")])
-        cfg.run.dir = str(run_dir)
-    else:
-        cfg = load_config(config, overrides)
+    cfg, record = _train_config(ns)
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
     # step in flight is abandoned, roles are closed, the last complete checkpoint stays (exit 143).
     previous = _catch_stop_signals()
     try:
-        ctl = Controller(cfg, resume=ns.resume, resume_record=record)
+        ctl = Controller(cfg, resume=ns.resume, resume_record=record, overwrite=ns.overwrite)
     except KeyboardInterrupt as e:  # the controller closed what it had started
         _restore_signals(previous)
         from tidal.runtime.checkpoints import latest_good
@@ -90,11 +104,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         _restore_signals(previous)
         raise
     if ns.resume:
-        print(f"tidal: resuming {ctl.paths.root} from checkpoint {ctl.resumed_from} (step {ctl.step} of "
-              f"train.steps={cfg.train.steps})", file=sys.stderr)
-        for key, (old, new) in record["changed"].items():
-            note = "  (changes what the resumed steps compute)" if key in record["changes_computation"] else ""
-            print(f"tidal:   {key}: {old!r} -> {new!r}{note}", file=sys.stderr)
+        _say_resume(ctl, cfg, record)
         if ctl.step >= cfg.train.steps:
             _restore_signals(previous)
             ctl.close()
@@ -162,12 +172,12 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(signum, handler)
 
 
-def _config_for_model(model: str, config: str | None, overrides: list[str]) -> TidalConfig:
+def _config_for_model(model: str, config: list[str], overrides: list[str]) -> TidalConfig:
     """A checkpoint evaluates on the task of its own run unless a config is given."""
-    if config is None:
+    if not config:
         for parent in [Path(model), *Path(model).parents][:4]:
             if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists():
-                config = str(parent / "config.yaml")
+                config = [str(parent / "config.yaml")]
                 break
     return load_config(config, overrides)
 
@@ -239,7 +249,7 @@ def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     nodes = ns.nodes or trainer_nodes + engine_nodes
     check_nodes(cfg, nodes, ns.gpus_per_node)
     run_dir = default_run_dir(cfg)
-    job = SlurmJob(config=Path(config).resolve() if config else None, overrides=overrides, run_dir=run_dir,
+    job = SlurmJob(configs=[Path(c).resolve() for c in config], overrides=overrides, run_dir=run_dir,
                    nodes=nodes, trainer_nodes=trainer_nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition,
                    time=ns.time, job_name=f"tidal-{cfg.run.name}", node_resources=node_resources(cfg, nodes, trainer_nodes))
     if ns.dry_run:
@@ -492,8 +502,13 @@ def _launch_commands(sub) -> None:
 
 def _run_commands(sub) -> None:
     t = sub.add_parser("train", help="train a policy with RL")
-    t.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides")
-    t.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint")
+    t.add_argument("args", nargs="*", help="CONFIG.yaml files (merged in order, later ones winning) and/or "
+                   "section.key=value overrides (applied last)")
+    t.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint "
+                   "(from its start when it stopped before the first)")
+    t.add_argument("--overwrite", action="store_true", help="start a new run in run.dir even though an earlier run "
+                   "is there: its files (checkpoints, episodes, metrics, logs; every entry of the directory) are "
+                   "deleted first, each named")
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy and pass@k of a model or checkpoint")
     e.add_argument("model", help="model directory, checkpoint directory, or 'default'")

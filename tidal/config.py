@@ -597,21 +597,28 @@ def _explain(e: ValidationError, source: str) -> str:
     return f"invalid config ({source}):\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TidalConfig:
-    """Defaults ← YAML file ← overrides, validated as one."""
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file `{path}` does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file `{path}` is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file `{path}` must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> TidalConfig:
+    """Defaults ← YAML file(s) ← overrides, validated as one. Several files merge in order, a
+    later file's keys winning over an earlier one's, section by section (a mapping merges into
+    a mapping; any other value, a list included, replaces)."""
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file `{path}` does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file `{path}` is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file `{path}` must hold a mapping of sections, got {type(data).__name__}")
-        source = str(path)
+    for p in paths:
+        data = _merge(data, _read_yaml(p))
+    source = " + ".join(str(p) for p in paths) or "defaults"
     if overrides:
         data = _merge(data, parse_overrides(overrides))
         source += " + overrides"
