@@ -34,6 +34,7 @@ from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
 from tidal.rewards.pool import RewardLoadError
 from tidal.runtime.replay import ReplayError
+from tidal.runtime.sources import use_kept
 
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError,
                ReplayError)
@@ -174,12 +175,13 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 def _config_for_model(model: str, config: list[str], overrides: list[str]) -> TidalConfig:
     """A checkpoint evaluates on the task of its own run unless a config is given."""
-    if not config:
-        for parent in [Path(model), *Path(model).parents][:4]:
-            if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists():
-                config = [str(parent / "config.yaml")]
-                break
-    return load_config(config, overrides)
+    if config:
+        return load_config(config, overrides)
+    for parent in [Path(model), *Path(model).parents][:4]:
+        if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists():
+            # the run's own copies of its files of code (tidal/runtime/sources.py), said when the originals changed
+            return use_kept(load_config(parent / "config.yaml", overrides), parent, "eval")
+    return load_config(None, overrides)
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ from tidal.monitor.run_log import RunLog
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.monitor.step_metrics import episode_metrics, staleness_metrics
-from tidal.runtime import inflight
+from tidal.runtime import inflight, sources
 from tidal.runtime.assemble import build_run
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
@@ -167,7 +167,11 @@ class Controller:
         self.resumed_from = resume_from
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (resume and (run_dir / "config.yaml").is_file()):  # a resumed run keeps its own record
-            write_atomic(run_dir / "config.yaml", dump_config(cfg))
+            saved = sources.absolute(cfg)  # eval and replay of the run work from any directory
+            write_atomic(run_dir / "config.yaml", dump_config(saved))
+            sources.keep_sources(saved, run_dir)  # its files of code, as they are now (tidal/runtime/sources.py)
+        else:
+            sources.warn_changed(run_dir, "--resume")
         self.run_log = RunLog(run_dir / "train.log")  # train.log (tidal/monitor/run_log.py)
         if resume:  # what an earlier attempt left past the checkpoint (past step 0 without one)
             tidy_for_resume(run_dir, json.loads((resume_from / "controller.json").read_text())["step"]

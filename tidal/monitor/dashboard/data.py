@@ -4,7 +4,8 @@
   half-written last line left for the next read, so a live run costs only its new lines. A
   step logged again (a resume that lost its last checkpoint re-runs steps) replaces the rows
   from that step on, and the reader says so (`reset`), so curves never show a step twice.
-- `config.yaml` is flattened to `section.key` leaves for the config diff.
+- `config.yaml` is flattened to `section.key` leaves for the config diff, with the hash of each
+  file of code the run copied (`sources.<key>`, from `sources.json`).
 - The Parquet episode store is queried through DuckDB: filters and the page's order and limit
   pushed into the scan, only the columns a view shows (never `tokens`/`logprobs` for the
   list), and the step range pruned by file name before DuckDB opens a file, so a list page of
@@ -192,6 +193,11 @@ class RunView:
             else:
                 flat[prefix] = node
         walk("", data)
+        # the hash of each file of code the run copied (RUN/sources.json, tidal/runtime/sources.py):
+        # two runs of one path but other code differ here
+        kept = self.root / "sources.json"
+        for key, rec in (json.loads(kept.read_text()) if kept.is_file() else {}).items():
+            flat[f"sources.{key}"] = f"sha256:{rec['sha256'][:12]}"
         return flat
 
     # -- episodes -----------------------------------------------------------------------
