@@ -32,6 +32,7 @@ from typing import Any
 from tidal.config import ConfigError, TidalConfig, load_config, load_resume_config, parse_overrides
 from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
+from tidal.monitor.run_status import write_exit
 from tidal.rewards.pool import RewardLoadError
 from tidal.runtime.replay import ReplayError
 from tidal.runtime.sources import use_kept
@@ -83,8 +84,7 @@ def _say_resume(ctl, cfg: TidalConfig, record: dict) -> None:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from tidal.runtime.controller import Controller  # torch, transformers: only for a command that trains
-    from tidal.runtime.recovery import Recovering
+    from tidal.runtime.controller import Controller  # transformers, the engines, Ray: only for a command that trains
 
     cfg, record = _train_config(ns)
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
@@ -104,6 +104,32 @@ def cmd_train(ns: argparse.Namespace) -> int:
     except BaseException:
         _restore_signals(previous)
         raise
+    try:  # how it ended, in RUN/exit.json, for the dashboard (tidal/monitor/run_status.py)
+        code = _train_run(ns, cfg, record, ctl, previous)
+    except BaseException as e:
+        write_exit(ctl.paths.root, _exit_code_of(e), f"{type(e).__name__}: {e}")
+        raise
+    write_exit(ctl.paths.root, code)
+    return code
+
+
+def _exit_code_of(err: BaseException) -> int:
+    """The exit code `main` gives for an error that ends `tidal train`."""
+    from tidal.durable import disk_error
+    from tidal.runtime.run_dir import RunFailed
+
+    if isinstance(err, KeyboardInterrupt):
+        return 130
+    if isinstance(err, RunFailed) or (isinstance(err, Exception) and disk_error(err) is not None):
+        return RUN_FAILED_EXIT
+    return 2 if isinstance(err, USER_ERRORS) else 1
+
+
+def _train_run(ns: argparse.Namespace, cfg: TidalConfig, record: dict | None, ctl, previous: dict[int, Any]) -> int:
+    """The run once its controller has started: the steps, and what is said when they end."""
+    from tidal.runtime.controller import Controller
+    from tidal.runtime.recovery import Recovering
+
     if ns.resume:
         _say_resume(ctl, cfg, record)
         if ctl.step >= cfg.train.steps:

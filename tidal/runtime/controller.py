@@ -46,6 +46,7 @@ from tidal.monitor.alerts import AlertEvent
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.progress import Progress
 from tidal.monitor.run_log import RunLog
+from tidal.monitor.run_status import clear_exit
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.monitor.step_metrics import episode_metrics, staleness_metrics
@@ -155,6 +156,7 @@ class Controller:
         (resumes.jsonl gets its line once the start has succeeded)."""
         run_dir, cfg = self.paths.root, self.cfg
         self.run_lock.acquire()  # a second run, or a resume of a live one, is refused here by name
+        clear_exit(run_dir)  # an earlier attempt's exit record: this one is running (tidal/monitor/run_status.py)
         resume_from = self.paths.latest_checkpoint() if resume else None
         if resume and resume_from is None:  # stopped before its first checkpoint: it starts again
             log.warning("--resume: %s has no complete checkpoint (the run stopped before its first save): it "

@@ -44,6 +44,7 @@ from typing import Any
 from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride, is_agent_env, optional
 from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
+from tidal.monitor.episodes import reference_of
 from tidal.rewards.contract import RewardInput, RewardOutcome
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
 
@@ -107,6 +108,12 @@ class EpisodeSpec:
     seed: int
     greedy: bool = False  # a baseline rollout (ReMax): temperature 0, not trained on
     row: dict[str, Any] = field(default_factory=dict)  # the dataset row: its columns reach the rewards
+
+
+def new_episode(spec: EpisodeSpec, step: int) -> Episode:
+    """The record an episode of `spec` fills in, its task row's reference beside it (the store keeps it)."""
+    return Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed,
+                   reference=reference_of(spec.row))
 
 
 @dataclass
@@ -254,7 +261,7 @@ class Rollout:
     # -- one episode --------------------------------------------------------------------------
     async def run_episode(self, spec: EpisodeSpec, client: BatchingClient, step: int,
                           groups: dict[str, _GroupScoring] | None = None) -> Episode:
-        ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
+        ep = new_episode(spec, step)
         group = (groups or {}).get(spec.group_id)
         try:
             if is_agent_env(spec.env):
@@ -514,8 +521,8 @@ class Rollout:
         try:
             ep = await asyncio.wait_for(self.run_episode(spec, client, step, groups), self.timeout_s)
         except TimeoutError:
-            ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
-            ep = self._fail(ep, Status.TIMEOUT, f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
+            ep = self._fail(new_episode(spec, step), Status.TIMEOUT,
+                            f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
         await self._close(spec, ep)
         return ep
 

@@ -346,9 +346,29 @@ class RunView:
             ep[k] = _finite(ep.get(k))
         ep["seed"] = None if ep.get("seed") is None else str(ep["seed"])  # 64-bit: past a JavaScript number
         ep["pieces"], ep["pieces_note"] = self._pieces(ep["tokens"] or [])
+        self._texts(ep)
         ep["images"] = list(ep.get("images") or [])  # a store from before images has no column
         ep["image_runs"], ep["images_note"] = self._image_runs(ep["tokens"] or [], ep["images"])
         return ep
+
+    def _texts(self, ep: dict[str, Any]) -> None:
+        """What the episode view shows as text: its prompt as the model saw it (`prompt_text`, decoded
+        whole), its task row's reference (`reference`: JSON text; `reference_fields` when it parses,
+        a store from before it has none), and after each turn the observation that followed it
+        (`observation`: tool answers, a user reply; decoded)."""
+        tokens = ep["tokens"] or []
+        ep["reference"] = ep.get("reference") or ""
+        try:
+            fields = json.loads(ep["reference"]) if ep["reference"] else None
+        except ValueError:  # cut at Episode's limit: shown as text
+            fields = None
+        ep["reference_fields"] = fields if isinstance(fields, dict) else None
+        tok = self._load_tokenizer()
+        spans = [(0, ep.get("prompt_len") or 0)] + [(t["end"], t["obs_end"]) for t in ep.get("turns") or []]
+        texts = batch_decoder(tok)([tokens[a:b] for a, b in spans]) if tok is not None else [None] * len(spans)
+        ep["prompt_text"] = texts[0]
+        for t, text in zip(ep.get("turns") or [], texts[1:]):
+            t["observation"] = text if t["obs_end"] > t["end"] else ""
 
     def _image_runs(self, tokens: list[int], images: list[str]) -> tuple[list[dict[str, Any]], str | None]:
         """Where each image sits in the tokens: its run of image pads (`start`, `end`) and its id.
