@@ -9,6 +9,7 @@ import json
 
 from tidal.cli import main
 from tidal.config import load_config
+from tidal.monitor.run_status import run_status
 from tidal.runtime.controller import Controller
 
 SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
@@ -31,6 +32,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_its_start(tiny_m
                                         "run.save_every=0"]))
     try:
         ctl.train_step()
+        assert run_status(cut)["state"] == "running"  # what the dashboard shows (tidal/monitor/run_status.py)
     finally:
         ctl.close()
     assert [m["step"] for m in _steps(cut)] == [1] and not list((cut / "checkpoints").glob("step_*"))
@@ -38,6 +40,7 @@ def test_a_run_stopped_before_its_first_checkpoint_resumes_from_its_start(tiny_m
     assert main(["train", "--resume", f"run.dir={cut}"]) == 0
     err = capsys.readouterr().err
     assert "from the start (it stopped before its first checkpoint) (step 0 of train.steps=2)" in err
+    assert (run_status(cut)["state"], run_status(cut)["exit_code"]) == ("finished", 0)
     a, b = _steps(full), _steps(cut)
     assert [m["step"] for m in b] == [1, 2]  # the earlier attempt's step 1 was replaced, not kept twice
     drop = ("time/", "wall", "throughput", "tokens_per_s", "mem/")  # clocks and memory differ between runs
@@ -59,6 +62,7 @@ def test_overwrite_starts_again_and_names_what_it_deletes(tiny_model_dir, tmp_pa
     assert [m["step"] for m in _steps(run)] == [1]
     assert not (run / "episodes" / "step_000002.parquet").exists()  # nothing of the earlier run is left
     assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_000001"]
+    assert (run_status(run)["state"], run_status(run)["exit_code"]) == ("finished", 0)
     assert _train(tiny_model_dir, run, "--overwrite", "--resume") == 2
     assert "give one of them" in capsys.readouterr().err
 
