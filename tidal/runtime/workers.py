@@ -207,13 +207,13 @@ class RewardWorker:
         return self.failed or {"pid": os.getpid(), "kinds": self.pool.kinds}
 
     async def run_batch(self, msg: dict):
-        """Calls {"inputs", "calls": [(id, spec, [input index])]}, answered as a stream of
+        """Calls {"inputs", "calls": [(id, spec, [input index], lane)]}, answered as a stream of
         bunches {"results": [(id, results, hung)], "log": [(logger, level, message)]} in the
         order they finish (sync calls run in the order given)."""
         inputs = msg["inputs"]
-        futures = self.pool.submit([(spec, [inputs[i] for i in rows]) for _, spec, rows in msg["calls"]],
-                                   asyncio.get_running_loop())
-        ids = {f: cid for f, (cid, _, _) in zip(futures, msg["calls"])}
+        futures = self.pool.submit([(c[1], [inputs[i] for i in c[2]]) for c in msg["calls"]],
+                                   asyncio.get_running_loop())  # its own pool picks the lanes
+        ids = {f: c[0] for f, c in zip(futures, msg["calls"])}
         while ids:
             done, _ = await asyncio.wait(ids, return_when=asyncio.FIRST_COMPLETED)
             yield {"results": [(ids.pop(f), f.result(), False) for f in done], "log": self.lines.take()}
