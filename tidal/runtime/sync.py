@@ -88,6 +88,7 @@ class _InProcess:
     def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
         out = gather([h.submit("push_weights", "inprocess") for h in sync.trainer.ranks], step=step,
                      timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": out[0]["bytes"]}
         return {i: out[i]["version"] for i in targets}
 
 
@@ -171,6 +172,7 @@ class _Disk:
                      timeout_s=sync.timeout_s)
         got = gather([sync.handles[i].submit("load_weights_file", out[0]["path"]) for i in targets], step=step,
                      timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": out[0]["bytes"]}  # what each engine reads
         return dict(zip(targets, got))
 
 

@@ -245,7 +245,7 @@ class TrainerWorker(SyncReceiver):
                 raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
             self.engine.update_weights(version, named)
             self._wake()
-            return {"version": version}
+            return {"version": version, "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
         if self.rank != 0:
             return {"version": version}
         if transport == "broadcast":
@@ -256,7 +256,8 @@ class TrainerWorker(SyncReceiver):
         if transport == "disk":
 
             path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
-            return {"version": version, "path": str(path)}
+            return {"version": version, "path": str(path),
+                    "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
         raise ValueError(f"unknown weight transport {transport!r}")
 
     def pid(self) -> int:
