@@ -83,6 +83,7 @@ from tidal.engines.vllm_server import VLLMServer
 from tidal.models import load_tokenizer
 from tidal.models.vision_shims import apply_vllm_shims, plugin_registered, torchvision_usable
 from tidal.types import GenerationRequest
+from tidal.weightsync.base import WeightSyncError
 
 if TYPE_CHECKING:
     from tidal.models.vision import Vision
@@ -93,12 +94,31 @@ Mode = Literal["in_process", "server"]
 LOGPROBS_MODE = "processed_logprobs"
 
 
-def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
+def cpu_binding(tp_size: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp_size` CPU workers: the allowed cores in `tp_size`
+    contiguous groups ("0|1"), or, with fewer cores than ranks, one core each, shared in turn.
+    vLLM's default ("auto") binds rank r to NUMA node r and refuses to start TP 2 on a box
+    with one node ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")."""
+    cpus = sorted(cpus)
+    if len(cpus) < tp_size:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp_size))
+    per, extra = divmod(len(cpus), tp_size)
+    groups, i = [], 0
+    for r in range(tp_size):
+        n = per + (r < extra)
+        groups.append(",".join(map(str, cpus[i:i + n])))
+        i += n
+    return "|".join(groups)
+
+
+def vllm_env(mode: Mode, kv_cache_gib: float, tensor_parallel: int = 1, device: str = "cpu") -> dict[str, str]:
     """Environment vLLM needs on this machine (read by vLLM when it starts)."""
     env = {
         "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own rendezvous stays on loopback
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",  # GiB; without it vLLM-CPU refuses to start on a memory check
     }
+    if tensor_parallel > 1 and not device.startswith("cuda"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
     if mode == "in_process":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
@@ -125,12 +145,15 @@ class VLLMEngine(ServedEngine):
         request_timeout_s: float = 600.0,
         log_dir: str | Path | None = None,
         vision: Vision | None = None,
+        tensor_parallel: int = 1,
     ):
         if mode not in ("in_process", "server"):
             raise ValueError(f"vLLM engine mode must be 'in_process' or 'server', got {mode!r}")
         self.model_dir = Path(model_dir)
         self.mode: Mode = mode
         self.request_timeout_s = request_timeout_s
+        self.tensor_parallel = tensor_parallel
+        self._broken = ""  # why the engine cannot serve any more (a failed slice receive), else ""
         self._start_serving()
         self._warned_truncation = False
         cfg = json.loads((self.model_dir / "config.json").read_text())
@@ -143,6 +166,15 @@ class VLLMEngine(ServedEngine):
             "logprobs_mode": LOGPROBS_MODE, "gpu_memory_utilization": gpu_memory_utilization,
             "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
         }
+        # tidal's backend for vLLM's weight-transfer API (vllm_transfer.py): each worker receives its own
+        # slices. vLLM imports the extension class in every worker, which registers the backend there.
+        engine_args["worker_extension_cls"] = "tidal.engines.vllm_transfer.TidalWorkerExtension"
+        engine_args["weight_transfer_config"] = {"backend": "tidal_gloo"}
+        if tensor_parallel > 1:
+            # One worker process per rank (vLLM's multiprocessing executor), in-process mode too: only
+            # the engine core stays in this process. Ray's executor is not needed on one node.
+            engine_args["tensor_parallel_size"] = tensor_parallel
+            engine_args["distributed_executor_backend"] = "mp"
         if not device.startswith("cuda"):
             # vLLM-CPU 0.32 fails on a seeded request whose prompt is prefilled in chunks (it
             # rewinds the request's generator offset, which CPU generators do not have): whole
@@ -150,7 +182,7 @@ class VLLMEngine(ServedEngine):
             engine_args["enable_chunked_prefill"] = False
         if vision is not None:
             self._banned = self._prepare_vision(engine_args)
-        env = vllm_env(mode, kv_cache_gib)
+        env = vllm_env(mode, kv_cache_gib, tensor_parallel, device)
         if mode == "in_process":
             self._backend: _InProcess | VLLMServer = _InProcess(self.model_dir, engine_args, env, vision is not None)
         else:
@@ -166,7 +198,7 @@ class VLLMEngine(ServedEngine):
         return f"vLLM engine ({self._backend.describe()})"
 
     def dead(self) -> str:
-        return self._backend.dead()
+        return self._broken or self._backend.dead()
 
     async def _generate(self, requests: list[GenerationRequest], what: str,
                         version: int) -> list[tuple[list[int], list[float], str]]:
@@ -182,6 +214,50 @@ class VLLMEngine(ServedEngine):
 
     def _load_weights(self, named: dict, version: int) -> None:
         self._backend.load_weights(named, self.request_timeout_s)
+
+    # -- slices: vLLM's weight-transfer API with tidal's backend (vllm_transfer.py) --------------
+    def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, name: str,
+                          timeout_s: float, role: str, backend: str = "gloo", poison: bool = False) -> None:
+        """Every worker joins tidal's slice group (tidal/weightsync/sliced.py) as rank
+        `rank_offset` + its TP rank; returns once the whole group has joined. `role` names this
+        replica in errors ("engine replica 0"); `poison`: see sliced.expand."""
+        info = {"host": host, "port": port, "world_size": world_size, "rank_offset": rank_offset, "name": name,
+                "timeout_s": timeout_s, "role": role, "backend": backend, "poison": poison}
+        self._check_open("join_weight_group")
+        try:
+            self._backend.transfer([("init_weight_transfer_engine", {"init_info": info})], timeout_s)
+        except Exception as e:
+            raise WeightSyncError(f"{role}: joining weight-sync group {name!r} failed: {e}") from e
+
+    def receive_slices(self, timeout_s: float | None = None) -> dict:
+        """Receive one sync from the slice group (the sender calls `send_slices`), each worker
+        its own slices, through vLLM's start/update/finish_weight_update; like `update_weights`
+        it waits for the calls in flight and holds new ones back. Returns `version`, `bytes`
+        (all ranks), `bytes_per_rank`, `checksum_ok` (None: none was sent), `reports` (per rank)."""
+        timeout_s = timeout_s or self.request_timeout_s
+        what = "receive_slices"
+        self._check_open(what)
+        too_slow = lambda n: self.error(f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} "
+                                        "generate calls in flight to finish")
+        with self._gate.exclusive(self.request_timeout_s, too_slow):
+            try:
+                reports = self._backend.transfer([
+                    ("start_weight_update", {}), ("update_weights", {"update_info": {"timeout_s": timeout_s}}),
+                    ("finish_weight_update", {}), ("tidal_sync_report", {})], timeout_s)
+            except Exception as e:
+                # vLLM's layerwise reload stopped midway: some layers may hold nothing usable. The engine
+                # reports itself dead from now on, so the router takes it out and the run replaces it.
+                self._broken = f"a slice receive failed and left its weights half loaded: {e}"
+                raise WeightSyncError(f"{self.name}: {what} failed (the replica must be restarted: its layers may "
+                                      f"be half reloaded): {e}") from e
+            versions = {r.get("version") for r in reports}
+            if len(versions) != 1 or None in versions:
+                raise WeightSyncError(f"{self.name}: {what}: the ranks received versions {sorted(map(str, versions))}")
+            self._version = int(versions.pop())
+        sums = [r.get("checksum_ok") for r in reports]
+        return {"version": self._version, "bytes": sum(r["bytes"] for r in reports),
+                "bytes_per_rank": [r["bytes"] for r in reports],
+                "checksum_ok": None if None in sums else all(sums), "reports": reports}
 
     # -- helpers ---------------------------------------------------------------------------
     def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:
@@ -273,7 +349,8 @@ class _InProcess:
         self._thread.start()
 
     def describe(self) -> str:
-        return "in-process"
+        tp = self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+        return "in-process" if tp == 1 else f"in-process, TP {tp}: one worker process per rank"
 
     def dead(self) -> str:
         if self._error is not None:
@@ -410,6 +487,25 @@ class _InProcess:
             self._run(load).result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise VLLMEngineError(f"reload_weights did not finish within {timeout_s:g} s") from None
+
+    def transfer(self, calls: list[tuple[str, dict]], timeout_s: float) -> list:
+        """Run worker methods in order through collective_rpc on the worker thread; the last
+        one's per-rank results, after a prefix-cache reset. Each call is bounded: the workers'
+        own timeouts (the slice group's) fire first and name what they waited for."""
+        def run() -> list:
+            out: list = []
+            for method, kwargs in calls:
+                out = self.llm.collective_rpc(method, timeout=timeout_s + 30, kwargs=kwargs)
+            if calls[-1][0] == "tidal_sync_report":
+                self.llm.reset_prefix_cache()
+                if self.multimodal:
+                    self.llm.llm_engine.reset_encoder_cache()
+            return out
+
+        try:
+            return self._run(run).result(len(calls) * (timeout_s + 60))
+        except concurrent.futures.TimeoutError:
+            raise VLLMEngineError(f"{calls[-1][0]} did not finish within {timeout_s:g} s") from None
 
     def close(self) -> None:
         with self._cv:

@@ -223,6 +223,15 @@ class TrainerWorker(SyncReceiver):
             out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
+        if transport == "slices":  # each engine rank gets only its slices (tidal/weightsync/sliced.py)
+            from tidal.weightsync.sliced import replica_targets, send_slices
+
+            tensors, targets, roles = replica_targets(self.model_dir, named, self.cfg.engine.tensor_parallel,
+                                                      options["replicas"], options.get("served", False))
+            out = send_slices(self._group, version, tensors, targets, step=options.get("step"), roles=roles,
+                              bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
+                              with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, **out}
         if transport == "disk":
             from tidal.weightsync import DiskSync
 

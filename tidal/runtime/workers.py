@@ -83,6 +83,25 @@ class SyncReceiver:
 
         return receive_into(self.engine, self._group)
 
+    def slices_join(self, host: str, port: int, rank_offset: int, world_size: int, name: str, backend: str,
+                    timeout_s: float, role: str) -> None:
+        """Join the slice group (placement.weight_sync=slices) as ranks rank_offset.. of this
+        replica: a tensor-parallel vLLM engine's workers join themselves, one per rank
+        (vllm_transfer.py); any other engine joins here as one rank."""
+        self._role = role
+        if hasattr(self.engine, "join_weight_group"):
+            self.engine.join_weight_group(host, port, world_size, rank_offset, name, timeout_s, role, backend)
+            return
+        self.sync_join(host, port, rank_offset, world_size, name, backend, timeout_s)
+
+    def slices_recv(self) -> dict:
+        if hasattr(self.engine, "receive_slices"):
+            return self.engine.receive_slices()
+        from tidal.weightsync.sliced import receive_into_engine
+
+        out = receive_into_engine(self.engine, self._group, self._role)
+        return {k: out[k] for k in ("version", "bytes", "checksum_ok")}
+
     def load_weights_file(self, path: str) -> int:
         from tidal.weightsync import DiskSync
 

@@ -44,7 +44,7 @@ from tidal.weightsync.base import (
     unpack,
 )
 from tidal.weightsync.broadcast import DEFAULT_BUCKET_BYTES, BroadcastGroup
-from tidal.weightsync.slices import Slice, slice_checksum, take
+from tidal.weightsync.slices import Slice, engine_slices, slice_checksum, take
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,26 @@ def expand(part: torch.Tensor, full_shape: Sequence[int], s: Slice | None, poiso
     return full
 
 
+def replica_targets(model_dir, named: Mapping[str, torch.Tensor], tp_size: int, replicas: Sequence[str],
+                    served: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, Slice | None]], list[str]]:
+    """What `send_slices` needs to feed `replicas` (their names) of `tp_size` ranks each, from
+    the trainer's full `named` weights: the tensors (with `lm_head.weight` added from the
+    embedding for a tied model when the engines are `served`, vLLM or SGLang, whose loaders
+    want it), each receiver's slices in group order, and each receiver's role name."""
+    from pathlib import Path
+
+    from tidal.engines.gate import with_tied_head
+    from tidal.models import resolve_model_dir
+
+    cfg = json.loads((Path(resolve_model_dir(model_dir)) / "config.json").read_text())
+    tied = bool(cfg.get("tie_word_embeddings", False) or (cfg.get("text_config") or {}).get("tie_word_embeddings"))
+    tensors = with_tied_head(named, tied and served)
+    per_rank = engine_slices(cfg, {n: t.shape for n, t in tensors.items()}, tp_size)
+    targets = [per_rank[r] for _ in replicas for r in range(tp_size)]
+    roles = [f"{name} TP rank {r}/{tp_size}" if tp_size > 1 else name for name in replicas for r in range(tp_size)]
+    return tensors, targets, roles
+
+
 def receive_into_engine(engine, group: BroadcastGroup, role: str,
                         after_receive: Callable[[dict[str, torch.Tensor]], None] | None = None) -> dict:
     """For an engine of one rank (the torch engine; any engine whose `update_weights` takes
@@ -251,4 +271,5 @@ def receive_into_engine(engine, group: BroadcastGroup, role: str,
     return out
 
 
-__all__ = ["SliceHeader", "expand", "receive_into_engine", "recv_slices", "send_slices", "slice_header"]
+__all__ = ["SliceHeader", "expand", "receive_into_engine", "recv_slices", "replica_targets", "send_slices",
+           "slice_header"]
