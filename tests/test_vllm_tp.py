@@ -209,7 +209,7 @@ def test_trainer_mesh_syncs_slices_into_vllm_tp2_and_the_torch_engine(engine, to
 
 def test_a_loader_reading_outside_its_slice_would_be_caught(engine, torch_engine, prompts, tok):
     """Positive control for the poisoned bytes outside each slice: the ranks' slices swapped
-    (rank 0 gets rank 1's and so on) leave each rank's own part NaN, and generation breaks;
+    (rank 0 gets rank 1's and so on) leave each rank's own part all ones, and generation changes;
     the right slices then restore agreement with the torch engine."""
     w = perturbed_weights(7)
     torch_engine.update_weights(31, w)

@@ -55,7 +55,7 @@ class TidalInitInfo(WeightTransferInitInfo):
     timeout_s: float
     role: str  # e.g. "engine replica 0"; the worker adds "TP rank r/T"
     backend: str = "gloo"
-    poison: bool = False  # fill what is outside a slice with NaN (tests: a loader reading there loads NaN)
+    poison: bool = False  # fill what is outside a slice with ones (tests: a loader reading there loads them)
 
 
 @dataclass

@@ -218,12 +218,15 @@ def expand(part: torch.Tensor, full_shape: Sequence[int], s: Slice | None, poiso
     """A tensor of the full shape holding `part` at its slice's place, for loaders that take
     full tensors and cut out their rank's part themselves (vLLM's weight loaders). The rest is
     uninitialised (its pages are never touched, so it costs no memory beyond the slice) or,
-    with `poison`, NaN: a loader that read outside its slice would then load NaN (tests)."""
+    with `poison`, ones: a loader that read outside its slice would load them, and the model's
+    answers change (tests). Ones, not NaN: finite, so nothing non-finite stays behind in the KV
+    cache (measured on vLLM-CPU: after one NaN sync, masked cache slots holding NaN kept later
+    requests' outputs NaN after a correct sync)."""
     if s is None:
         return part
     full = torch.empty(tuple(full_shape), dtype=part.dtype, device=part.device)
     if poison:
-        full.fill_(float("nan"))
+        full.fill_(1.0)
     s.of(full).copy_(part)
     return full
 
