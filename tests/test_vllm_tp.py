@@ -145,7 +145,7 @@ def _trainer_rank(rank, world, port, tmp, parallel, slice_port, name):
         if rank == 0:
             torch.save({n: t.clone() for n, t in named.items()}, tmp / "weights.pt")
             g = BroadcastGroup.join("127.0.0.1", slice_port, 0, 4, timeout_s=180, name=name)
-            tensors, targets, roles = replica_targets("default", named, 2, ["engine replica 0"], served=True)
+            tensors, targets, roles = replica_targets(CFG, named, 2, ["engine replica 0"], served=True)
             (whole,) = engine_slices(CFG, {n: t.shape for n, t in named.items()}, 1)
             sent = send_slices(g, tr.version, tensors, [*targets, whole], step=1, with_checksum=True,
                                roles=[*roles, "torch engine"])
@@ -190,7 +190,7 @@ def test_trainer_mesh_syncs_slices_into_vllm_tp2_and_the_torch_engine(engine, to
     base = {n: p.detach() for n, p in load_model(DEFAULT_MODEL_DIR).named_parameters()}
     assert any(not torch.equal(weights[n], base[n]) for n in base)  # the step moved the weights
     # every slice of every vLLM rank: its checksum of what arrived = one computed here from the trainer's tensors
-    tensors, targets, _ = replica_targets("default", weights, 2, ["engine replica 0"], served=True)
+    tensors, targets, _ = replica_targets(CFG, weights, 2, ["engine replica 0"], served=True)
     assert report["version"] == 1 and report["checksum_ok"] is True
     for r, rep in enumerate(report["reports"]):
         assert rep["checksums"] == slice_checksums(tensors, targets[r])
@@ -213,7 +213,7 @@ def test_a_loader_reading_outside_its_slice_would_be_caught(engine, torch_engine
     the right slices then restore agreement with the torch engine."""
     w = perturbed_weights(7)
     torch_engine.update_weights(31, w)
-    tensors, targets, _ = replica_targets("default", w, 2, ["engine replica 0"], served=True)
+    tensors, targets, _ = replica_targets(CFG, w, 2, ["engine replica 0"], served=True)
     reqs = requests(prompts[:8], tok)
     sync_slices(engine, tensors, targets[::-1], 30)
     bad = run(engine.generate(reqs))
@@ -228,7 +228,7 @@ def test_a_loader_reading_outside_its_slice_would_be_caught(engine, torch_engine
 def test_a_stalled_slice_sync_names_role_bucket_and_step_and_stops_the_engine(engine, prompts, tok):
     """Last in the module: it leaves the engine unusable, as a real stall would."""
     w = perturbed_weights(8)
-    tensors, targets, _ = replica_targets("default", w, 2, ["engine replica 0"], served=True)
+    tensors, targets, _ = replica_targets(CFG, w, 2, ["engine replica 0"], served=True)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError) as err:
         sync_slices(engine, tensors, targets, 9, step=9, stall=True, timeout_s=5.0)

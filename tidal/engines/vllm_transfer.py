@@ -32,12 +32,18 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from tidal.weightsync.broadcast import BroadcastGroup
+from tidal.weightsync.sliced import expand, recv_slices
 
 BACKEND = "tidal_gloo"
 log = logging.getLogger("tidal")
@@ -80,10 +86,6 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         self.report: dict = {}
 
     def init_transfer_engine(self, init_info: TidalInitInfo) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        from tidal.weightsync.broadcast import BroadcastGroup
-
         if self.group is not None:
             self.group.close()
         tp_rank, tp = get_tensor_model_parallel_rank(), self.parallel_config.tensor_parallel_size
@@ -94,8 +96,6 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
                                          timeout_s=init_info.timeout_s, name=init_info.name)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -103,13 +103,9 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         # none ("Cannot access accelerator device when none is available"): CPU workers skip it.
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type != "cpu":
-            import torch
-
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: TidalUpdateInfo) -> None:
-        from tidal.weightsync.sliced import expand, recv_slices
-
         if self.group is None:
             raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
         if update_info.timeout_s is not None:
@@ -123,8 +119,6 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         self.report["role"] = self.role
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         finalize_layerwise_reload(self.model, self.model_config)
 
     def shutdown(self) -> None:
@@ -145,5 +139,3 @@ class TidalWorkerExtension:
 
 if BACKEND not in WeightTransferEngineFactory._registry:  # importing twice must not raise
     WeightTransferEngineFactory.register_engine(BACKEND, TidalGlooTransferEngine)
-
-WORKER_EXTENSION = f"{__name__}.TidalWorkerExtension"

@@ -17,6 +17,7 @@ order. Every call is bounded by `timeout_s` and fails with the role, call and st
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import TidalConfig
-from tidal.models import load_tokenizer
+from tidal.models import load_tokenizer, resolve_model_dir
 from tidal.monitor import trace
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, gather
@@ -33,6 +34,7 @@ from tidal.trainer.distributed import balanced_shards as split
 from tidal.trainer.distributed import init_distributed
 from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.weightsync import DiskSync, send_weights
+from tidal.weightsync.sliced import replica_targets, send_slices
 
 
 def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
@@ -223,9 +225,8 @@ class TrainerWorker(SyncReceiver):
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
         if transport == "slices":  # each engine rank gets only its slices (tidal/weightsync/sliced.py)
-            from tidal.weightsync.sliced import replica_targets, send_slices
-
-            tensors, targets, roles = replica_targets(self.model_dir, named, self.cfg.engine.tensor_parallel,
+            hf_config = json.loads((resolve_model_dir(self.model_dir) / "config.json").read_text())
+            tensors, targets, roles = replica_targets(hf_config, named, self.cfg.engine.tensor_parallel,
                                                       options["replicas"], options.get("served", False))
             out = send_slices(self._group, version, tensors, targets, step=options.get("step"), roles=roles,
                               bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),

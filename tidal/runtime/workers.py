@@ -35,6 +35,7 @@ from tidal.runtime.handles import RoleDied
 from tidal.runtime.tasks import build_task
 from tidal.types import GenerationRequest, GenerationResult
 from tidal.weightsync import BroadcastGroup, DiskSync, receive_into
+from tidal.weightsync.sliced import receive_into_engine
 
 log = logging.getLogger("tidal")
 
@@ -99,8 +100,6 @@ class SyncReceiver:
     def slices_recv(self) -> dict:
         if hasattr(self.engine, "receive_slices"):
             return self.engine.receive_slices()
-        from tidal.weightsync.sliced import receive_into_engine
-
         out = receive_into_engine(self.engine, self._group, self._role)
         return {k: out[k] for k in ("version", "bytes", "checksum_ok")}
 

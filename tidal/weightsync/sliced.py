@@ -231,21 +231,22 @@ def expand(part: torch.Tensor, full_shape: Sequence[int], s: Slice | None, poiso
     return full
 
 
-def replica_targets(model_dir, named: Mapping[str, torch.Tensor], tp_size: int, replicas: Sequence[str],
+def replica_targets(hf_config: Mapping, named: Mapping[str, torch.Tensor], tp_size: int, replicas: Sequence[str],
                     served: bool) -> tuple[dict[str, torch.Tensor], list[dict[str, Slice | None]], list[str]]:
     """What `send_slices` needs to feed `replicas` (their names) of `tp_size` ranks each, from
-    the trainer's full `named` weights: the tensors (with `lm_head.weight` added from the
-    embedding for a tied model when the engines are `served`, vLLM or SGLang, whose loaders
-    want it), each receiver's slices in group order, and each receiver's role name."""
-    from pathlib import Path
-
-    from tidal.engines.gate import with_tied_head
-    from tidal.models import resolve_model_dir
-
-    cfg = json.loads((Path(resolve_model_dir(model_dir)) / "config.json").read_text())
-    tied = bool(cfg.get("tie_word_embeddings", False) or (cfg.get("text_config") or {}).get("tie_word_embeddings"))
-    tensors = with_tied_head(named, tied and served)
-    per_rank = engine_slices(cfg, {n: t.shape for n, t in tensors.items()}, tp_size)
+    the trainer's full `named` weights and the model's config.json: the tensors (with
+    `lm_head.weight` added from the embedding for a tied model when the engines are `served`,
+    vLLM or SGLang, whose loaders want it: tidal.engines.gate.with_tied_head's rule), each
+    receiver's slices in group order, and each receiver's role name."""
+    text = hf_config.get("text_config") or hf_config
+    tensors = dict(named)
+    if served and (hf_config.get("tie_word_embeddings") or text.get("tie_word_embeddings")) \
+            and "lm_head.weight" not in tensors:
+        embed = next((k for k in tensors if k.endswith("embed_tokens.weight")), None)
+        if embed is None:
+            raise WeightSyncError("the model ties its embeddings but the weights have no embed_tokens.weight")
+        tensors["lm_head.weight"] = tensors[embed]
+    per_rank = engine_slices(hf_config, {n: t.shape for n, t in tensors.items()}, tp_size)
     targets = [per_rank[r] for _ in replicas for r in range(tp_size)]
     roles = [f"{name} TP rank {r}/{tp_size}" if tp_size > 1 else name for name in replicas for r in range(tp_size)]
     return tensors, targets, roles
