@@ -67,3 +67,22 @@ def test_a_replica_whose_sync_hangs_is_replaced_and_resynced(tmp_path, ray_local
     finally:
         ctl.close()
     assert [m["episodes"] for m in metrics(tmp_path / "run")] == [16, 16, 16]
+
+
+def test_a_failed_delivery_blames_the_replicas_it_names():
+    """Which replicas a failed sync is pinned on: the role that failed, or the receivers a
+    trainer's error names (replica1 is not replica10)."""
+    from types import SimpleNamespace
+
+    from tidal.runtime.handles import RoleError
+    from tidal.runtime.sync import _RemoteSync
+
+    names = [f"engine replica{i}" for i in range(11)]
+    sync = SimpleNamespace(router=SimpleNamespace(names=names))
+    hung = RoleError("engine replica1", "slices_recv", 2, "timeout", "20 s")
+    assert _RemoteSync._blame(sync, hung, list(range(11))) == [1]
+    sender = RoleError("trainer rank 0", "push_weights", 2, "raised",
+                       "WeightSyncError: weight sync v2 (step 2): sending bucket 2/3 to engine replica10 TP rank 1/2 "
+                       "(group 'tidal-slices-1' rank 22): timed out after 600 s")
+    assert _RemoteSync._blame(sync, sender, list(range(11))) == [10]
+    assert _RemoteSync._blame(sync, RoleError("trainer rank 1", "push_weights", 2, "died", "gone"), [0, 1]) == []
