@@ -69,6 +69,27 @@ def test_a_replica_whose_sync_hangs_is_replaced_and_resynced(tmp_path, ray_local
     assert [m["episodes"] for m in metrics(tmp_path / "run")] == [16, 16, 16]
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_tp2_engine_actor_gets_its_slices(tmp_path, ray_local):
+    """A vLLM-CPU replica of TP 2 in an engine actor (its two workers are the actor's children):
+    `auto` sends it slices, checksummed, and its log-probs agree with the trainer's."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIRE_VLLM"):
+        pytest.skip("vLLM is not installed (`make setup-vllm`)")
+    ctl = Controller(config(tmp_path, "placement.mode=ray", "engine.kind=vllm", "engine.tensor_parallel=2",
+                            "placement.weight_sync_checksum=true"))
+    try:
+        assert ctl.pusher.describe == "slices"
+        ctl.train()
+        assert ctl.pusher.engine_handles[0].call("engine_version") == 2
+    finally:
+        ctl.close()
+    for m in metrics(tmp_path / "run"):
+        assert m["logprob_max_abs_diff"] < LOGPROB_TOL and m["episodes/engine_error"] == 0, m
+
+
 def test_a_failed_delivery_blames_the_replicas_it_names():
     """Which replicas a failed sync is pinned on: the role that failed, or the receivers a
     trainer's error names (replica1 is not replica10)."""

@@ -225,6 +225,41 @@ def test_a_loader_reading_outside_its_slice_would_be_caught(engine, torch_engine
     assert max_diff([x.logprobs for x in good], [y.logprobs for y in want]) < LOGPROB_TOL
 
 
+def test_server_mode_receives_slices_through_vllms_rl_routes(torch_engine, prompts, tok):
+    """A supervised vLLM server (TP 1): the same slice sync over its HTTP routes
+    (/init_weight_transfer_engine, /start_weight_update, /update_weights, /finish_weight_update,
+    /collective_rpc for the report)."""
+    from tidal.engines.vllm_engine import VLLMEngine
+
+    w = perturbed_weights(5)
+    torch_engine.update_weights(5, w)
+    tensors, targets, roles = replica_targets(CFG, w, 1, ["engine replica 0"], served=True)
+    server = VLLMEngine(DEFAULT_MODEL_DIR, mode="server", dtype="float32")
+    try:
+        port, name, out = free_port(), f"srv-{time.monotonic_ns()}", {}
+
+        def sender():
+            g = BroadcastGroup.join("127.0.0.1", port, 0, 2, timeout_s=60, name=name)
+            try:
+                out["sent"] = send_slices(g, 5, tensors, targets, step=5, with_checksum=True, roles=roles)
+            finally:
+                g.close()
+
+        th = threading.Thread(target=sender, daemon=True)
+        th.start()
+        server.join_weight_group("127.0.0.1", port, 2, 1, name, 60, "engine replica 0")
+        report = server.receive_slices(60)
+        th.join(timeout=120)
+        assert report["version"] == 5 and report["checksum_ok"] is True
+        assert report["reports"][0]["checksums"] == slice_checksums(tensors, targets[0])
+        reqs = requests(prompts, tok)
+        a, b = run(server.generate(reqs)), run(torch_engine.generate(reqs))
+        assert [x.token_ids for x in a] == [y.token_ids for y in b] and {x.version for x in a} == {5}
+        assert max_diff([x.logprobs for x in a], [y.logprobs for y in b]) < LOGPROB_TOL
+    finally:
+        server.close()
+
+
 def test_a_stalled_slice_sync_names_role_bucket_and_step_and_stops_the_engine(engine, prompts, tok):
     """Last in the module: it leaves the engine unusable, as a real stall would."""
     w = perturbed_weights(8)
