@@ -204,12 +204,43 @@ class TrainerWorker(SyncReceiver):
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.named_weights()
 
+    def shards(self) -> dict[str, torch.Tensor]:
+        """The policy's parameters as this rank holds them (DTensor shards under a mesh)."""
+        from tidal.trainer import distributed as dp
+
+        dp.reshard(self.trainer.model)
+        return {n: p.detach() for n, p in self.trainer.model.named_parameters()}
+
+    def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
+                   engine_ranks: int = 1, bucket_mb: float = 256.0) -> str:
+        """Collective over the trainer ranks (weight_sync=shard): join the group of every trainer
+        rank and `engine_ranks` engine ranks, and agree the transfer plan: every rank's shard
+        boxes are exchanged, rank 0 builds the plan and sends it to the engine ranks. Returns the
+        plan's summary (tidal/weightsync/plan.py)."""
+        from tidal.weightsync import BroadcastGroup
+        from tidal.weightsync.plan import build_plan, full_slices, gather_layout
+        from tidal.weightsync.shard import ShardSender, share_plan
+
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
+        layout = gather_layout(self.shards())
+        plan = build_plan(layout, full_slices(layout, engine_ranks), int(bucket_mb * 2**20), self.world_size) \
+            if self.rank == 0 else None
+        plan = share_plan(self._group, plan)
+        pl = self.cfg.placement
+        self._shard = ShardSender(self._group, plan, delta=pl.weight_sync_delta, verify=pl.weight_sync_checksum)
+        return plan.summary()
+
     def push_weights(self, transport: str, options: dict | None = None) -> dict:
         """Collective: every rank gathers the full weights; then rank 0 sends them
         ("broadcast" over the sync group, "disk" into a directory) or each rank loads them
-        into its own colocated engine ("inprocess")."""
+        into its own colocated engine ("inprocess"). "shard": no gather, every rank sends its
+        own shards' pieces by the transfer plan (`shard_join`)."""
         options = options or {}
         version = self.trainer.version
+        if transport == "shard":  # no gather: each rank sends its own pieces
+            return {"version": version, **self._shard.send(version, self.shards())}
         named = self.trainer.named_weights()
         if transport == "inprocess":
             if self.engine is None:
