@@ -298,6 +298,7 @@ class EngineConfig(_Section):
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm on GPU: fraction of GPU memory for weights and KV cache (the rest stays with the trainer when colocated).")
     vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="vllm server mode: most seconds to wait for the server to become healthy.")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of one engine replica (vllm: tensor_parallel_size, on CPU too: each rank a worker process bound to its share of the cores; sglang: --tp-size, GPU only). Must divide the model's attention heads; each rank holds the slice of every weight that tidal/weightsync/slices.py names. The torch engine is not tensor-parallel (1 only).")
     replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
     max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
@@ -337,7 +338,7 @@ class PlacementConfig(_Section):
     env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step/close, tools, sandboxes, per-turn rewards), least-loaded per episode; 0: environments run in the driver's rollout. The task's reward functions score in the reward pool either way.")
     env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
-    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
+    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "slices", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else slices when engine.tensor_parallel > 1, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); slices = trainer rank 0 sends each rank of a tensor-parallel engine only its slices of each weight (tidal/weightsync/sliced.py); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
     weight_sync_bucket_mb: float = Field(256.0, gt=0.0, description="broadcast transport: size of one flat bucket.")
     weight_sync_checksum: bool = Field(False, description="Verify every sync: engines checksum what arrived against the trainer's checksum.")
@@ -487,8 +488,10 @@ class TidalConfig(_Section):
         self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
         if pl.colocate and self.engine.replicas != pl.trainer_ranks:
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
-        if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard"):
+        if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard", "slices"):
             raise ValueError(f"placement.weight_sync={pl.weight_sync} needs placement.mode=ray (local mode moves weights in process)")
+        if pl.colocate and pl.weight_sync == "slices":
+            raise ValueError("placement.weight_sync=slices sends to engine actors: it needs placement.colocate=false")
         if pl.weight_sync == "shard" and pl.colocate:
             raise ValueError("placement.weight_sync=shard sends to engine actors of their own; colocated engines "
                              "(placement.colocate) take the weights in process")
@@ -509,6 +512,11 @@ class TidalConfig(_Section):
                 and self.engine.replicas > 1:
             raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
                              "holds one in-process vLLM engine; use engine.vllm_mode=server (or placement.mode=ray)")
+        if self.engine.tensor_parallel > 1 and (self.engine.kind == "torch" or (
+                self.engine.kind == "auto" and not self.model.resolved_device().startswith("cuda"))):
+            raise ValueError(f"engine.tensor_parallel={self.engine.tensor_parallel}: the torch engine (engine.kind="
+                             f"{self.engine.kind}) runs one process per replica; use engine.kind=vllm (vLLM-CPU runs "
+                             "tensor-parallel on CPU too) or sglang")
         if self.engine.kind == "sglang" and not self.model.resolved_device().startswith("cuda"):
             raise ValueError(f"engine.kind=sglang needs a CUDA GPU (SGLang has no CPU kernels); model.device "
                              f"resolves to {self.model.resolved_device()!r}")

@@ -17,6 +17,7 @@ order. Every call is bounded by `timeout_s` and fails with the role, call and st
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import TidalConfig
-from tidal.models import load_tokenizer
+from tidal.models import load_tokenizer, resolve_model_dir
 from tidal.monitor import trace
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, gather
@@ -33,6 +34,7 @@ from tidal.trainer.distributed import balanced_shards as split
 from tidal.trainer.distributed import init_distributed
 from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.weightsync import DiskSync, send_weights
+from tidal.weightsync.sliced import replica_targets, send_slices
 
 
 def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
@@ -99,7 +101,6 @@ def on_own_thread(fn, *args, **kwargs):
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
-
     return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                    temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
                    device=cfg.model.resolved_device(), norm_len=cfg.loss_norm_len)
@@ -145,7 +146,6 @@ class TrainerWorker(SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
-
             if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -191,7 +191,6 @@ class TrainerWorker(SyncReceiver):
     def save(self, path: str, with_tokenizer: bool = True) -> None:
         tokenizer = None
         if with_tokenizer and self.rank == 0:
-
             tokenizer = load_tokenizer(self.model_dir)
         self.trainer.save(path, tokenizer=tokenizer)
 
@@ -249,12 +248,18 @@ class TrainerWorker(SyncReceiver):
         if self.rank != 0:
             return {"version": version}
         if transport == "broadcast":
-
             out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
+        if transport == "slices":  # each engine rank gets only its slices (tidal/weightsync/sliced.py)
+            hf_config = json.loads((resolve_model_dir(self.model_dir) / "config.json").read_text())
+            tensors, targets, roles = replica_targets(hf_config, named, self.cfg.engine.tensor_parallel,
+                                                      options["replicas"], options.get("served", False))
+            out = send_slices(self._group, version, tensors, targets, step=options.get("step"), roles=roles,
+                              bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
+                              with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, **out}
         if transport == "disk":
-
             path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
             return {"version": version, "path": str(path),
                     "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
