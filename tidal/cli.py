@@ -71,6 +71,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
         cfg.run.dir = str(run_dir)
     else:
         cfg = load_config(config, overrides)
+    if cfg.placement.mode == "launcher":  # one process per rank: rank 0 goes on as the controller
+        cfg, rank_exit = _launched_rank(cfg)
+        if rank_exit is not None:
+            return rank_exit
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
     # step in flight is abandoned, roles are closed, the last complete checkpoint stays (exit 143).
     previous = _catch_stop_signals()
@@ -126,6 +130,29 @@ def cmd_train(ns: argparse.Namespace) -> int:
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
     return 0
+
+
+def _launched_rank(cfg: TidalConfig) -> tuple[TidalConfig, int | None]:
+    """placement.mode=launcher: the config fitted to the launcher's world size, and for a rank
+    other than 0 its exit code once it has served rank 0 (tidal/runtime/launcher.py)."""
+    import logging
+    import os
+
+    import torch
+
+    from tidal.launch.ranks import detect
+    from tidal.runtime.launcher import config_for, serve_rank
+
+    env = detect(os.environ)
+    cfg = config_for(cfg, env)
+    if torch.cuda.is_available():  # one GPU per rank, by its rank on the node
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if env.is_controller:
+        return cfg, None
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    logging.basicConfig(level=logging.INFO, format=f"rank {env.rank}: %(levelname)s %(message)s")
+    return cfg, serve_rank(cfg, env)
 
 
 class Terminated(KeyboardInterrupt):

@@ -1,4 +1,5 @@
-"""Placement: build the roles of a run in the driver (local) or as Ray actors (ray).
+"""Placement: build the roles of a run in the driver (local), as Ray actors (ray), or over
+the processes of a launcher (launcher: tidal/runtime/launcher.py).
 
 local: one `TrainerWorker` in this process and the engine replicas beside it; weights
 move in process. ray: Ray is started on loopback (or joins `placement.address`), one
@@ -116,6 +117,7 @@ class Roles:
     env_handles: list[Handle] = field(default_factory=list)
     envs: object = None  # RemoteEnvs: environments on the env workers; None: in the driver
     watchdog: object = None  # the local Ray instance's watchdog (tidal/runtime/ray_watchdog.py), if started
+    launched: object = None  # placement.mode=launcher: the job's ranks (tidal/runtime/launcher.py)
 
     def close(self) -> None:
         try:
@@ -132,8 +134,12 @@ class Roles:
             if self.started_ray:
                 ray_shutdown_quietly()
             return
-        for engine in self.engine.replicas if isinstance(self.engine, Router) else [self.engine]:
-            engine.close()
+        try:
+            for engine in self.engine.replicas if isinstance(self.engine, Router) else [self.engine]:
+                engine.close()
+        finally:
+            if self.launched is not None:  # the other ranks leave their loops
+                self.launched.close()
         if self.placement_group is None:
             return
         import ray
@@ -171,6 +177,11 @@ def ray_shutdown_quietly() -> None:
 def build_roles(cfg: TidalConfig, model_dir: Path, pad_token_id: int, engine_kind: str, run_dir: Path) -> Roles:
     if cfg.placement.mode == "local":
         return _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
+    if cfg.placement.mode == "launcher":
+        from tidal.launch.ranks import detect
+        from tidal.runtime.launcher import launcher_roles
+
+        return launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir, detect(os.environ))
     return _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
 
 
