@@ -151,6 +151,8 @@ class RemoteRank(Handle):
         with self._send_lock:
             if self.dead is None:
                 self.dead = why
+                # at once, though the run stops only at its next call to the trainer (a rollout may be under way)
+                log.error("launcher: trainer rank %d (pid %d) ended: %s", self.rank, self.rank_pid, why)
             pending, self._pending = self._pending, []
         for f in pending:
             if not f.done():
