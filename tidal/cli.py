@@ -12,6 +12,8 @@
     tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
     tidal launch slurm [CONFIG.yaml] [section.key=value ...] [--nodes N] [--gpus-per-node G] [--partition P]
                        [--time T] [--dry-run]
+    tidal launch k8s [CONFIG.yaml] [section.key=value ...] --image IMAGE [--kind RayJob|RayCluster] [--gpus-per-node G]
+                     [--node-selector K=V ...] [--volume-claim PVC] [--run-root DIR] [--out FILE]
     tidal plan SPEC.yaml [--simulate] [--explain] [--out DIR] | tidal plan calibrate RUN_DIR
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
@@ -263,6 +265,27 @@ def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch_k8s(ns: argparse.Namespace) -> int:
+    """Print (or write) KubeRay manifests for the run: a ConfigMap and a RayJob or RayCluster (tidal/launch/k8s.py)."""
+    import ray
+
+    from tidal.launch.k8s import K8sJob, manifests, parse_selector, render
+
+    config, overrides = _split_args(ns.args)
+    cfg = load_config(config, [*overrides, "placement.mode=ray"])
+    job = K8sJob(name=ns.name or f"tidal-{cfg.run.name}", image=ns.image, kind=ns.kind, gpus_per_node=ns.gpus_per_node,
+                 cpus_per_node=ns.cpus_per_node, memory=ns.memory, nodes=ns.nodes, namespace=ns.namespace,
+                 volume_claim=ns.volume_claim, run_root=ns.run_root, node_selector=parse_selector(ns.node_selector),
+                 ray_version=ray.__version__)
+    text = render(manifests(cfg, job))
+    if ns.out:
+        Path(ns.out).write_text(text)
+        print(f"tidal: wrote {ns.out}; start it with: kubectl apply -f {ns.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_replay(ns: argparse.Namespace) -> int:
     """Run one recorded episode again and say whether it reproduces (tidal/runtime/replay.py)."""
     from tidal.runtime.replay import replay
@@ -497,6 +520,26 @@ def _launch_commands(sub) -> None:
     s.add_argument("--time", default=None, help="time limit, as sbatch --time takes it (e.g. 04:00:00)")
     s.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     s.set_defaults(fn=cmd_launch_slurm)
+    k = lsub.add_parser("k8s", help="print KubeRay manifests (a ConfigMap and a RayJob or RayCluster) for "
+                        "`kubectl apply -f`")
+    k.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (as for `tidal train`)")
+    k.add_argument("--image", required=True, help="the container image with tidal installed (every pod runs it)")
+    k.add_argument("--kind", default="RayJob", choices=["RayJob", "RayCluster"], help="RayJob (default): the cluster "
+                   "lives as long as the run; RayCluster: the cluster alone, the driver started on its head by hand")
+    k.add_argument("--name", default=None, help="the resources' name (default: tidal-<run.name>)")
+    k.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's)")
+    k.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per worker pod (nvidia.com/gpu); 0: CPU pods")
+    k.add_argument("--cpus-per-node", type=int, default=8, help="CPUs per pod (requests = limits)")
+    k.add_argument("--memory", default="32Gi", help="memory per pod (requests = limits)")
+    k.add_argument("--nodes", type=int, default=None, help="worker pods (default: what the config's roles need)")
+    k.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a node label every worker pod needs (repeatable), e.g. a GPU node pool's")
+    k.add_argument("--volume-claim", default="tidal-runs", help="a ReadWriteMany PersistentVolumeClaim every pod "
+                   "mounts at --run-root (the run directory, checkpoints)")
+    k.add_argument("--run-root", default="/runs", help="where the claim is mounted; run.dir must be under it "
+                   "(default run.dir: RUN_ROOT/<run.name>)")
+    k.add_argument("--out", default=None, help="write the manifests to this file instead of printing them")
+    k.set_defaults(fn=cmd_launch_k8s)
 
 
 def _run_commands(sub) -> None:
