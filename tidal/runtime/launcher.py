@@ -31,6 +31,7 @@ import logging
 import os
 import pickle
 import secrets
+import socket
 import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Client, Listener
@@ -199,6 +200,7 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
     store.set(AUTHKEY_KEY, authkey.hex())
     store.set(ADDRESS_KEY, f"{listener.address[0]}:{listener.address[1]}")
     found: dict[int, RemoteRank] = {}
+    hosts = {0: socket.gethostname()}
     problems: list[str] = []
     mine = digest(cfg)
 
@@ -211,7 +213,8 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
             except Exception as e:  # noqa: BLE001 - a wrong key, a stray connection: named, not fatal alone
                 log.warning("launcher: a connection to rank 0's control address was refused: %s", e)
                 continue
-            _, rank, pid, theirs = conn.recv()
+            _, rank, pid, theirs, host = conn.recv()
+            hosts[rank] = host
             if theirs != mine:
                 problems.append(f"rank {rank} runs another config (digest {theirs}, rank 0's {mine}): every rank "
                                 "must be started with the same config and overrides")
@@ -231,7 +234,22 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
                         f"{timeout_s:g} s (placement.start_timeout_s): ranks {missing} of {env.world_size} did not "
                         f"reach rank 0 at {listener.address[0]}:{listener.address[1]}")
     ranks: list[Handle] = [LocalRank(worker), *(found[r] for r in range(1, env.world_size))]
+    warn_split_groups(cfg, env, hosts)
     return Launched(env, store, ranks, listener)
+
+
+def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -> list[str]:
+    """The launcher placed the ranks: say which tp × cp × ep group spans nodes (topology.py)."""
+    from tidal.runtime import topology
+    from tidal.trainer.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
+    size = topology.group_size(dims.tp, dims.cp, dims.ep)
+    split = topology.split_groups(topology.node_groups(env.world_size, size), hosts)
+    for message in split:
+        log.warning("launcher: %s; start each node's ranks together, a multiple of %d per node (torchrun "
+                    "--nproc-per-node, srun --ntasks-per-node, mpirun --map-by ppr:N:node)", message, size)
+    return split
 
 
 # -- the other ranks' side -------------------------------------------------------------------------
@@ -247,7 +265,7 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     store = meet(env, pl.start_timeout_s)
     host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
     conn = Client((host, int(port)), authkey=bytes.fromhex(store.get(AUTHKEY_KEY).decode()))
-    conn.send(("hello", env.rank, os.getpid(), digest(cfg)))
+    conn.send(("hello", env.rank, os.getpid(), digest(cfg), socket.gethostname()))
     model_dir = resolve_model_dir(cfg.model.path)
     worker = TrainerWorker(cfg, str(model_dir), load_tokenizer(model_dir).pad_token_id, rank=env.rank,
                            world_size=env.world_size)
