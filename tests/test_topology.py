@@ -48,8 +48,8 @@ def test_tensor_parallel_ranks_get_a_strict_pack_group_each():
 def test_a_group_across_nodes_is_named():
     groups = topology.node_groups(4, 2)
     assert topology.split_groups(groups, {0: "a", 1: "a", 2: "a", 3: "b"}) == [
-        "trainer ranks 2-3 form one tensor/expert/context-parallel group but run on 2 nodes (a, b): their per-layer "
-        "collectives cross nodes"]
+        ("trainer ranks 2-3 form one tensor/expert/context-parallel group but run on 2 nodes (a, b): their per-layer "
+         "collectives cross nodes")]
     assert topology.split_groups(groups, {0: "a", 1: "a", 2: "b", 3: "b"}) == []
 
 
