@@ -12,10 +12,10 @@ from multiprocessing import Pipe
 import pytest
 
 from tidal.config import ConfigError, load_config
-from tidal.launch.ranks import LOOPBACK, PORT_BASE, PORT_SPAN, detect
 from tidal.runtime import handles
 from tidal.runtime.handles import Handle, Pending, RoleError, gather
 from tidal.runtime.launcher import LocalRank, RemoteRank, config_for
+from tidal.runtime.ranks import LOOPBACK, PORT_BASE, PORT_SPAN, detect
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x"}

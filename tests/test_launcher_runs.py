@@ -64,7 +64,7 @@ def launch(launcher: str, *args: str) -> tuple[list[str], dict[str, str]]:
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", port, *train], env
-    env["MASTER_PORT"] = port  # mpirun and srun give no port: one node meets on 127.0.0.1 (tidal/launch/ranks.py)
+    env["MASTER_PORT"] = port  # mpirun and srun give no port: one node meets on 127.0.0.1 (tidal/runtime/ranks.py)
     if launcher == "mpirun":
         require_mpi()
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable,

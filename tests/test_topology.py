@@ -11,9 +11,9 @@ import os
 import pytest
 
 from tidal.config import load_config
-from tidal.launch.ranks import LaunchEnv
 from tidal.runtime import topology
 from tidal.runtime.launcher import warn_split_groups
+from tidal.runtime.ranks import LaunchEnv
 from tidal.trainer.parallel.mesh import ParallelDims
 
 

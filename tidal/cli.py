@@ -142,8 +142,8 @@ def _launched_rank(cfg: TidalConfig) -> tuple[TidalConfig, int | None]:
 
     import torch
 
-    from tidal.launch.ranks import detect
     from tidal.runtime.launcher import config_for, serve_rank
+    from tidal.runtime.ranks import detect
 
     env = detect(os.environ)
     cfg = config_for(cfg, env)
@@ -267,7 +267,7 @@ def cmd_launch_slurm(ns: argparse.Namespace) -> int:
 
 def cmd_launch_k8s(ns: argparse.Namespace) -> int:
     """Print (or write) KubeRay manifests for the run: a ConfigMap and a RayJob or RayCluster (tidal/launch/k8s.py)."""
-    import ray
+    from importlib.metadata import version
 
     from tidal.launch.k8s import K8sJob, manifests, parse_selector, render
 
@@ -276,7 +276,7 @@ def cmd_launch_k8s(ns: argparse.Namespace) -> int:
     job = K8sJob(name=ns.name or f"tidal-{cfg.run.name}", image=ns.image, kind=ns.kind, gpus_per_node=ns.gpus_per_node,
                  cpus_per_node=ns.cpus_per_node, memory=ns.memory, nodes=ns.nodes, namespace=ns.namespace,
                  volume_claim=ns.volume_claim, run_root=ns.run_root, node_selector=parse_selector(ns.node_selector),
-                 ray_version=ray.__version__)
+                 ray_version=version("ray"))
     text = render(manifests(cfg, job))
     if ns.out:
         Path(ns.out).write_text(text)

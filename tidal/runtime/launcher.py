@@ -1,7 +1,7 @@
 """placement.mode=launcher: the trainer ranks are the processes torchrun, mpirun or srun
 started, one `tidal train` each; no Ray.
 
-Every process reads its rank and the world size from its launcher (tidal/launch/ranks.py) and
+Every process reads its rank and the world size from its launcher (tidal/runtime/ranks.py) and
 meets the others on a torch.distributed TCPStore at the rendezvous address (rank 0 hosts it,
 or torchrun's agent already does). Rank 0 runs the controller: the rollout, the engines
 (in its own process, as placement.mode=local: weights move in process), the rewards and the
@@ -37,8 +37,8 @@ from concurrent.futures import Future
 from multiprocessing.connection import Client, Listener
 
 from tidal.config import ConfigError, TidalConfig
-from tidal.launch.ranks import LaunchEnv
 from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError
+from tidal.runtime.ranks import LaunchEnv
 
 log = logging.getLogger("tidal")
 
@@ -297,20 +297,15 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
             return 1
 
 
-# -- the roles of rank 0 ----------------------------------------------------------------------------
-def launcher_roles(cfg: TidalConfig, model_dir, pad_token_id: int, engine_kind: str, run_dir, env: LaunchEnv):
-    """Rank 0's Roles: a TrainerGroup over every rank of the job, the engines in this process
-    (as placement.mode=local), and a WeightPusher that gathers the full weights on every rank
-    (a collective under FSDP2) and loads rank 0's copy into the engines in process."""
+# -- rank 0's trainer and weight sync (placement.py builds the roles from them) ------------------
+def join_ranks(cfg: TidalConfig, model_dir, pad_token_id: int, env: LaunchEnv):
+    """Rank 0's TrainerGroup over every rank of the job, set up (the process group formed), and
+    the job (closed with the roles)."""
     from torch.distributed import PrefixStore
 
     from tidal.runtime.handles import gather
-    from tidal.runtime.placement import Roles, _router
-    from tidal.runtime.sync import WeightPusher
-    from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker, on_own_thread
-    from tidal.runtime.workers import make_engine
+    from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
     from tidal.trainer.parallel.mesh import ParallelDims
-    from tidal.weightsync import InProcessSync
 
     pl = cfg.placement
     store = meet(env, pl.start_timeout_s)
@@ -319,22 +314,26 @@ def launcher_roles(cfg: TidalConfig, model_dir, pad_token_id: int, engine_kind: 
     job = connect_ranks(env, store, worker, cfg, pl.start_timeout_s)
     try:
         gather([h.submit("setup", env.master_addr) for h in job.ranks], timeout_s=pl.start_timeout_s)
-        dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
-        trainer = TrainerGroup(job.ranks, timeout_s=pl.call_timeout_s,
-                               dp_index=[dims.dp_index(r) for r in range(env.world_size)])
-        engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
-                   for _ in range(cfg.engine.replicas)]
     except BaseException:
         job.close()
         raise
-    engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
+    dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
+    return TrainerGroup(job.ranks, timeout_s=pl.call_timeout_s,
+                        dp_index=[dims.dp_index(r) for r in range(env.world_size)]), job
+
+
+def push_in_process(trainer, engine, timeout_s: float):
+    """The weight sync of a launcher's job: every rank gathers the full weights (a collective
+    under FSDP2), rank 0 loads its copy into the engines of its process."""
+    from tidal.runtime.handles import gather
+    from tidal.runtime.trainer_group import on_own_thread
+    from tidal.weightsync import InProcessSync
+
     sync = InProcessSync([engine], verify=True)
 
     def push(step: int | None) -> dict[str, float]:
-        named = gather([h.submit("full_weights") for h in job.ranks], step=step, timeout_s=pl.call_timeout_s)[0]
+        named = gather([h.submit("full_weights") for h in trainer.ranks], step=step, timeout_s=timeout_s)[0]
         # copied into the engines on a thread that ends with it (trainer_group.on_own_thread)
         return on_own_thread(lambda: {"time/weight_sync_s": sync.push(trainer.version, named)["seconds"]})
 
-    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d hosts %d engine replica(s)",
-             env.launcher, env.world_size, env.master_addr, env.master_port, len(engines))
-    return Roles(trainer, engine, WeightPusher(push, f"in process (rank 0 of {env.launcher})"), launched=job)
+    return push

@@ -180,10 +180,7 @@ def build_roles(cfg: TidalConfig, model_dir: Path, pad_token_id: int, engine_kin
     if cfg.placement.mode == "local":
         return _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
     if cfg.placement.mode == "launcher":
-        from tidal.launch.ranks import detect
-        from tidal.runtime.launcher import launcher_roles
-
-        return launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir, detect(os.environ))
+        return _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
     return _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
 
 
@@ -200,6 +197,28 @@ def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine") for _ in range(cfg.engine.replicas)]
     engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
     return Roles(trainer, engine, WeightPusher.in_driver(trainer, engine))
+
+
+def _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
+    """Rank 0 of a launcher's job: a TrainerGroup over every rank, the engines in this process
+    (as local mode), weights gathered on every rank and loaded here (tidal/runtime/launcher.py)."""
+    from tidal.runtime import launcher
+    from tidal.runtime.ranks import detect
+
+    env = detect(os.environ)
+    trainer, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env)
+    try:
+        engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
+                   for _ in range(cfg.engine.replicas)]
+    except BaseException:
+        job.close()
+        raise
+    engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
+    pusher = WeightPusher(launcher.push_in_process(trainer, engine, cfg.placement.call_timeout_s),
+                          f"in process (rank 0 of {env.launcher})")
+    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d hosts %d engine replica(s)",
+             env.launcher, env.world_size, env.master_addr, env.master_port, len(engines))
+    return Roles(trainer, engine, pusher, launched=job)
 
 
 def _bundle(res, gpus_extra: float = 0.0) -> dict[str, float]:
