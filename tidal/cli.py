@@ -655,8 +655,12 @@ def main(argv: list[str] | None = None) -> int:
         cause = disk_error(err)  # a full disk before the first step (config.yaml, train.log)
         if cause is None:
             raise
-        print(f"tidal: run stopped: could not write {cause.filename or 'the run directory'} ({cause.strerror}); "
-              "nothing was trained", file=sys.stderr)
+        from tidal.runtime.run_dir import free_space
+
+        where = cause.filename or "the run directory"
+        room = f", {free_space(Path(cause.filename).parent)}" if cause.filename else ""
+        print(f"tidal: run stopped: could not write {where} ({cause.strerror}{room}); nothing was trained",
+              file=sys.stderr)
         return RUN_FAILED_EXIT
     except KeyboardInterrupt:
         print("tidal: interrupted; the last complete checkpoint is intact (resume with --resume)", file=sys.stderr)

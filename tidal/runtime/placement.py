@@ -100,6 +100,18 @@ def _keeping_sigterm():
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as e:
+        # A SIGTERM while ray.init runs met Ray's handler (`sys.exit(15)`): what Ray had started is
+        # shut down, and the program's own handler gets the signal, as after ray.init.
+        if not (callable(previous) and e.code == signal.SIGTERM):
+            raise
+        import ray
+
+        signal.signal(signal.SIGTERM, previous)
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        previous(signal.SIGTERM, None)
+        raise
     finally:
         if callable(previous):
             signal.signal(signal.SIGTERM, previous)

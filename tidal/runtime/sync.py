@@ -25,6 +25,7 @@ from pathlib import Path
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
+from tidal.weightsync import InProcessSync
 
 log = logging.getLogger("tidal")
 
@@ -39,7 +40,6 @@ class WeightPusher:
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:
-        from tidal.weightsync import InProcessSync
 
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 

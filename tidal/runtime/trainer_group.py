@@ -24,17 +24,20 @@ from pathlib import Path
 import torch
 
 from tidal.config import TidalConfig
+from tidal.models import load_tokenizer
 from tidal.monitor import trace
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, gather
 from tidal.runtime.workers import SyncReceiver, free_port, make_engine, node_ip, set_threads
-from tidal.trainer.trainer import TrainBatch
+from tidal.trainer.distributed import balanced_shards as split
+from tidal.trainer.distributed import init_distributed
+from tidal.trainer.trainer import TrainBatch, Trainer
+from tidal.weightsync import DiskSync, send_weights
 
 
 def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
     """n shards of sequence indices with balanced token counts (longest first to the
     lightest shard); indices sorted inside a shard."""
-    from tidal.trainer.distributed import balanced_shards as split
 
     return split(lengths, n)
 
@@ -96,7 +99,6 @@ def on_own_thread(fn, *args, **kwargs):
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
-    from tidal.trainer.trainer import Trainer
 
     return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                    temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
@@ -144,7 +146,6 @@ class TrainerWorker(SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
-            from tidal.trainer.distributed import init_distributed
 
             if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -191,7 +192,6 @@ class TrainerWorker(SyncReceiver):
     def save(self, path: str, with_tokenizer: bool = True) -> None:
         tokenizer = None
         if with_tokenizer and self.rank == 0:
-            from tidal.models import load_tokenizer
 
             tokenizer = load_tokenizer(self.model_dir)
         self.trainer.save(path, tokenizer=tokenizer)
@@ -225,13 +225,11 @@ class TrainerWorker(SyncReceiver):
         if self.rank != 0:
             return {"version": version}
         if transport == "broadcast":
-            from tidal.weightsync import send_weights
 
             out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
         if transport == "disk":
-            from tidal.weightsync import DiskSync
 
             path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
             return {"version": version, "path": str(path)}
