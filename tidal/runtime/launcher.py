@@ -36,9 +36,17 @@ import threading
 from concurrent.futures import Future
 from multiprocessing.connection import Client, Listener
 
+from torch.distributed import PrefixStore, TCPStore
+
 from tidal.config import ConfigError, TidalConfig
-from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError
+from tidal.models import load_tokenizer, resolve_model_dir
+from tidal.runtime import topology
+from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError, gather
 from tidal.runtime.ranks import LaunchEnv
+from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker, on_own_thread
+from tidal.trainer.distributed import destroy
+from tidal.trainer.parallel.mesh import ParallelDims
+from tidal.weightsync import InProcessSync
 
 log = logging.getLogger("tidal")
 
@@ -67,8 +75,6 @@ def digest(cfg: TidalConfig) -> str:
 
 def meet(env: LaunchEnv, timeout_s: float):
     """The job's store: hosted by rank 0 (or torchrun's agent) at the rendezvous address."""
-    from torch.distributed import PrefixStore, TCPStore
-
     host_it = env.rank == 0 and not env.agent_store
     try:
         store = TCPStore(env.master_addr, env.master_port, None, host_it, timeout=datetime.timedelta(seconds=timeout_s),
@@ -186,8 +192,6 @@ class Launched:
         self.listener.close()
         alive = all(getattr(h, "dead", None) in (None, "stopped") for h in self.ranks[1:])
         if alive:  # with a rank gone, rank 0 may still be inside a collective: the process ends instead
-            from tidal.trainer.distributed import destroy
-
             destroy()
 
 
@@ -240,9 +244,6 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
 
 def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -> list[str]:
     """The launcher placed the ranks: say which tp × cp × ep group spans nodes (topology.py)."""
-    from tidal.runtime import topology
-    from tidal.trainer.parallel.mesh import ParallelDims
-
     dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
     size = topology.group_size(dims.tp, dims.cp, dims.ep)
     split = topology.split_groups(topology.node_groups(env.world_size, size), hosts)
@@ -256,11 +257,6 @@ def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -
 def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     """Rank r > 0: meet, connect to rank 0, set up its TrainerWorker when told, then answer
     rank 0's calls in order until told to exit (0) or rank 0's connection closes (1)."""
-    from torch.distributed import PrefixStore
-
-    from tidal.models import load_tokenizer, resolve_model_dir
-    from tidal.runtime.trainer_group import TrainerWorker
-
     pl = cfg.placement
     store = meet(env, pl.start_timeout_s)
     host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
@@ -279,8 +275,6 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
             return 1
         if kind == "exit":
             conn.close()
-            from tidal.trainer.distributed import destroy
-
             destroy()
             return 0
         try:
@@ -301,12 +295,6 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
 def join_ranks(cfg: TidalConfig, model_dir, pad_token_id: int, env: LaunchEnv):
     """Rank 0's TrainerGroup over every rank of the job, set up (the process group formed), and
     the job (closed with the roles)."""
-    from torch.distributed import PrefixStore
-
-    from tidal.runtime.handles import gather
-    from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
-    from tidal.trainer.parallel.mesh import ParallelDims
-
     pl = cfg.placement
     store = meet(env, pl.start_timeout_s)
     worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=0, world_size=env.world_size)
@@ -325,10 +313,6 @@ def join_ranks(cfg: TidalConfig, model_dir, pad_token_id: int, env: LaunchEnv):
 def push_in_process(trainer, engine, timeout_s: float):
     """The weight sync of a launcher's job: every rank gathers the full weights (a collective
     under FSDP2), rank 0 loads its copy into the engines of its process."""
-    from tidal.runtime.handles import gather
-    from tidal.runtime.trainer_group import on_own_thread
-    from tidal.weightsync import InProcessSync
-
     sync = InProcessSync([engine], verify=True)
 
     def push(step: int | None) -> dict[str, float]:

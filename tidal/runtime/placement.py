@@ -23,7 +23,7 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.engines.router import Router
 from tidal.net import is_loopback
-from tidal.runtime import ray_watchdog, topology
+from tidal.runtime import launcher, ranks, ray_watchdog, topology
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher, choose_transport
 from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
@@ -214,10 +214,7 @@ def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
 def _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     """Rank 0 of a launcher's job: a TrainerGroup over every rank, the engines in this process
     (as local mode), weights gathered on every rank and loaded here (tidal/runtime/launcher.py)."""
-    from tidal.runtime import launcher
-    from tidal.runtime.ranks import detect
-
-    env = detect(os.environ)
+    env = ranks.detect(os.environ)
     trainer, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env)
     try:
         engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
