@@ -59,7 +59,8 @@ def config_for(cfg: TidalConfig, env: LaunchEnv) -> TidalConfig:
     pl = cfg.placement
     if "trainer_ranks" in pl.model_fields_set and pl.trainer_ranks != env.world_size:
         raise ConfigError(f"placement.trainer_ranks={pl.trainer_ranks}, but {env.launcher} started {env.world_size} "
-                          f"process(es): leave it out under placement.mode=launcher (the launcher decides)")
+                          f"process(es): give placement.trainer_ranks={env.world_size} or leave it out (under "
+                          f"placement.mode=launcher the launcher decides)")
     data = cfg.model_dump()
     data["placement"]["trainer_ranks"] = env.world_size
     try:
@@ -259,8 +260,14 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     rank 0's calls in order until told to exit (0) or rank 0's connection closes (1)."""
     pl = cfg.placement
     store = meet(env, pl.start_timeout_s)
-    host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
-    conn = Client((host, int(port)), authkey=bytes.fromhex(store.get(AUTHKEY_KEY).decode()))
+    try:  # published by rank 0 once its run has started (its inputs checked, its run directory open)
+        host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
+        authkey = bytes.fromhex(store.get(AUTHKEY_KEY).decode())
+    except RuntimeError as e:  # the store's timeout, or rank 0 (its host) gone
+        raise ConfigError(f"placement.mode=launcher: rank {env.rank}: rank 0 did not publish its control address "
+                          f"within {pl.start_timeout_s:g} s (placement.start_timeout_s); it may have stopped at its "
+                          f"start (see its output): {str(e).splitlines()[0]}") from None
+    conn = Client((host, int(port)), authkey=authkey)
     conn.send(("hello", env.rank, os.getpid(), digest(cfg), socket.gethostname()))
     model_dir = resolve_model_dir(cfg.model.path)
     worker = TrainerWorker(cfg, str(model_dir), load_tokenizer(model_dir).pad_token_id, rank=env.rank,
