@@ -168,3 +168,15 @@ def test_a_hung_rank_is_a_timeout_naming_it():
 def test_local_handles_still_raise_at_once():
     p = Handle("trainer", object()).submit("missing")
     assert isinstance(p, Pending) and p.error is not None
+
+
+def test_train_without_a_launcher_says_so_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    from tidal.cli import main
+    from tidal.runtime.ranks import LAUNCHERS
+
+    for rank_var, size_var, local_var, *_ in LAUNCHERS.values():
+        for var in (rank_var, size_var, local_var):
+            monkeypatch.delenv(var, raising=False)
+    assert main(["train", "placement.mode=launcher", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert "no launcher's rank variable is set" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
