@@ -35,6 +35,7 @@ from tidal.runtime.handles import RoleDied
 from tidal.runtime.tasks import build_task
 from tidal.types import GenerationRequest, GenerationResult
 from tidal.weightsync import BroadcastGroup, DiskSync, receive_into
+from tidal.weightsync.sliced import receive_into_engine
 
 log = logging.getLogger("tidal")
 
@@ -73,6 +74,7 @@ class SyncReceiver:
 
     engine = None
     _group = None
+    _shard = None  # weight_sync=shard: this side of the transfer plan
 
     def sync_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str,
                   timeout_s: float) -> None:
@@ -84,6 +86,38 @@ class SyncReceiver:
     def sync_recv(self) -> dict:
 
         return receive_into(self.engine, self._group)
+
+    def slices_join(self, host: str, port: int, rank_offset: int, world_size: int, name: str, backend: str,
+                    timeout_s: float, role: str) -> None:
+        """Join the slice group (placement.weight_sync=slices) as ranks rank_offset.. of this
+        replica: a tensor-parallel vLLM engine's workers join themselves, one per rank
+        (vllm_transfer.py); any other engine joins here as one rank."""
+        self._role = role
+        if hasattr(self.engine, "join_weight_group"):
+            self.engine.join_weight_group(host, port, world_size, rank_offset, name, timeout_s, role, backend)
+            return
+        self.sync_join(host, port, rank_offset, world_size, name, backend, timeout_s)
+
+    def slices_recv(self) -> dict:
+        if hasattr(self.engine, "receive_slices"):
+            return self.engine.receive_slices()
+        out = receive_into_engine(self.engine, self._group, self._role)
+        return {k: out[k] for k in ("version", "bytes", "checksum_ok")}
+
+    def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
+                   **_) -> None:
+        """weight_sync=shard: join the group of the trainer ranks and the engine ranks; the transfer
+        plan arrives from trainer rank 0."""
+        from tidal.weightsync import BroadcastGroup
+        from tidal.weightsync.shard import ShardReceiver, share_plan
+
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
+        self._shard = ShardReceiver(self._group, share_plan(self._group, None))
+
+    def shard_recv(self) -> dict:
+        return self._shard.recv(self.engine)
 
     def load_weights_file(self, path: str) -> int:
 
@@ -191,13 +225,13 @@ class RewardWorker:
         return self.failed or {"pid": os.getpid(), "kinds": self.pool.kinds}
 
     async def run_batch(self, msg: dict):
-        """Calls {"inputs", "calls": [(id, spec, [input index])]}, answered as a stream of
+        """Calls {"inputs", "calls": [(id, spec, [input index], lane)]}, answered as a stream of
         bunches {"results": [(id, results, hung)], "log": [(logger, level, message)]} in the
         order they finish (sync calls run in the order given)."""
         inputs = msg["inputs"]
-        futures = self.pool.submit([(spec, [inputs[i] for i in rows]) for _, spec, rows in msg["calls"]],
-                                   asyncio.get_running_loop())
-        ids = {f: cid for f, (cid, _, _) in zip(futures, msg["calls"])}
+        futures = self.pool.submit([(c[1], [inputs[i] for i in c[2]]) for c in msg["calls"]],
+                                   asyncio.get_running_loop())  # its own pool picks the lanes
+        ids = {f: c[0] for f, c in zip(futures, msg["calls"])}
         while ids:
             done, _ = await asyncio.wait(ids, return_when=asyncio.FIRST_COMPLETED)
             yield {"results": [(ids.pop(f), f.result(), False) for f in done], "log": self.lines.take()}
