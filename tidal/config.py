@@ -229,7 +229,17 @@ class ParallelConfig(_Section):
     dp_shard: int = Field(-1, ge=-1, description="Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2) within a replica; -1: every rank the other dimensions leave (the default: 1-D FSDP over all trainer ranks).")
     tp: int = Field(1, ge=1, description="Tensor parallelism: each layer's attention heads, MLP columns and the vocabulary split over this many ranks (DTensor plans; Qwen2/Qwen2.5/Qwen3/Llama). The heads, the key-value heads, the MLP width and the vocabulary must divide by it; these ranks get the same sequences.")
     cp: int = Field(1, ge=1, description="Context parallelism (Ulysses): each micro-batch's positions split over this many ranks, attention made whole by all-to-alls between the position and the head dimension (tidal/trainer/parallel/context.py); activations ~1/cp per rank. The attention heads of a rank (after tp) must divide by it; these ranks get the same sequences. Text models, without LoRA.")
-    ep: int = Field(1, ge=1, le=1, description="Expert parallelism (reserved for mixture-of-experts models: 1).")
+    ep: int = Field(1, ge=1, description="Expert parallelism (mixture-of-experts models): each rank holds num_experts / ep of every MoE layer's experts, and tokens travel to the rank of their expert and back by all-to-all, dropless (tidal/trainer/parallel/expert.py). Borrowed from the data ranks: these ranks get different sequences, and the parameters outside the experts are FSDP-sharded over dp_shard x ep. The model's num_experts must divide by it; not with tp, cp or LoRA.")
+
+    @model_validator(mode="after")
+    def _ep_alone(self) -> ParallelConfig:
+        # ep is built over data ranks (tidal/trainer/parallel/expert.py): with tp the experts would also
+        # need a plan of their own, and with cp the expert data mesh would not be contiguous; neither is built
+        for key in ("tp", "cp"):
+            if self.ep > 1 and getattr(self, key) > 1:
+                raise ValueError(f"train.parallel.ep={self.ep} with {key}={getattr(self, key)}: expert parallelism "
+                                 "composes with dp_shard and dp_replicate only; set one of them to 1")
+        return self
 
     @property
     def fixed(self) -> int:
