@@ -154,3 +154,66 @@ def test_expert_parallel_matches_one_process(shape, tiny_moe, reference, tmp_pat
         # (the loss cannot show it: at the start of a step the policy ratio is 1 and the loss's value is
         # the advantages' mean whatever the log-probs.) 100x and 1000x the allowances above.
         assert norm > 1e-3 and worst > 1e-2, (norm, worst)
+
+
+def _resume_worker(rank, port, tmp, model_dir):
+    from test_parallel_resume import _step
+
+    from tidal.trainer.distributed import barrier, destroy, init_distributed
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
+    init_distributed(rank, 2, "127.0.0.1", port, timeout_s=120)
+    try:
+        batch = _batch()
+        ep = _trainer(model_dir, "packing", {"ep": 2})
+        _step(ep, batch, rank)
+        ep.save(tmp / "ck")
+        saved = ep.named_weights()
+        _step(ep, batch, rank)  # uninterrupted
+        went_on = ep.named_weights()
+        barrier()
+        fsdp = _trainer(model_dir, "packing", {"dp_shard": 2})  # another mesh of 2: no ep
+        fsdp.load(tmp / "ck")
+        assert fsdp.version == 1
+        _step(fsdp, batch, rank)
+        resumed = fsdp.named_weights()  # a collective
+        if rank == 0:
+            torch.save({"saved": saved, "went_on": went_on, "dp_shard": resumed}, tmp / "rank0.pt")
+    finally:
+        destroy()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_from_ep2_on_another_mesh_and_in_one_process(tiny_moe, tmp_path):
+    """A checkpoint saved at ep 2 (each rank its shards, the experts split over ep) resumes at
+    dp_shard 2 and in one process; the next step matches the run that went on at ep 2. The HF
+    `model/` directory the engines and `tidal eval` read holds the whole experts."""
+    from test_parallel_resume import _step
+
+    from tidal.models import load_model
+
+    mp.spawn(_resume_worker, args=(_free_port(), tmp_path, tiny_moe), nprocs=2, join=True)
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert sorted(p.name for p in (tmp_path / "ck" / "shards").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    hf = dict(load_model(tmp_path / "ck" / "model").named_parameters())
+    for n, w in got["saved"].items():  # whole tensors, bit for bit: gathered, not recomputed
+        assert torch.equal(hf[n], w), n
+    assert got["saved"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8  # every expert, not one rank's
+    one = _trainer(tiny_moe, "packing")
+    one.load(tmp_path / "ck")
+    start = {n: w.clone() for n, w in one.named_weights().items()}
+    for n, w in start.items():
+        assert torch.equal(w, got["saved"][n]), n
+    _step(one, _batch())
+    went_on = got["went_on"]
+    step = sum(float((went_on[n] - start[n]).double().square().sum()) for n in start) ** 0.5
+    assert step > 0
+    for name, weights in (("dp_shard 2", got["dp_shard"]), ("one process", one.named_weights())):
+        # As tests/test_parallel_resume.py: the second step's update in norm, |Δ − Δ_ref| / |Δ_ref|
+        # (Adam amplifies float noise where its moments are ~eps); a resume without the optimizer
+        # state or with a wrong step count gives >= 0.3 (tests/test_fsdp.py).
+        gap = sum(float((weights[n] - went_on[n]).double().square().sum()) for n in start) ** 0.5
+        print(f"resumed at {name}: |Δ − Δ_ref| / |Δ_ref| = {gap / step:.1e}")
+        assert gap / step < 1e-2, f"{name}: {gap / step:.2e}"
