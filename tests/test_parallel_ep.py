@@ -26,18 +26,19 @@ from tidal.trainer.distributed import balanced_shards
 from tidal.trainer.trainer import Trainer
 
 
-def build_tiny_moe(path) -> None:
+def build_tiny_moe(path, vocab_size: int = 256, **ids) -> None:
     """A tiny random Qwen3-MoE saved at `path`: 2 layers, 8 experts, top-2, hidden 64 (~160k
     parameters). The router's weights are drawn wider than HF's default (std 0.5, not 0.02) so
     that top-k choices are decided by margins far above float noise: the parallel runs sum in
-    another order, and a near-tie could otherwise flip an expert between runs."""
+    another order, and a near-tie could otherwise flip an expert between runs. `ids`: special
+    token ids for the config (pad_token_id, eos_token_id) when a tokenizer goes with it."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    cfg = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=False, **ids)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
