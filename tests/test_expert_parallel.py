@@ -129,3 +129,25 @@ def test_dispatch_and_combine_match_the_dense_experts(tmp_path):
         if case == "to_rank0":  # rank 1's experts received nothing: zero gradients, present all the same
             assert float(ref["down_proj"][E // 2:].abs().max()) == 0.0
             assert float(ref["down_proj"][:E // 2].abs().max()) > 0.0
+
+
+def test_models_expert_parallelism_cannot_split_are_refused_by_name():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from tidal.config import TrainConfig, load_config
+    from tidal.models import load_model
+    from tidal.trainer.parallel.expert import check_ep
+
+    with pytest.raises(ValueError, match=r"ep=2: the default model \(Qwen2ForCausalLM\) has no mixture-of-experts"):
+        check_ep(load_model("default"), 2, "the default model")
+    moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                             head_dim=8, num_experts=8, num_experts_per_tok=2))
+    assert [attr for _, attr, _ in check_ep(moe, 4)] == ["experts", "experts"]  # one per MoE layer
+    with pytest.raises(ValueError, match=r"ep=3 does not divide the model's num_experts=8"):
+        check_ep(moe, 3)
+    with pytest.raises(ValueError, match=r"ep=2 with train.lora"):
+        TrainConfig(parallel={"ep": 2}, lora={"rank": 4})
+    with pytest.raises(ValueError, match=r"ep=2 with tp=2"):  # in the whole config, before anything loads
+        load_config(None, ["placement.mode=ray", "placement.trainer_ranks=4", "train.parallel.ep=2",
+                           "train.parallel.tp=2"])

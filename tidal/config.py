@@ -287,6 +287,13 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")
 
+    @model_validator(mode="after")
+    def _ep_without_lora(self) -> TrainConfig:
+        if self.parallel.ep > 1 and self.lora.rank > 0:
+            raise ValueError(f"train.parallel.ep={self.parallel.ep} with train.lora: adapters on expert-parallel experts "
+                             "are not supported; use ep=1 (FSDP) with LoRA")
+        return self
+
 
 class EngineConfig(_Section):
     kind: str = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang); or a dotted or file path to a builder of your own (`my_pkg.engines:build`, called as tidal.engines.factory.build_engine calls the built-in ones).")

@@ -114,9 +114,6 @@ class Trainer:
         if self.dims.tp > 1 and train.lora.rank > 0:
             raise ValueError(f"train.parallel.tp={self.dims.tp} with train.lora: adapters under tensor parallelism are "
                              "not supported; use tp=1 (FSDP) with LoRA")
-        if self.dims.ep > 1 and train.lora.rank > 0:
-            raise ValueError(f"train.parallel.ep={self.dims.ep} with train.lora: adapters on expert-parallel experts are "
-                             "not supported; use ep=1 (FSDP) with LoRA")
         self.model_dir = resolve_model_dir(model_path)
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
