@@ -121,9 +121,9 @@ class ExpertParallel(nn.Module):
         self.local = self.num_experts // self.ep
         self.group = ep_mesh.get_group()
         self.act_fn = experts.act_fn
-        for name in ("gate_up_proj", "down_proj"):  # every rank loaded the whole tensor: keep its slice
-            p = getattr(experts, name)
-            setattr(self, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)]),
+        for name in ("gate_up_proj", "down_proj"):  # every rank loaded the whole tensor: each keeps its slice
+            p = getattr(experts, name)   # (src_data_rank=None: sliced in place, nothing sent)
+            setattr(self, name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None),
                                              requires_grad=p.requires_grad))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
