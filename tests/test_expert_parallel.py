@@ -13,15 +13,33 @@ expert must NOT match (the positive control).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from test_parallel import _free_port
+import torch.nn.functional as F
+from torch import nn
 
 E, K, H = 8, 2, 16
 TOKENS = (7, 4)
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Held(nn.Module):
+    """What the expert-parallel module takes from HF's experts module, in plain torch, so the gloo
+    processes need not import transformers (seconds each): the parent's dense module's weights."""
+
+    def __init__(self, state: dict):
+        super().__init__()
+        self.num_experts, self.act_fn = E, F.silu  # Qwen3-MoE's hidden_act
+        self.gate_up_proj, self.down_proj = (nn.Parameter(state[n].clone()) for n in ("gate_up_proj", "down_proj"))
 
 
 def _experts():
@@ -73,7 +91,7 @@ def _wrong_combine(y, r, hidden_states, top_k_weights, group):
     return torch.zeros_like(hidden_states).index_add(0, r.token, y)
 
 
-def _worker(rank, port, tmp):
+def _worker(rank, port, tmp, state):
     from torch.distributed.device_mesh import init_device_mesh
 
     from tidal.trainer.distributed import destroy, full_tensor, init_distributed
@@ -89,7 +107,7 @@ def _worker(rank, port, tmp):
             if case == "mutant":
                 original, expert.combine = expert.combine, _wrong_combine
             try:
-                ep = expert.ExpertParallel(_experts(), mesh)
+                ep = expert.ExpertParallel(_Held(state), mesh)
                 y, gx, gw = _grads(ep, *_inputs("random" if case == "mutant" else case)[rank])
             finally:
                 if case == "mutant":
@@ -103,7 +121,10 @@ def _worker(rank, port, tmp):
 
 @pytest.mark.timeout(300)
 def test_dispatch_and_combine_match_the_dense_experts(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), tmp_path), nprocs=2, join=True)
+    dense = _experts()
+    assert dense.act_fn(torch.tensor(1.0)) == F.silu(torch.tensor(1.0))  # what _Held stands in for
+    mp.spawn(_worker, args=(_free_port(), tmp_path, {n: p.detach() for n, p in dense.named_parameters()}),
+             nprocs=2, join=True)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for case in (*CASES, "mutant"):
         parts = _inputs("random" if case == "mutant" else case)
