@@ -99,6 +99,18 @@ def _keeping_sigterm():
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as e:
+        # A SIGTERM while ray.init runs met Ray's handler (`sys.exit(15)`): what Ray had started is
+        # shut down, and the program's own handler gets the signal, as after ray.init.
+        if not (callable(previous) and e.code == signal.SIGTERM):
+            raise
+        import ray
+
+        signal.signal(signal.SIGTERM, previous)
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        previous(signal.SIGTERM, None)
+        raise
     finally:
         if callable(previous):
             signal.signal(signal.SIGTERM, previous)
@@ -258,12 +270,13 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
     envs, remote_envs = _env_workers(cfg, lambda i: actor(EnvWorker, first_env + i, pl.env))
 
-    transport = choose_transport(pl.weight_sync, colocated)
+    transport = choose_transport(pl.weight_sync, colocated, cfg.engine.tensor_parallel)
     sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
     pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
+    pusher.prepare()  # weight_sync=shard: the group forms and the transfer plan is logged now
     return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
                  reward_handles=rewards, env_handles=envs, envs=remote_envs)
 

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from tidal.trainer import distributed as dp
+from tidal.trainer.parallel.expert import apply_ep, shard_experts
 from tidal.trainer.parallel.mesh import ParallelDims
+from tidal.trainer.parallel.tensor import apply_tp
 
 __all__ = ["ParallelDims", "parallelize"]
 
@@ -23,9 +26,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, mixed_precision: bool =
     `tensor_parallel=False`: a model outside the plans, such as the critic, is then replicated
     over tp, its experts, if any, plain parameters sharded over the data dimensions with the
     rest), then FSDP2 over the data dimensions. Nothing for one rank."""
-    from tidal.trainer import distributed as dp
-    from tidal.trainer.parallel.expert import apply_ep, shard_experts
-    from tidal.trainer.parallel.tensor import apply_tp
 
     if dims.tp_mesh is not None and tensor_parallel:
         apply_tp(model, dims.tp_mesh)
