@@ -179,18 +179,30 @@ def _resume_worker(rank, port, tmp, model_dir):
         assert fsdp.version == 1
         _step(fsdp, batch, rank)
         resumed = fsdp.named_weights()  # a collective
+        # ... and back: the dp_shard 2 run's checkpoint (FSDP shards only) resumes at ep 2
+        fsdp.save(tmp / "ck_dp")
+        _step(fsdp, batch, rank)
+        fsdp_next = fsdp.named_weights()
+        back = _trainer(model_dir, "packing", {"ep": 2})
+        back.load(tmp / "ck_dp")
+        assert back.version == 2
+        loaded = back.named_weights()
+        _step(back, batch, rank)
+        back_next = back.named_weights()
         if rank == 0:
-            torch.save({"saved": saved, "went_on": went_on, "dp_shard": resumed}, tmp / "rank0.pt")
+            torch.save({"saved": saved, "went_on": went_on, "dp_shard": resumed, "loaded_at_ep2": loaded,
+                        "fsdp_next": fsdp_next, "ep2_next": back_next}, tmp / "rank0.pt")
     finally:
         destroy()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_resume_from_ep2_on_another_mesh_and_in_one_process(tiny_moe, tmp_path):
+def test_resume_across_ep_meshes_and_in_one_process(tiny_moe, tmp_path):
     """A checkpoint saved at ep 2 (each rank its shards, the experts split over ep) resumes at
     dp_shard 2 and in one process; the next step matches the run that went on at ep 2. The HF
-    `model/` directory the engines and `tidal eval` read holds the whole experts."""
+    `model/` directory the engines and `tidal eval` read holds the whole experts. And back: a
+    dp_shard 2 checkpoint resumes at ep 2, its next step matching dp_shard 2's."""
     from test_parallel_resume import _step
 
     from tidal.models import load_model
@@ -211,6 +223,12 @@ def test_resume_from_ep2_on_another_mesh_and_in_one_process(tiny_moe, tmp_path):
     went_on = got["went_on"]
     step = sum(float((went_on[n] - start[n]).double().square().sum()) for n in start) ** 0.5
     assert step > 0
+    for n, w in got["dp_shard"].items():  # the dp_shard checkpoint read into ep shards: bit for bit
+        assert torch.equal(got["loaded_at_ep2"][n], w), n
+    back = sum(float((got["ep2_next"][n] - got["fsdp_next"][n]).double().square().sum()) for n in start) ** 0.5
+    back_step = sum(float((got["fsdp_next"][n] - got["dp_shard"][n]).double().square().sum()) for n in start) ** 0.5
+    print(f"dp_shard 2 -> ep 2: |Δ − Δ_ref| / |Δ_ref| = {back / back_step:.1e}")
+    assert back / back_step < 1e-2  # the optimizer state came along (as below)
     for name, weights in (("dp_shard 2", got["dp_shard"]), ("one process", one.named_weights())):
         # As tests/test_parallel_resume.py: the second step's update in norm, |Δ − Δ_ref| / |Δ_ref|
         # (Adam amplifies float noise where its moments are ~eps); a resume without the optimizer
