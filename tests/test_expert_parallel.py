@@ -119,6 +119,7 @@ def _worker(rank, port, tmp, state):
         destroy()
 
 
+@pytest.mark.slow  # 22-34 s on this shared machine: transformers' Qwen3-MoE import, 2 spawns, DTensor's first use
 @pytest.mark.timeout(300)
 def test_dispatch_and_combine_match_the_dense_experts(tmp_path):
     dense = _experts()
