@@ -45,7 +45,6 @@ class WeightPusher:
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:
-
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
@@ -92,6 +91,7 @@ class _InProcess:
     def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
         out = gather([h.submit("push_weights", "inprocess") for h in sync.trainer.ranks], step=step,
                      timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": max(float(o.get("bytes", 0.0)) for o in out)}  # each engine's copy
         return {i: out[i]["version"] for i in targets}
 
 
@@ -213,6 +213,7 @@ class _Disk:
                      timeout_s=sync.timeout_s)
         got = gather([sync.handles[i].submit("load_weights_file", out[0]["path"]) for i in targets], step=step,
                      timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": float(out[0].get("bytes", 0.0))}  # the file every engine reads
         return dict(zip(targets, got))
 
 

@@ -101,7 +101,6 @@ def on_own_thread(fn, *args, **kwargs):
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
-
     return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                    temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
                    device=cfg.model.resolved_device(), norm_len=cfg.loss_norm_len)
@@ -147,7 +146,6 @@ class TrainerWorker(SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
-
             if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -193,7 +191,6 @@ class TrainerWorker(SyncReceiver):
     def save(self, path: str, with_tokenizer: bool = True) -> None:
         tokenizer = None
         if with_tokenizer and self.rank == 0:
-
             tokenizer = load_tokenizer(self.model_dir)
         self.trainer.save(path, tokenizer=tokenizer)
 
@@ -247,11 +244,10 @@ class TrainerWorker(SyncReceiver):
                 raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
             self.engine.update_weights(version, named)
             self._wake()
-            return {"version": version}
+            return {"version": version, "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
         if self.rank != 0:
             return {"version": version}
         if transport == "broadcast":
-
             out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
@@ -264,9 +260,9 @@ class TrainerWorker(SyncReceiver):
                               with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
         if transport == "disk":
-
             path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
-            return {"version": version, "path": str(path)}
+            return {"version": version, "path": str(path),
+                    "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
         raise ValueError(f"unknown weight transport {transport!r}")
 
     def pid(self) -> int:

@@ -64,7 +64,6 @@ def set_threads(num_cpus: float) -> None:
 
 
 def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id: int, log_dir: str | Path | None):
-
     return build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
                         pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
 
@@ -84,7 +83,6 @@ class SyncReceiver:
         self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
 
     def sync_recv(self) -> dict:
-
         return receive_into(self.engine, self._group)
 
     def slices_join(self, host: str, port: int, rank_offset: int, world_size: int, name: str, backend: str,
@@ -120,7 +118,6 @@ class SyncReceiver:
         return self._shard.recv(self.engine)
 
     def load_weights_file(self, path: str) -> int:
-
         return DiskSync(Path(path).parent).load_into(self.engine, path)["version"]
 
     def update_weights(self, version: int, tensors) -> int:
@@ -305,7 +302,6 @@ class EnvWorker:
     worker; the task's reward functions still score in the driver's reward pool."""
 
     def __init__(self, cfg: TidalConfig, num_cpus: float = 0.0):
-
         if num_cpus:
             set_threads(num_cpus)
         self.task = build_task(cfg.task)
@@ -378,7 +374,6 @@ class RemoteEnvs:
         return RemoteEnv(self, row, seed)
 
     async def call(self, i: int, method: str, *args):
-
         handle = self.handles[i]
         try:
             return await self._watched(i, handle, handle.acall(method, *args, timeout_s=self.timeout_s))
