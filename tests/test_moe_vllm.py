@@ -44,6 +44,21 @@ def _requests(n=8, temperature=1.0):
             for i in range(n)]
 
 
+def _hf_logprobs(model, weights, reqs, results) -> list[list[float]]:
+    """transformers' log-probs of each result's tokens (after its prompt), with `weights` loaded."""
+    if weights is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(weights[n])
+    out = []
+    for q, r in zip(reqs, results):
+        seq = torch.tensor([q.prompt_ids + r.token_ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=seq).logits[0, :-1].float(), -1)
+        out.append(lp.gather(-1, seq[0, 1:, None])[len(q.prompt_ids) - 1:, 0].tolist())
+    return out
+
+
 def test_vllm_runs_the_moe_like_the_torch_engine_and_takes_fused_expert_weights(moe_dir):
     from tidal.engines.vllm_engine import VLLMEngine
 
@@ -66,17 +81,14 @@ def test_vllm_runs_the_moe_like_the_torch_engine_and_takes_fused_expert_weights(
                for n, p in load_model(moe_dir).named_parameters()}
         assert any(n.endswith("experts.gate_up_proj") for n in new)
         sampled = _requests()
-        old = [r.logprobs for r in run(ref.generate(sampled))]
         eng.update_weights(1, new)
-        ref.update_weights(1, new)
-        ours, theirs = run(eng.generate(sampled)), run(ref.generate(sampled))
-        assert [a.token_ids for a in ours] == [b.token_ids for b in theirs]  # seeded: the same samples
-        to_new = max_diff([a.logprobs for a in ours], [b.logprobs for b in theirs])
-        to_old = max_diff([a.logprobs for a in ours], old)
-        # Measured: 5e-3 from the new weights' log-probs, against 2.5e-3 before any update (a residual
-        # after reload_weights seen on every part of this model, experts or not: docs/moe.md); stale
-        # experts would leave vLLM at the old log-probs, 10x further here.
-        print(f"vLLM after the update: {to_new:.2e} from the new weights, {to_old:.2e} from the old")
+        ours = run(eng.generate(sampled))
+        on_new = _hf_logprobs(load_model(moe_dir), new, sampled, ours)
+        on_old = _hf_logprobs(load_model(moe_dir), None, sampled, ours)
+        to_new = max_diff([a.logprobs for a in ours], on_new)
+        to_old = max_diff([a.logprobs for a in ours], on_old)
+        print(f"vLLM after the update: {to_new:.2e} from the new weights' log-probs, {to_old:.2e} from the old")
+        # stale experts would leave vLLM's log-probs at the old weights'
         assert to_new < to_old / 3, (to_new, to_old)
         ref.close()
     finally:
