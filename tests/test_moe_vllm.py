@@ -59,38 +59,42 @@ def _hf_logprobs(model, weights, reqs, results) -> list[list[float]]:
     return out
 
 
-def test_vllm_runs_the_moe_like_the_torch_engine_and_takes_fused_expert_weights(moe_dir):
+@pytest.fixture(scope="module")
+def engine(moe_dir):
     from tidal.engines.vllm_engine import VLLMEngine
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # as tests/test_vllm_engine.py's fixture: vLLM's CPU attention wants its own count
     eng = VLLMEngine(moe_dir, mode="in_process", dtype="float32")
-    try:
-        ref_model = load_model(moe_dir)
-        ref = TorchEngine(ref_model, pad_token_id=0)
-        greedy = _requests(temperature=0.0)
-        ours, theirs = run(eng.generate(greedy)), run(ref.generate(greedy))
-        assert [a.token_ids for a in ours] == [b.token_ids for b in theirs]
-        assert max_diff([a.logprobs for a in ours], [b.logprobs for b in theirs]) < LOGPROB_TOL
-        assert all(r.routed_experts is None for r in ours)  # vLLM-CPU records none (module docstring)
-        # the trainer's weights with only the (fused) experts moved: vLLM must load them by their
-        # checkpoint names, or it keeps the old experts
-        g = torch.Generator().manual_seed(3)
-        new = {n: p.detach() + (0.5 * p.detach().abs().mean() * torch.randn(p.shape, generator=g)
-                                if ".experts." in n else 0)
-               for n, p in load_model(moe_dir).named_parameters()}
-        assert any(n.endswith("experts.gate_up_proj") for n in new)
-        sampled = _requests()
-        eng.update_weights(1, new)
-        ours = run(eng.generate(sampled))
-        on_new = _hf_logprobs(load_model(moe_dir), new, sampled, ours)
-        on_old = _hf_logprobs(load_model(moe_dir), None, sampled, ours)
-        to_new = max_diff([a.logprobs for a in ours], on_new)
-        to_old = max_diff([a.logprobs for a in ours], on_old)
-        print(f"vLLM after the update: {to_new:.2e} from the new weights' log-probs, {to_old:.2e} from the old")
-        # stale experts would leave vLLM's log-probs at the old weights'
-        assert to_new < to_old / 3, (to_new, to_old)
-        ref.close()
-    finally:
-        eng.close()
-        torch.set_num_threads(before)
+    yield eng
+    eng.close()
+    torch.set_num_threads(before)
+
+
+def test_vllm_runs_the_moe_like_the_torch_engine(engine, moe_dir):
+    ref = TorchEngine(load_model(moe_dir), pad_token_id=0)
+    greedy = _requests(temperature=0.0)
+    ours, theirs = run(engine.generate(greedy)), run(ref.generate(greedy))
+    ref.close()
+    assert [a.token_ids for a in ours] == [b.token_ids for b in theirs]
+    assert max_diff([a.logprobs for a in ours], [b.logprobs for b in theirs]) < LOGPROB_TOL
+    assert all(r.routed_experts is None for r in ours)  # vLLM-CPU records none (module docstring)
+
+
+@pytest.mark.xfail(strict=True, reason="vLLM-CPU 0.32's reload_weights does not take a Qwen3-MoE's new experts "
+                   "correctly (measured: 1.9e-2 from the new weights' log-probs, 1.7e-2 from the old): docs/moe.md; "
+                   "a run refuses engine.kind=vllm with a mixture of experts")
+def test_vllm_takes_the_trainers_fused_expert_weights(engine, moe_dir):
+    """The trainer's weights with only the (fused) experts moved, sent by their checkpoint names
+    (tidal.models.moe.checkpoint_names): vLLM's log-probs should follow them."""
+    g = torch.Generator().manual_seed(3)
+    new = {n: p.detach() + (0.5 * p.detach().abs().mean() * torch.randn(p.shape, generator=g)
+                            if ".experts." in n else 0)
+           for n, p in load_model(moe_dir).named_parameters()}
+    sampled = _requests()
+    engine.update_weights(1, new)
+    ours = run(engine.generate(sampled))
+    to_new = max_diff([a.logprobs for a in ours], _hf_logprobs(load_model(moe_dir), new, sampled, ours))
+    to_old = max_diff([a.logprobs for a in ours], _hf_logprobs(load_model(moe_dir), None, sampled, ours))
+    print(f"vLLM after the update: {to_new:.2e} from the new weights' log-probs, {to_old:.2e} from the old")
+    assert to_new < LOGPROB_TOL, (to_new, to_old)

