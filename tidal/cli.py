@@ -253,15 +253,18 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     res = {"model": str(model_dir), "engine": kind, **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
-    elif res["accuracy"] is None:
-        print(f"{model_dir}: no reward of this task says what is correct (its rewards have no `correct` part): "
-              f"set eval.reward to a verifier, e.g. eval.reward=tidal.rewards.arithmetic:score")
+    elif res["accuracy"] is None and not res["failed"]:
+        print(f"{model_dir}: no reward of this task says what is correct (no `correct` part, no reward named "
+              f"`correct`, no veRL `acc`): set eval.reward (and eval.reward_form) to a verifier, e.g. "
+              f"eval.reward=tidal.rewards.arithmetic:score")
     else:
         failed = ", ".join(f"{n} {s}" for s, n in sorted(res["failed_by_status"].items())) or "none"
         tools = f"  tool-call error rate {res['tool_error_rate']:.3f}" if "tool_error_rate" in res else ""
-        print(f"{model_dir}: held-out accuracy (greedy) {res['accuracy']:.3f}  pass@{res['k']} {res['pass_at_k']:.3f}  "
-              f"pass@1 (T={res['temperature']}) {res['pass_at_1']:.3f}  on {res['n']} problems  "
-              f"(failed episodes, counted wrong: {failed}){tools}")
+        num = lambda x: "n/a" if x is None else f"{x:.3f}"  # nothing was scored: unknown, not 0
+        print(f"{model_dir}: held-out accuracy (greedy) {num(res['accuracy'])}  pass@{res['k']} "
+              f"{num(res['pass_at_k'])}  pass@1 (T={res['temperature']}) {num(res['pass_at_1'])}  on {res['n']} "
+              f"problems, {res['scored']} scored  (failed episodes {res['failed_frac']:.1%}, left out of the "
+              f"accuracy: {failed}){tools}")
         if res.get("first_error"):
             print(f"  first failure: {res['first_error']}")
     return 0

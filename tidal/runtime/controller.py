@@ -315,8 +315,14 @@ class Controller:
     # -- evaluation during training ---------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, float]:
         with trace.span("eval", cat="eval", step=step):
-            return evaluate_during_training(self.engine, self.eval_rollout, self.task.eval_rows, self.eval_sets,
-                                            self.make_env, self.cfg.eval, step)
+            out = evaluate_during_training(self.engine, self.eval_rollout, self.task.eval_rows, self.eval_sets,
+                                           self.make_env, self.cfg.eval, step)
+        if "eval/failed_frac" in out and "eval/accuracy" not in out and not getattr(self, "_said_no_accuracy", False):
+            self._said_no_accuracy = True  # once: the reason does not change between evaluations
+            log.warning("evaluation at step %d: no held-out episode was scored as right or wrong (%.0f%% failed; "
+                        "no `correct` part, reward named `correct` or veRL `acc` among the others): eval/accuracy "
+                        "is not reported (docs/rewards.md)", step, 100 * out["eval/failed_frac"])
+        return out
 
     def _improves_best(self, metrics: dict[str, float]) -> bool:
         key = self.cfg.eval.keep_best

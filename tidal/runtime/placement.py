@@ -276,6 +276,7 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
+    pusher.prepare()  # weight_sync=shard: the group forms and the transfer plan is logged now
     return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
                  reward_handles=rewards, env_handles=envs, envs=remote_envs)
 

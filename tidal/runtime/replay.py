@@ -76,6 +76,8 @@ def find_episode(run_dir: Path, episode_id: str) -> dict[str, Any]:
 def checkpoint_of_version(run_dir: Path, version: int, updates_per_step: int) -> Path | None:
     """The checkpoint of the run whose trainer had made `version` updates; None for version 0
     (the run's starting model) or when no kept checkpoint has it."""
+    # This module's imports of tidal are inside its functions: `tidal.cli` imports it at start-up
+    # (ReplayError), and a replay's run assembly loads transformers, which no other command needs.
     from tidal.runtime.checkpoints import checkpoint_dirs
 
     for ckpt in checkpoint_dirs(run_dir / "checkpoints"):

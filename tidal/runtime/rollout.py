@@ -46,6 +46,7 @@ from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
 from tidal.monitor.episodes import reference_of
 from tidal.rewards.contract import RewardInput, RewardOutcome
+from tidal.runtime import step_budget
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
 
 log = logging.getLogger("tidal")
@@ -174,7 +175,7 @@ class _GroupScoring:
 class Rollout:
     def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0, *,
                  max_total_tokens: int | None = None, prefix_policy: str = "split", scorer=None,
-                 close_timeout_s: float = 60.0, gateway=None, vision=None):
+                 close_timeout_s: float = 60.0, gateway=None, vision=None, failure_budget: float = 1.0):
         if prefix_policy not in ("split", "continue"):
             raise ValueError(f"prefix_policy must be 'split' or 'continue', got {prefix_policy!r}")
         self.tokenizer = tokenizer
@@ -187,6 +188,7 @@ class Rollout:
         self.close_timeout_s = close_timeout_s
         self.gateway = gateway  # a GatewayServer: agent environments (task.env=openai_agent) call it
         self.vision = vision  # a vision-language model's Vision (tidal/models/vision.py); None: text only
+        self.failure_budget = failure_budget  # a step stops waiting for rewards past it (step_budget.py); 1.0: never
 
     def with_params(self, **changes: Any) -> Rollout:
         """A copy of this rollout whose sampling differs (e.g. greedy evaluation)."""
@@ -435,10 +437,14 @@ class Rollout:
             async with trace.async_span("reward", spec.episode_id):
                 if group is not None:
                     group.submitted.add(ep.episode_id)
-                    outcome = await group.submit(self.scorer, inp)
+                    outcome = await step_budget.unless_spent(group.submit(self.scorer, inp))
                 else:
-                    outcome = (await self.scorer.score([inp]))[0]
+                    outcomes = await step_budget.unless_spent(self.scorer.score([inp]))
+                    outcome = None if outcomes is None else outcomes[0]
             ep.metrics["reward_s"] = time.perf_counter() - t3
+            if outcome is None:  # the step's rewards failed past reward.failure_budget: not waited for
+                budget = step_budget.current()
+                return self._fail(ep, Status.REWARD_ERROR, budget.why() if budget else "not scored")
             if outcome.status != "ok":
                 st = Status.TIMEOUT if outcome.status == "timeout" else Status.REWARD_ERROR
                 return self._fail(ep, st, outcome.error)
@@ -550,11 +556,17 @@ class Rollout:
 
         async def one(spec: EpisodeSpec) -> Episode:
             ep = await self._bounded(spec, client, step, groups)
+            if (budget := step_budget.current()) is not None:
+                budget.record(ep)
             if on_episode is not None:
                 on_episode(ep)
             return ep
 
-        return list(await asyncio.gather(*(one(s) for s in specs)))
+        token = step_budget.open_budget(len(specs), self.failure_budget)  # seen by the episode tasks below
+        try:
+            return list(await asyncio.gather(*(one(s) for s in specs)))
+        finally:
+            step_budget.close_budget(token)
 
 
 def _short(e: BaseException, n: int = 300) -> str:
