@@ -226,7 +226,10 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 
 def _config_for_model(model: str, config: list[str], overrides: list[str]) -> TidalConfig:
-    """A checkpoint evaluates on the task of its own run unless a config is given."""
+    """A checkpoint evaluates on the task of its own run unless a config is given (a run's own
+    config.yaml given as the one config counts as the run's)."""
+    if len(config) == 1 and Path(config[0]).name == "config.yaml" and (Path(config[0]).parent / "sources.json").is_file():
+        return use_kept(load_config(config, overrides), Path(config[0]).parent, "eval")
     if config:
         return load_config(config, overrides)
     for parent in [Path(model), *Path(model).parents][:4]:
