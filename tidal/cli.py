@@ -13,6 +13,8 @@
     tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
     tidal launch slurm [CONFIG.yaml] [section.key=value ...] [--nodes N] [--gpus-per-node G] [--partition P]
                        [--time T] [--dry-run]
+    tidal launch k8s [CONFIG.yaml] [section.key=value ...] --image IMAGE [--kind RayJob|RayCluster] [--gpus-per-node G]
+                     [--node-selector K=V ...] [--volume-claim PVC] [--run-root DIR] [--out FILE]
     tidal plan SPEC.yaml [--simulate] [--explain] [--out DIR] | tidal plan calibrate RUN_DIR
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
@@ -116,6 +118,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tidal.runtime.controller import Controller  # transformers, the engines, Ray: only for a command that trains
 
     cfg, record = _train_config(ns)
+    if cfg.placement.mode == "launcher":  # one process per rank: rank 0 goes on as the controller
+        cfg, rank_exit = _launched_rank(cfg)
+        if rank_exit is not None:
+            return rank_exit
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
     # step in flight is abandoned, roles are closed, the last complete checkpoint stays (exit 143).
     previous = _catch_stop_signals()
@@ -190,6 +196,29 @@ def _train_run(ns: argparse.Namespace, cfg: TidalConfig, record: dict | None, ct
     print(json.dumps({"run_dir": str(ctl.paths.root), "step": ctl.step, "wall_s": round(time.time() - t0, 1),
                       "reward": last.get("reward"), "accuracy": last.get("accuracy")}))
     return 0
+
+
+def _launched_rank(cfg: TidalConfig) -> tuple[TidalConfig, int | None]:
+    """placement.mode=launcher: the config fitted to the launcher's world size, and for a rank
+    other than 0 its exit code once it has served rank 0 (tidal/runtime/launcher.py)."""
+    import logging
+    import os
+
+    import torch
+
+    from tidal.runtime.launcher import config_for, serve_rank
+    from tidal.runtime.ranks import detect
+
+    env = detect(os.environ)
+    cfg = config_for(cfg, env)
+    if torch.cuda.is_available():  # one GPU per rank, by its rank on the node
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if env.is_controller:
+        return cfg, None
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    logging.basicConfig(level=logging.INFO, format=f"rank {env.rank}: %(levelname)s %(message)s")
+    return cfg, serve_rank(cfg, env)
 
 
 class Terminated(KeyboardInterrupt):
@@ -308,6 +337,27 @@ def cmd_launch_slurm(ns: argparse.Namespace) -> int:
           f"  follow it: squeue -j {job_id}; tail -f {run_dir}/slurm-{job_id}.out; stop it: scancel {job_id}",
           file=sys.stderr)
     print(json.dumps({"job_id": job_id, "run_dir": str(run_dir), "script": str(script), "nodes": nodes}))
+    return 0
+
+
+def cmd_launch_k8s(ns: argparse.Namespace) -> int:
+    """Print (or write) KubeRay manifests for the run: a ConfigMap and a RayJob or RayCluster (tidal/launch/k8s.py)."""
+    from importlib.metadata import version
+
+    from tidal.launch.k8s import K8sJob, manifests, parse_selector, render
+
+    config, overrides = _split_args(ns.args)
+    cfg = load_config(config, [*overrides, "placement.mode=ray"])
+    job = K8sJob(name=ns.name or f"tidal-{cfg.run.name}", image=ns.image, kind=ns.kind, gpus_per_node=ns.gpus_per_node,
+                 cpus_per_node=ns.cpus_per_node, memory=ns.memory, nodes=ns.nodes, namespace=ns.namespace,
+                 volume_claim=ns.volume_claim, run_root=ns.run_root, node_selector=parse_selector(ns.node_selector),
+                 ray_version=version("ray"))
+    text = render(manifests(cfg, job))
+    if ns.out:
+        Path(ns.out).write_text(text)
+        print(f"tidal: wrote {ns.out}; start it with: kubectl apply -f {ns.out}", file=sys.stderr)
+    else:
+        print(text, end="")
     return 0
 
 
@@ -515,6 +565,26 @@ def _launch_commands(sub) -> None:
     s.add_argument("--time", default=None, help="time limit, as sbatch --time takes it (e.g. 04:00:00)")
     s.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     s.set_defaults(fn=cmd_launch_slurm)
+    k = lsub.add_parser("k8s", help="print KubeRay manifests (a ConfigMap and a RayJob or RayCluster) for "
+                        "`kubectl apply -f`")
+    k.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (as for `tidal train`)")
+    k.add_argument("--image", required=True, help="the container image with tidal installed (every pod runs it)")
+    k.add_argument("--kind", default="RayJob", choices=["RayJob", "RayCluster"], help="RayJob (default): the cluster "
+                   "lives as long as the run; RayCluster: the cluster alone, the driver started on its head by hand")
+    k.add_argument("--name", default=None, help="the resources' name (default: tidal-<run.name>)")
+    k.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's)")
+    k.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per worker pod (nvidia.com/gpu); 0: CPU pods")
+    k.add_argument("--cpus-per-node", type=int, default=8, help="CPUs per pod (requests = limits)")
+    k.add_argument("--memory", default="32Gi", help="memory per pod (requests = limits)")
+    k.add_argument("--nodes", type=int, default=None, help="worker pods (default: what the config's roles need)")
+    k.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a node label every worker pod needs (repeatable), e.g. a GPU node pool's")
+    k.add_argument("--volume-claim", default="tidal-runs", help="a ReadWriteMany PersistentVolumeClaim every pod "
+                   "mounts at --run-root (the run directory, checkpoints)")
+    k.add_argument("--run-root", default="/runs", help="where the claim is mounted; run.dir must be under it "
+                   "(default run.dir: RUN_ROOT/<run.name>)")
+    k.add_argument("--out", default=None, help="write the manifests to this file instead of printing them")
+    k.set_defaults(fn=cmd_launch_k8s)
 
 
 def _run_commands(sub) -> None:
