@@ -119,6 +119,7 @@ class TrainerWorker(SyncReceiver):
         self.rank, self.world_size = rank, world_size
         self.engine_kind, self.log_dir = engine_kind, log_dir
         self.trainer = None
+        self.store = None  # placement.mode=launcher: the store the launcher's ranks met on (tidal/runtime/launcher.py)
         if cfg.run.trace and not trace.enabled():  # in its own process (Ray); in the driver it is on already
             trace.enable(f"trainer rank {rank}")
         # Colocated and synchronous: the engine sleeps while this rank trains (memory back
@@ -151,7 +152,7 @@ class TrainerWorker(SyncReceiver):
 
             init_distributed(self.rank, self.world_size, master_addr, master_port, backend=self.cfg.placement.backend
                              if self.cfg.placement.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"),
-                             timeout_s=self.cfg.placement.collective_timeout_s)
+                             timeout_s=self.cfg.placement.collective_timeout_s, store=self.store)
         self.trainer = make_trainer(self.cfg, self.model_dir, self.pad_token_id)
         if self.engine_kind is not None:  # colocated: this rank's engine replica
             self.engine = make_engine(self.cfg, self.engine_kind, self.model_dir, self.pad_token_id, self.log_dir)
@@ -200,6 +201,12 @@ class TrainerWorker(SyncReceiver):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.named_weights()
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Collective: every rank gathers the full weights; rank 0 returns them (to the engines
+        in its own process, placement.mode=launcher), the others nothing."""
+        named = self.trainer.named_weights()
+        return named if self.rank == 0 else None
 
     def shards(self) -> dict[str, torch.Tensor]:
         """The policy's parameters as this rank holds them (DTensor shards under a mesh)."""
