@@ -231,14 +231,36 @@ def test_plan_config_loads_in_tidal(tmp_path):
     from tidal.plan.search import search
 
     s = spec(search={"max_staleness": [0, 1], "trainer_fractions": [0.25, 0.5], "colocate": [False, True],
-                     "engine_tp": [1, 2], "train_tp": [1], "sync": ["broadcast", "shard"], "steps": 6})
+                     "engine_tp": [1, 2], "train_tp": [1, 2], "sync": ["broadcast", "shard"], "steps": 6})
     plans, _ = search(s, progress=False)
     assert len(plans) >= 8 and plans[0].summary.samples_per_s >= plans[-1].summary.samples_per_s
-    for plan in plans[:4]:
+    for plan in plans[:4] + [x for x in plans if x.placement.train_tp == 2 and not x.placement.colocate][:1]:
+        p = plan.placement
         path = write_config(s, plan, tmp_path / "plan.yaml")
         cfg = load_config(str(path))
-        assert cfg.rollout.max_staleness == plan.placement.max_staleness
-        assert cfg.placement.colocate == plan.placement.colocate
+        assert cfg.rollout.max_staleness == p.max_staleness
+        assert cfg.placement.colocate == p.colocate
+        # the trainer's mesh and the engines' tensor parallelism are tidal settings, not header notes
+        assert cfg.placement.trainer_ranks == p.trainer_gpus and cfg.train.parallel.tp == p.train_tp
+        assert cfg.engine.tensor_parallel == p.engine_tp
+        if not p.colocate:
+            want = {"shard": "shard", "broadcast": "slices" if p.engine_tp > 1 else "broadcast"}[p.sync]
+            assert cfg.placement.weight_sync == want
+
+
+def test_slices_sync_sends_each_engine_rank_its_share_from_rank_0():
+    """tidal's `slices` transport: every engine rank of a TP g replica receives 1/g of the weights, trainer
+    rank 0 sends the whole model to each replica (no relay): slower than shard-to-shard as replicas grow."""
+    from tidal.plan.sync_model import expected_bytes
+
+    b = expected_bytes(800.0, 4, 8, "slices")
+    assert (b.per_engine_rank, b.per_trainer_rank, b.gathered) == (100.0, 800.0, 600.0)
+    one = spec(placement={"engine_gpus": 8, "engine_tp": 8, "sync": "slices"})
+    four = spec(placement={"engine_gpus": 32, "engine_tp": 8, "sync": "slices"})
+    t = lambda x, tr=None: sync_cost(x.model, accelerator(x.cluster.gpu), x.efficiency, x.cluster, x.placement,
+                                     tr).transfer_s
+    assert t(four) == pytest.approx(4 * t(one))  # rank 0's link carries every replica's model
+    assert t(four, "shard") < t(four)
 
 
 def test_errors_name_the_key_and_the_missing_extra(tmp_path, monkeypatch, capsys):
