@@ -11,6 +11,10 @@
    engines): calibrated on the local run, the simulator predicts the Ray run's mean step time; calibrated
    on the async k=0 run (another model, another batch), it predicts the local default job's step time.
 Every run is on this machine one after another, so ratios are compared, not seconds across machines.
+A calibration carries each role's torch threads (from the run's config: Ray actors round(num_cpus), a local
+run the machine's cores) and a prediction scales them to the predicted run's by the law of
+tidal/plan/threads.py (measured by benchmarks/plan_threads.py): the async actors compute on one thread, the
+default job's driver on two.
 """
 
 from __future__ import annotations
