@@ -325,6 +325,7 @@ def push_in_process(trainer, engine, timeout_s: float):
     def push(step: int | None) -> dict[str, float]:
         named = gather([h.submit("full_weights") for h in trainer.ranks], step=step, timeout_s=timeout_s)[0]
         # copied into the engines on a thread that ends with it (trainer_group.on_own_thread)
-        return on_own_thread(lambda: {"time/weight_sync_s": sync.push(trainer.version, named)["seconds"]})
+        out = on_own_thread(lambda: sync.push(trainer.version, named))
+        return {"time/weight_sync_s": out["seconds"], "weight_sync/bytes": out["bytes"]}
 
     return push
