@@ -7,6 +7,7 @@ ends the episode with a typed error naming it, and the next episode restarts it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from pathlib import Path
@@ -131,3 +132,5 @@ def test_grpo_steps_on_an_openenv_server_and_a_server_that_dies(tmp_path):
     played = [r for r in rows if r["status"] in ("ok", "truncated")]
     assert played and all(set(dict(r["reward_parts"])) == {"openenv"} for r in played)
     assert any(len(r["turns"]) >= 2 for r in played)  # multi-turn: the server's hints came back as turns
+    metrics = {m["step"]: m for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())}
+    assert "grad_norm" in metrics[3]  # the last step trained
