@@ -7,13 +7,14 @@ Guess the number: a secret in 1..20 drawn from the reset seed; each step's `mess
 (the first integer in it); the observation says higher or lower; reward 1 and done on the secret,
 done after 6 guesses. `reset(die_once=PATH)` is the tests' failure hook: the first step of the
 first episode that finds no file at PATH creates it and kills this server (SIGKILL), as a server
-that crashes mid-episode does.
+that crashes mid-episode does; `reset(hang_s=S)` makes every step sleep S seconds, as a hung one does.
 """
 
 import os
 import random
 import re
 import signal
+import time
 from typing import Any
 from uuid import uuid4
 
@@ -44,12 +45,14 @@ class GuessEnvironment(Environment):
         self._state = State(episode_id=str(uuid4()), step_count=0)
         self._secret = 0
         self._die_once: str | None = None
+        self._hang_s = 0.0
 
     def reset(self, seed: int | None = None, episode_id: str | None = None,
-              die_once: str | None = None, **kwargs: Any) -> GuessObservation:
+              die_once: str | None = None, hang_s: float = 0.0, **kwargs: Any) -> GuessObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         self._secret = random.Random(seed).randint(1, 20)
         self._die_once = die_once
+        self._hang_s = hang_s
         return GuessObservation(prompt="Guess my number between 1 and 20. Answer with a number.",
                                 done=False, reward=0.0)
 
@@ -57,6 +60,7 @@ class GuessEnvironment(Environment):
         if self._die_once and not os.path.exists(self._die_once):
             open(self._die_once, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self._hang_s)
         self._state.step_count += 1
         found = re.search(r"-?\d+", action.message)
         guess = int(found.group()) if found else None

@@ -87,6 +87,19 @@ def test_an_openenv_server_is_started_and_played_over_its_protocol():
     assert asyncio.run(_binary_search(env))[-1].reward == 1.0 and server.starts == 2
     asyncio.run(env.close())
 
+    # Hung (each step sleeps 60 s, past the episode's 3 s timeout): named, and the server killed for a restart.
+    hung = _task(timeout_s=3, reset_args={"hang_s": 60})
+    env = hung.make_env(hung.train_rows[0])
+
+    async def stuck():
+        await env.reset()
+        await env.step(Action("I guess 1"))
+
+    with pytest.raises(openenv.OpenEnvServerError, match=r"openenv_guess_server.py:app.* did not answer `step` within 3 s"):
+        asyncio.run(stuck())
+    asyncio.run(env.close())
+    assert server.proc.poll() is not None and server.starts == 2  # killed; the next episode starts it again
+
 
 def test_bad_servers_are_named_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"`task.env_args.python`: `/nonexistent/python` does not exist"):
