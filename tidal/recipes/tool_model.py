@@ -94,7 +94,9 @@ TOOL_LINES = (
     "{% else %}any{% endif %}"
     "{% endfor %}): {{ f.get('description') or '' }}{{ '\\n' }}{% endfor %}"
 )
-COMPACT_TEMPLATE = CHAT_TEMPLATE.replace("{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}", TOOL_LINES)
+COMPACT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:\n"
+    "{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}", "# Tools\n" + TOOL_LINES)
 assert COMPACT_TEMPLATE != CHAT_TEMPLATE
 
 
@@ -403,7 +405,7 @@ def build_tool_model(
     model.config.max_position_embeddings = 1024
     evaluate = evaluate or both_success
     history = sft_train(model, tokenizer, examples, 0, val, evaluate, rng, steps=steps, batch_size=batch_size,
-                        lr=lr, warmup=warmup, eval_every=eval_every, label="tool")
+                        lr=lr, warmup=warmup, eval_every=eval_every, label="tool", log_every=50)
     save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
                "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer),
@@ -416,7 +418,8 @@ def build_tool_model(
 
 
 def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: random.Random, *, steps: int,
-              batch_size: int, lr: float, warmup: int, eval_every: int, label: str) -> list[dict]:
+              batch_size: int, lr: float, warmup: int, eval_every: int, label: str,
+              log_every: int = 0) -> list[dict]:
     """The warm start's SFT loop (AdamW, linear warm-up then cosine, batches drawn with `rng`):
     `evaluate(model, tokenizer, val)` every `eval_every` steps (0: never) and at the end; the
     history of those evaluations. Shared by the tiny models built from demonstrations."""
@@ -435,6 +438,8 @@ def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: r
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if log_every and step % log_every == 0:
+            print(f"{label} warm-start step {step}: loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
         if (eval_every and step % eval_every == 0) or step == steps:
             t1 = time.time()
             res = evaluate(model, tokenizer, val)
