@@ -19,7 +19,8 @@ def healthy(step: int) -> dict[str, float]:
     wobble = (step % 3 - 1) * 0.05  # deterministic noise of ±5%
     return {"reward": 0.5 + 0.01 * step, "entropy": 0.05 * (0.97 ** step), "kl": 0.002 * (1 + wobble),
             "grad_norm": 0.3 * (1 + wobble), "mismatch_kl": 1e-4 * (1 + wobble), "episodes/failed_frac": 0.01,
-            "tools/error_rate": 0.1 + wobble, "tokens_per_s": 2000 * (1 + wobble), "staleness/over_bound": 0.0}
+            "tools/error_rate": 0.1 + wobble, "tokens_per_s": 2000 * (1 + wobble), "staleness/over_bound": 0.0,
+            "groups/zero_std_frac": 0.5 + wobble}
 
 
 def provoked(alert: str, step: int) -> dict[str, float]:
@@ -43,6 +44,8 @@ def provoked(alert: str, step: int) -> dict[str, float]:
         m["tools/error_rate"] = 0.7
     elif alert == "throughput_drop":
         m["tokens_per_s"] = 100.0
+    elif alert == "no_learning_signal":
+        m["groups/zero_std_frac"] = 1.0
     return m
 
 
@@ -50,7 +53,7 @@ METRIC_RULES = [a for a in ALERTS if a not in ("reward_up_eval_down", "reward_ha
 
 
 def run_alerts(alert: str, steps: int = 30) -> list:
-    alerts = Alerts(AlertsConfig())
+    alerts = Alerts(AlertsConfig(no_signal_steps=3))  # 3 steps, as the other rule that waits (throughput_drop)
     return [e for step in range(1, steps + 1) for e in alerts.update(step, provoked(alert, step))]
 
 
@@ -62,11 +65,14 @@ def test_a_healthy_run_fires_nothing():
 @pytest.mark.parametrize("alert", METRIC_RULES)
 def test_each_rule_fires_once_when_its_condition_starts(alert):
     fired = run_alerts(alert)
-    # throughput_drop needs 3 low steps in a row: 12, 13, 14.
-    expected = 14 if alert == "throughput_drop" else 12
+    # throughput_drop and no_learning_signal need 3 steps in a row: 12, 13, 14.
+    expected = 14 if alert in ("throughput_drop", "no_learning_signal") else 12
     assert [(e.alert, e.step) for e in fired] == [(alert, expected)], fired
     e = fired[0]
-    assert e.value > e.threshold if alert not in ("entropy_collapse", "throughput_drop") else e.value < e.threshold
+    if alert == "no_learning_signal":
+        assert e.value == e.threshold == 1.0 and "same reward" in e.message
+    else:
+        assert e.value > e.threshold if alert not in ("entropy_collapse", "throughput_drop") else e.value < e.threshold
     assert e.message and e.time
 
 
@@ -172,3 +178,31 @@ def test_a_failure_rate_jump_alerts_and_stop_on_stops_the_run_with_its_checkpoin
     assert rows[-1]["episodes/reward_error"] > 0
     assert not ctl.paths.checkpoint(7).exists() and ctl.paths.latest_checkpoint() == ctl.paths.checkpoint(6)
     assert "alert failure_rate_jump at step 7" in (run / "train.log").read_text()
+
+
+def test_zero_std_frac_counts_the_groups_whose_rewards_agree():
+    from tidal.monitor.step_metrics import episode_metrics
+    from tidal.types import Episode, Status
+
+    def eps(rewards_by_group):
+        return [Episode(f"{g}-{i}", g, "t", "env", reward=r, status=Status.OK)
+                for g, rs in rewards_by_group.items() for i, r in enumerate(rs)]
+
+    m = episode_metrics(eps({"a": [0.0, 0.0], "b": [1.0, 0.0], "c": [0.3, 0.1 + 0.2], "d": [1.0]}))
+    assert m["groups/zero_std_frac"] == pytest.approx(2 / 3)  # a, and c (equal but for the last bits); d is alone
+    assert episode_metrics(eps({"a": [0.0, 0.0], "b": [0.0, 0.0]}))["groups/zero_std_frac"] == 1.0
+    assert "groups/zero_std_frac" not in episode_metrics(eps({"a": [1.0], "b": [0.0]}))
+
+
+def test_a_run_whose_reward_never_pays_alerts_no_learning_signal(tmp_path):
+    """Every reward 0 (a reward that never pays): groups/zero_std_frac is 1 at every step and
+    no_learning_signal fires once, at the step alerts.no_signal_steps is reached."""
+    reward = tmp_path / "never.py"
+    reward.write_text("def score(completion, answer):\n    return 0.0\n")
+    ctl, error = _run(tmp_path, f"task.reward={reward}:score", "alerts.no_signal_steps=3", "reward.isolation=inline",
+                      "rollout.max_new_tokens=8", steps=4)
+    assert error is None
+    rows = [json.loads(line) for line in (ctl.paths.root / "metrics.jsonl").read_text().splitlines()]
+    assert [r["groups/zero_std_frac"] for r in rows] == [1.0] * 4
+    events = [json.loads(line) for line in (ctl.paths.root / "events.jsonl").read_text().splitlines()]
+    assert [(e["alert"], e["step"]) for e in events] == [("no_learning_signal", 3)]

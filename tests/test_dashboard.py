@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sys
 
 import pyarrow.dataset as ds
@@ -21,7 +22,7 @@ from tidal.models.vision import image_runs
 from tidal.monitor.dashboard.data import DashboardError, RunView
 from tidal.monitor.dashboard.server import COOKIE, DashboardServer, build_app
 from tidal.monitor.episodes import EpisodeWriter
-from tidal.types import Episode
+from tidal.types import Episode, Turn
 
 pytest.importorskip("duckdb", reason="the dashboard extra (duckdb, plotly) is in the dev extra")
 
@@ -337,3 +338,78 @@ def test_an_image_needs_the_token_off_loopback_and_a_loopback_host_on_it(vlm):
     assert r.status_code == 200 and r.content == vlm.blobs[1].png
     r = TestClient(build_app([RunView(vlm.dir)]), base_url="http://evil.example").get("/api/image", params=params)
     assert r.status_code == 403
+
+
+def test_an_episode_shows_its_prompt_and_the_reference_it_was_judged_against(client, runs):
+    recorded = next(e for e in store(runs[0]) if e["step"] == 2)
+    got = client.get("/api/episode", params={"run": 0, "id": recorded["episode_id"], "step": 2}).json()
+    assert got["prompt_text"] == load_tokenizer("default").decode(recorded["tokens"][: recorded["prompt_len"]])
+    # the arithmetic row's answer, checked against the question in the prompt itself
+    a, op, b = re.search(r"What is (\d+) ([+\-*]) (\d+)\?", got["prompt_text"]).groups()
+    want = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+    assert int(got["reference_fields"]["answer"]) == want
+    assert got["reference_fields"]["task_id"] == recorded["task_id"] and "prompt" not in got["reference_fields"]
+
+
+def test_a_tool_call_shows_its_output(tmp_path):
+    """The tools' answers as the policy got them (tidal/envs/tools.py keeps them on each call's
+    record), in the store and in the episode view, with the observation that followed the turn."""
+    import asyncio
+
+    from tidal.envs.tools import execute, parse_tool_calls
+
+    def lookup(city: str) -> str:
+        """The weather of a city."""
+        return f"sunny in {city}"
+
+    text = '<tool_call>{"name": "lookup", "arguments": {"city": "Oslo"}}</tool_call>'
+    calls = parse_tool_calls(text).calls + parse_tool_calls('<tool_call>{"name": "nope", "arguments": {}}</tool_call>').calls
+    ex = asyncio.run(execute(calls, [lookup]))
+    assert [r.output for r in ex.records] == ["sunny in Oslo", ex.messages[1]["content"]]
+    assert ex.records[1].status == "unknown" and ex.records[1].output.startswith("error: unknown tool `nope`")
+    tok = load_tokenizer("default")
+    prompt, turn, obs = tok.encode("What is the weather?"), tok.encode(text), tok.encode("sunny in Oslo")
+    tokens = prompt + turn + obs
+    ep = Episode("s1-p0-e0", "s1-p0", "t0", "weather", tokens=tokens, loss_mask=[False] * len(prompt) + [True] * len(turn)
+                 + [False] * len(obs), logprobs=[0.0] * len(tokens), versions=[0] * len(tokens), prompt_len=len(prompt),
+                 step=1, reference='{"city": "Oslo"}',
+                 turns=[Turn(0, len(prompt), len(prompt) + len(turn), len(tokens), text, "stop", 0.0, ex.records, 0)])
+    run = tmp_path / "run"
+    (run / "episodes").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    with EpisodeWriter(run / "episodes", tok) as w:
+        w.add(ep)
+    got = TestClient(build_app([RunView(run)]), base_url="http://127.0.0.1").get(
+        "/api/episode", params={"id": "s1-p0-e0"}).json()
+    (t,) = got["turns"]
+    assert [c["output"] for c in t["tool_calls"]] == [r.output for r in ex.records]
+    assert t["observation"] == tok.decode(obs) and got["reference_fields"] == {"city": "Oslo"}
+
+
+def test_run_status_is_read_from_the_run_directory(tmp_path):
+    """running while a live process holds run.lock (never taken by the reader), the exit code
+    `tidal train` recorded once it ended, `ended` for a holder that died without releasing it."""
+    import os
+    import socket
+    import subprocess
+
+    from tidal.monitor.run_status import run_status, write_exit
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    lock = run / "run.lock"
+    assert run_status(run)["state"] == "unknown"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
+    client = TestClient(build_app([RunView(run)]), base_url="http://127.0.0.1")
+    assert client.get("/api/runs").json()["runs"][0]["status"]["state"] == "running"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    lock.write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": "then"}))
+    assert run_status(run)["state"] == "ended" and "no exit code was recorded" in run_status(run)["message"]
+    lock.write_text("")  # released, as the run does when it ends
+    write_exit(run, 3, "RunFailed: 60% of the episodes failed for 3 steps")
+    got = client.get("/api/runs").json()["runs"][0]["status"]
+    assert (got["state"], got["exit_code"]) == ("failed", 3) and "60% of the episodes" in got["message"]
+    write_exit(run, 0)
+    assert run_status(run)["state"] == "finished"

@@ -100,9 +100,9 @@ def test_the_page_draws_both_runs_curves(page, server, dashboard_runs, tmp_path)
     # a metric logged on some steps only (run a evaluates at steps 0, 2 and 4): its points joined and marked
     evals = chart(page, "eval/accuracy")
     assert evals.get_attribute("data-points") == "3"
-    traces = evals.locator(".scatterlayer .trace")  # run a's raw and smoothed lines, then the events' markers
-    assert traces.count() == 3
-    assert traces.nth(1).locator("path.point").count() == 3 and len(traces.nth(1).locator("path.js-line")
+    traces = evals.locator(".scatterlayer .trace")  # run a's line as measured (not smoothed), the events' markers
+    assert traces.count() == 2
+    assert traces.nth(0).locator("path.point").count() == 3 and len(traces.nth(0).locator("path.js-line")
                                                                    .get_attribute("d")) > 10
     img = shot(reward, "curves", tmp_path)
     for r, rgb in RUN_COLORS.items():
@@ -118,6 +118,43 @@ def test_smoothing_and_the_wall_clock_axis(page, server):
     assert chart(page, "reward").locator(".g-xtitle").text_content() == "step"
     page.select_option("#xaxis", "wall")
     assert chart(page, "reward").locator(".g-xtitle").text_content() == "wall clock (s)"
+
+
+def test_sparse_evaluations_are_drawn_as_measured(page, server, dashboard_runs):
+    """Smoothing averages a metric logged every step; the evaluations (a few points far apart)
+    are drawn as measured: an average over them drew 0.40 where an evaluation gave 0.64."""
+    load(page, server.url)
+    assert page.eval_on_selector("#smoothing", "(e) => Number(e.value)") > 0  # smoothing is on (the default)
+    drawn = page.evaluate("() => document.querySelector('div.chart[data-metric=\"eval/accuracy\"]').data[0].y")
+    rows = [json.loads(line) for line in (dashboard_runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert drawn == [r.get("eval/accuracy") for r in rows]
+    # the case of the report: an evaluation series that moves, under the page's own functions
+    ys = [None, 0.2, None, None, 0.4, None, 0.64]
+    assert page.evaluate("(ys) => drawnValues(ys, 0.6)", ys) == ys  # no evaluation has a logged neighbour
+    assert page.evaluate("(ys) => smooth(ys, 0.6)", ys)[-1] < 0.5  # what smoothing would have drawn
+    every_step = [None, 0.1, 0.9, 0.2, 0.8]  # a step-0 row of evaluations only: the rest is smoothed as before
+    assert page.evaluate("(ys) => drawnValues(ys, 0.6)", every_step) == page.evaluate("(ys) => smooth(ys, 0.6)",
+                                                                                       every_step) != every_step
+
+
+@pytest.mark.parametrize("width", [700, 1400])
+def test_the_plot_toolbar_leaves_the_titles_free(browser, server, width):
+    """Plotly's toolbar (the modebar, shown on hover) and a chart's title do not overlap, on the
+    narrowest chart the grid makes (420 px) and on a wide one, for the longest default title."""
+    ctx = browser.new_context(viewport={"width": width, "height": 1000})
+    page = ctx.new_page()
+    try:
+        load(page, server.url)
+        div = chart(page, "episodes/failed_frac")
+        div.hover()
+        page.wait_for_selector('div.chart[data-metric="episodes/failed_frac"] .modebar', state="visible")
+        title, bar = div.locator(".gtitle").bounding_box(), div.locator(".modebar").bounding_box()
+        assert title and bar
+        apart = (title["x"] + title["width"] <= bar["x"] or bar["x"] + bar["width"] <= title["x"]
+                 or title["y"] + title["height"] <= bar["y"] or bar["y"] + bar["height"] <= title["y"])
+        assert apart, f"the toolbar {bar} covers the title {title}"
+    finally:
+        ctx.close()
 
 
 def test_alert_and_hacking_events_are_marked(page, server):
@@ -169,7 +206,10 @@ def test_episodes_are_filtered_and_opened(page, server, dashboard_runs, tmp_path
     assert page.locator(".tokens span.tok-policy").count() == sum(recorded["loss_mask"])
     assert page.locator(".tokens span.tok-prompt").count() == recorded["prompt_len"]
     assert page.text_content(".tokens") == recorded["text"]  # as the model saw it, special tokens kept
-    assert "correct" in page.text_content("#episode-detail table.kv")  # reward parts
+    assert "correct" in page.text_content("#episode-detail .reward-parts table.kv")
+    # the prompt as the model saw it, beside the task row's reference answer
+    assert "What is" in page.text_content("#episode-detail pre.prompt-text")
+    assert "answer" in page.text_content("#episode-detail div.reference table.kv")
     img = shot(page.locator("#episode-detail"), "episode", tmp_path)
     assert pixels_near(img, POLICY_COLOR, tol=6) > 200  # trained tokens on their loss-mask color
     page.select_option("#color-mode", "logprob")

@@ -39,7 +39,9 @@ def evaluated_run(tmp_path_factory):
 
 def test_the_starting_weights_are_step_0(evaluated_run):
     _, rows, start = evaluated_run
-    assert set(rows[0]) == {"step", "eval/accuracy", "eval/second/accuracy"}
+    assert set(rows[0]) == {"step", "eval/accuracy", "eval/second/accuracy", "eval/failed_frac",
+                            "eval/second/failed_frac"}
+    assert rows[0]["eval/failed_frac"] == rows[0]["eval/second/failed_frac"] == 0.0  # the default task fails none
     # The same greedy evaluation of the same weights on the same problems: the same accuracy.
     assert rows[0]["eval/accuracy"] == start["accuracy"]
 

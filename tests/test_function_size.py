@@ -13,10 +13,6 @@ TIDAL = Path(__file__).resolve().parent.parent / "tidal"
 # file:function -> why it is still longer than LIMIT (tracked in the architecture issue).
 STAYS = {
     "monitor/dashboard/server.py:build_app": "a FastAPI app: its routes are closures over the runs",
-    "rewards/server.py:create_app": "a FastAPI app: its routes are closures over the reward model pool",
-    "recipes/vlm_build.py:build_default_vlm": "a recipe: the tiny VLM's curriculum, stage by stage",
-    "recipes/browser_model.py:build_browser_model": "a recipe: the tiny browser model's curriculum, stage by stage",
-    "plan/loop.py:run": "the planner's simulated step loop, as it arrived from main at this branch's last merge",
     "monitor/dashboard/synthetic.py:make_run": "a synthetic run directory for the dashboard's tests, file by file",
 }
 

@@ -101,6 +101,36 @@ def test_length_correlation_ignores_what_the_verifier_pays_for():
     assert "length_correlation" in kinds(HackingMonitor(log_events=False, length_corr_unverified=False).update(1, verified, {}))
 
 
+def _tool_run(hacked: bool, seed: int = 5) -> list:
+    """A TRL or veRL reward with no `correct` part, its accuracy known (veRL's `acc`, a reward
+    named `correct`): answers that use the tool or work the steps are longer and right. Hacked:
+    the reward also pays length among answers of the same correctness (a length-loving judge)."""
+    rng = random.Random(seed)
+    eps = []
+    for i in range(64):
+        right = float(rng.random() < 0.5)
+        length = rng.randint(40, 90) if right else rng.randint(5, 45)
+        reward = right + (length / 100 if hacked else 0.0)
+        eps.append(ep(i, f"g{i // 8}", reward=reward, length=length, parts={"score": reward}, correct=right))
+    return eps
+
+
+def test_length_that_correctness_explains_is_not_an_alarm():
+    """Healthy: longer answers are the right ones, and the reward pays only rightness: quiet.
+    Length-hacking: the same run, the reward also growing with length: it fires. The positive
+    control for the first: without the correctness strata it fires (what main reported)."""
+    kinds = lambda events: [e.kind for e in events]
+    assert "length_correlation" not in kinds(quiet().update(1, _tool_run(hacked=False), {}))
+    assert "length_correlation" in kinds(quiet().update(1, _tool_run(hacked=True), {}))
+    blind = HackingMonitor(log_events=False, length_corr_given_correct=False)
+    assert "length_correlation" in kinds(blind.update(1, _tool_run(hacked=False), {}))
+    for scope in ("group", "batch"):
+        mon = HackingMonitor(log_events=False, length_corr_scope=scope)
+        assert "length_correlation" not in kinds(mon.update(1, _tool_run(hacked=False), {})), scope
+        mon = HackingMonitor(log_events=False, length_corr_scope=scope)
+        assert "length_correlation" in kinds(mon.update(1, _tool_run(hacked=True), {})), scope
+
+
 def test_group_scope_ignores_a_confound_between_prompts():
     """Harder prompts have longer answers and (here) higher rewards, but within each prompt the
     reward does not follow the length: the batch-level correlation is a confound, and only the

@@ -14,6 +14,7 @@ import yaml
 
 from tidal.cli import main
 from tidal.config import load_config
+from tidal.monitor.run_status import run_status
 from tidal.runtime.checkpoints import damage, latest_good, prune, write_manifest
 
 SMALL = ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=8",
@@ -153,3 +154,5 @@ def test_repeated_non_finite_gradients_stop_the_run_with_its_checkpoint(tiny_mod
     steps = _steps(run)
     assert [m["step"] for m in steps] == [1, 2, 3] and all(m["skipped_step"] == 1.0 for m in steps[1:])
     assert latest_good(run / "checkpoints") == run / "checkpoints" / "step_000001"
+    status = run_status(run)  # what the dashboard shows: the exit code and why (tidal/monitor/run_status.py)
+    assert (status["state"], status["exit_code"]) == ("failed", 3) and "NaN or inf" in status["message"]

@@ -241,7 +241,9 @@ def test_verl_compute_score_on_verl_parquet(rewards_file, tmp_path):
     assert [o.status for o in outs] == ["ok", "ok"]
     assert [o.reward for o in outs] == [1.0, 0.0]
     assert outs[0].parts == {"compute_score": 1.0}  # `score` is the reward; its other numbers are metrics
-    assert outs[1].metrics == {"acc": 0.0, "index": 1.0}  # the string `pred` is left out
+    # the string `pred` is left out; veRL's `acc` is the episode's `correct` (accuracy)
+    assert outs[1].metrics == {"reward/extra/acc": 0.0, "reward/extra/index": 1.0, "correct": 0.0}
+    assert outs[0].metrics["correct"] == 1.0
     a = score([RewardSpec(fn=f"{rewards_file}:acompute_score", form="verl")], inputs)
     assert [o.reward for o in a] == [1.0, 0.0]  # "10" is not in the second completion
 

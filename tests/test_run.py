@@ -113,11 +113,13 @@ def test_cli_eval_json(tiny_model_dir, capsys):
 
 
 def test_cli_eval_shows_what_failed(tiny_model_dir, capsys):
-    # every episode's reward raises: counted wrong, and the first failure is printed, not hidden behind 0.000
+    # every episode's reward raises: counted apart, never as wrong (nothing was scored: no accuracy,
+    # not 0.000), and the first failure is printed
     assert main(["eval", str(tiny_model_dir), "eval.n=4", "eval.k=1", "task.reward=test_run:broken_reward",
                  "reward.isolation=inline"]) == 0
     out = capsys.readouterr().out
-    assert "accuracy (greedy) 0.000" in out and "4 reward_error" in out
+    assert "accuracy (greedy) n/a" in out and "0 scored" in out and "failed episodes 100.0%" in out
+    assert "4 reward_error" in out
     assert "first failure: reward function `test_run:broken_reward` raised KeyError('solution')" in out
 
 

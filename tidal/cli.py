@@ -1,7 +1,8 @@
 """`tidal train | eval | build-default-model`.
 
-    tidal train [CONFIG.yaml] [section.key=value ...] [--resume]
+    tidal train [CONFIG.yaml ...] [section.key=value ...] [--resume | --overwrite]
     tidal eval MODEL_OR_CHECKPOINT [CONFIG.yaml] [section.key=value ...] [--json]
+    tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
@@ -28,54 +29,69 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tidal.config import ConfigError, TidalConfig, load_config
+from tidal.config import ConfigError, TidalConfig, load_config, load_resume_config, parse_overrides
 from tidal.envs.dataset import DatasetError
 from tidal.models import ModelLoadError
+from tidal.monitor.run_status import write_exit
 from tidal.rewards.pool import RewardLoadError
 from tidal.runtime.replay import ReplayError
+from tidal.runtime.sources import use_kept
 
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError,
                ReplayError)
 RUN_FAILED_EXIT = 3  # the run stopped itself (failure budget); its last checkpoint is intact
 
 
-def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
-    config = None
-    overrides = []
+def _split_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """(config files, overrides): several files merge in order, later ones winning (config.load_config)."""
+    configs, overrides = [], []
     for a in args:
         if "=" in a:
             overrides.append(a)
-        elif config is None and a.endswith((".yaml", ".yml")):
-            config = a
+        elif a.endswith((".yaml", ".yml")):
+            configs.append(a)
         else:
-            raise ConfigError(f"unexpected argument `{a}`: expected a YAML config file or `section.key=value`")
-    return config, overrides
+            raise ConfigError(f"unexpected argument `{a}`: expected YAML config files or `section.key=value`")
+    return configs, overrides
+
+
+def _train_config(ns: argparse.Namespace) -> tuple[TidalConfig, dict | None]:
+    """The config of `tidal train` (for --resume the run's own, the overrides on top, and the record of them)."""
+    config, overrides = _split_args(ns.args)
+    if ns.resume and ns.overwrite:
+        raise ConfigError("--resume continues the run in run.dir and --overwrite deletes it: give one of them")
+    if not ns.resume:
+        return load_config(config, overrides), None
+    if config:
+        raise ConfigError(f"--resume continues with the run's own config.yaml: give overrides only "
+                          f"(section.key=value), not {' '.join(config)}")
+    run_dir = (parse_overrides(overrides).get("run") or {}).get("dir")
+    if not run_dir:
+        raise ConfigError("--resume needs run.dir=RUN_DIR: the directory of the run to continue")
+    cfg, record = load_resume_config(run_dir, [o for o in overrides if not o.startswith("run.dir=")])
+    cfg.run.dir = str(run_dir)
+    return cfg, record
+
+
+def _say_resume(ctl, cfg: TidalConfig, record: dict) -> None:
+    start = f"from checkpoint {ctl.resumed_from}" if ctl.resumed_from is not None else \
+        "from the start (it stopped before its first checkpoint)"
+    print(f"tidal: resuming {ctl.paths.root} {start} (step {ctl.step} of train.steps={cfg.train.steps})",
+          file=sys.stderr)
+    for key, (old, new) in record["changed"].items():
+        note = "  (changes what the resumed steps compute)" if key in record["changes_computation"] else ""
+        print(f"tidal:   {key}: {old!r} -> {new!r}{note}", file=sys.stderr)
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from tidal.runtime.controller import Controller
-    from tidal.runtime.recovery import Recovering
+    from tidal.runtime.controller import Controller  # transformers, the engines, Ray: only for a command that trains
 
-    config, overrides = _split_args(ns.args)
-    record = None
-    if ns.resume:  # the run's own config, the overrides on top, recorded
-        from tidal.config import load_resume_config, parse_overrides
-
-        if config is not None:
-            raise ConfigError(f"--resume continues with the run's own config.yaml: give overrides only "
-                              f"(section.key=value), not {config}")
-        run_dir = (parse_overrides(overrides).get("run") or {}).get("dir")
-        if not run_dir:
-            raise ConfigError("--resume needs run.dir=RUN_DIR: the directory of the run to continue")
-        cfg, record = load_resume_config(run_dir, [o for o in overrides if not o.startswith("run.dir=")])
-        cfg.run.dir = str(run_dir)
-    else:
-        cfg = load_config(config, overrides)
+    cfg, record = _train_config(ns)
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
     # step in flight is abandoned, roles are closed, the last complete checkpoint stays (exit 143).
     previous = _catch_stop_signals()
     try:
-        ctl = Controller(cfg, resume=ns.resume, resume_record=record)
+        ctl = Controller(cfg, resume=ns.resume, resume_record=record, overwrite=ns.overwrite)
     except KeyboardInterrupt as e:  # the controller closed what it had started
         _restore_signals(previous)
         from tidal.runtime.checkpoints import latest_good
@@ -88,12 +104,34 @@ def cmd_train(ns: argparse.Namespace) -> int:
     except BaseException:
         _restore_signals(previous)
         raise
+    try:  # how it ended, in RUN/exit.json, for the dashboard (tidal/monitor/run_status.py)
+        code = _train_run(ns, cfg, record, ctl, previous)
+    except BaseException as e:
+        write_exit(ctl.paths.root, _exit_code_of(e), f"{type(e).__name__}: {e}")
+        raise
+    write_exit(ctl.paths.root, code)
+    return code
+
+
+def _exit_code_of(err: BaseException) -> int:
+    """The exit code `main` gives for an error that ends `tidal train`."""
+    from tidal.durable import disk_error
+    from tidal.runtime.run_dir import RunFailed
+
+    if isinstance(err, KeyboardInterrupt):
+        return 130
+    if isinstance(err, RunFailed) or (isinstance(err, Exception) and disk_error(err) is not None):
+        return RUN_FAILED_EXIT
+    return 2 if isinstance(err, USER_ERRORS) else 1
+
+
+def _train_run(ns: argparse.Namespace, cfg: TidalConfig, record: dict | None, ctl, previous: dict[int, Any]) -> int:
+    """The run once its controller has started: the steps, and what is said when they end."""
+    from tidal.runtime.controller import Controller
+    from tidal.runtime.recovery import Recovering
+
     if ns.resume:
-        print(f"tidal: resuming {ctl.paths.root} from checkpoint {ctl.resumed_from} (step {ctl.step} of "
-              f"train.steps={cfg.train.steps})", file=sys.stderr)
-        for key, (old, new) in record["changed"].items():
-            note = "  (changes what the resumed steps compute)" if key in record["changes_computation"] else ""
-            print(f"tidal:   {key}: {old!r} -> {new!r}{note}", file=sys.stderr)
+        _say_resume(ctl, cfg, record)
         if ctl.step >= cfg.train.steps:
             _restore_signals(previous)
             ctl.close()
@@ -161,14 +199,15 @@ def _restore_signals(previous: dict[int, Any]) -> None:
         signal.signal(signum, handler)
 
 
-def _config_for_model(model: str, config: str | None, overrides: list[str]) -> TidalConfig:
+def _config_for_model(model: str, config: list[str], overrides: list[str]) -> TidalConfig:
     """A checkpoint evaluates on the task of its own run unless a config is given."""
-    if config is None:
-        for parent in [Path(model), *Path(model).parents][:4]:
-            if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists():
-                config = str(parent / "config.yaml")
-                break
-    return load_config(config, overrides)
+    if config:
+        return load_config(config, overrides)
+    for parent in [Path(model), *Path(model).parents][:4]:
+        if (parent / "config.yaml").is_file() and (parent / "metrics.jsonl").exists():
+            # the run's own copies of its files of code (tidal/runtime/sources.py), said when the originals changed
+            return use_kept(load_config(parent / "config.yaml", overrides), parent, "eval")
+    return load_config(None, overrides)
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
@@ -188,17 +227,37 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     res = {"model": str(model_dir), "engine": kind, **res, "wall_s": round(time.time() - t0, 1)}
     if ns.json:
         print(json.dumps(res))
-    elif res["accuracy"] is None:
-        print(f"{model_dir}: no reward of this task says what is correct (its rewards have no `correct` part): "
-              f"set eval.reward to a verifier, e.g. eval.reward=tidal.rewards.arithmetic:score")
+    elif res["accuracy"] is None and not res["failed"]:
+        print(f"{model_dir}: no reward of this task says what is correct (no `correct` part, no reward named "
+              f"`correct`, no veRL `acc`): set eval.reward (and eval.reward_form) to a verifier, e.g. "
+              f"eval.reward=tidal.rewards.arithmetic:score")
     else:
         failed = ", ".join(f"{n} {s}" for s, n in sorted(res["failed_by_status"].items())) or "none"
         tools = f"  tool-call error rate {res['tool_error_rate']:.3f}" if "tool_error_rate" in res else ""
-        print(f"{model_dir}: held-out accuracy (greedy) {res['accuracy']:.3f}  pass@{res['k']} {res['pass_at_k']:.3f}  "
-              f"pass@1 (T={res['temperature']}) {res['pass_at_1']:.3f}  on {res['n']} problems  "
-              f"(failed episodes, counted wrong: {failed}){tools}")
+        num = lambda x: "n/a" if x is None else f"{x:.3f}"  # nothing was scored: unknown, not 0
+        print(f"{model_dir}: held-out accuracy (greedy) {num(res['accuracy'])}  pass@{res['k']} "
+              f"{num(res['pass_at_k'])}  pass@1 (T={res['temperature']}) {num(res['pass_at_1'])}  on {res['n']} "
+              f"problems, {res['scored']} scored  (failed episodes {res['failed_frac']:.1%}, left out of the "
+              f"accuracy: {failed}){tools}")
         if res.get("first_error"):
             print(f"  first failure: {res['first_error']}")
+    return 0
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    """Every config key (or those of the sections named) with its type, default and description."""
+    from tidal.config_doc import render_markdown, render_text, select
+
+    if ns.markdown:
+        if ns.keys:
+            raise ConfigError("tidal config --markdown prints the whole reference (docs/config.md): give no keys")
+        print(render_markdown(), end="")
+        return 0
+    try:
+        docs = select(ns.keys)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    print(render_text(docs), end="")
     return 0
 
 
@@ -221,7 +280,7 @@ def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     nodes = ns.nodes or trainer_nodes + engine_nodes
     check_nodes(cfg, nodes, ns.gpus_per_node)
     run_dir = default_run_dir(cfg)
-    job = SlurmJob(config=Path(config).resolve() if config else None, overrides=overrides, run_dir=run_dir,
+    job = SlurmJob(configs=[Path(c).resolve() for c in config], overrides=overrides, run_dir=run_dir,
                    nodes=nodes, trainer_nodes=trainer_nodes, gpus_per_node=ns.gpus_per_node, partition=ns.partition,
                    time=ns.time, job_name=f"tidal-{cfg.run.name}", node_resources=node_resources(cfg, nodes, trainer_nodes))
     if ns.dry_run:
@@ -474,14 +533,23 @@ def _launch_commands(sub) -> None:
 
 def _run_commands(sub) -> None:
     t = sub.add_parser("train", help="train a policy with RL")
-    t.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides")
-    t.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint")
+    t.add_argument("args", nargs="*", help="CONFIG.yaml files (merged in order, later ones winning) and/or "
+                   "section.key=value overrides (applied last)")
+    t.add_argument("--resume", action="store_true", help="continue the run in run.dir from its latest checkpoint "
+                   "(from its start when it stopped before the first)")
+    t.add_argument("--overwrite", action="store_true", help="start a new run in run.dir even though an earlier run "
+                   "is there: its files (checkpoints, episodes, metrics, logs; every entry of the directory) are "
+                   "deleted first, each named")
     t.set_defaults(fn=cmd_train)
     e = sub.add_parser("eval", help="held-out accuracy and pass@k of a model or checkpoint")
     e.add_argument("model", help="model directory, checkpoint directory, or 'default'")
     e.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (eval.n, eval.k, ...)")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.set_defaults(fn=cmd_eval)
+    c = sub.add_parser("config", help="every config key with its type, default and description (docs/config.md)")
+    c.add_argument("keys", nargs="*", help="sections or keys to show (e.g. rollout, train.lora); default: all")
+    c.add_argument("--markdown", action="store_true", help="the whole reference as Markdown (docs/config.md)")
+    c.set_defaults(fn=cmd_config, args=[])
 
 
 def _build_commands(sub) -> None:
@@ -585,8 +653,12 @@ def main(argv: list[str] | None = None) -> int:
         cause = disk_error(err)  # a full disk before the first step (config.yaml, train.log)
         if cause is None:
             raise
-        print(f"tidal: run stopped: could not write {cause.filename or 'the run directory'} ({cause.strerror}); "
-              "nothing was trained", file=sys.stderr)
+        from tidal.runtime.run_dir import free_space
+
+        where = cause.filename or "the run directory"
+        room = f", {free_space(Path(cause.filename).parent)}" if cause.filename else ""
+        print(f"tidal: run stopped: could not write {where} ({cause.strerror}{room}); nothing was trained",
+              file=sys.stderr)
         return RUN_FAILED_EXIT
     except KeyboardInterrupt:
         print("tidal: interrupted; the last complete checkpoint is intact (resume with --resume)", file=sys.stderr)

@@ -7,8 +7,10 @@ global batch (prompts × samples per prompt) and a token budget per micro-batch.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,7 +24,8 @@ from tidal.importing import adapter_of, check_extra
 # The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
 # without importing the monitors: they sit above config in the package order and read these.
 ALERTS = ("entropy_collapse", "kl_spike", "grad_norm_spike", "mismatch_growth", "staleness_over_bound",
-          "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "reward_up_eval_down", "reward_hacking")
+          "failure_rate_jump", "tool_error_rate_jump", "throughput_drop", "no_learning_signal", "reward_up_eval_down",
+          "reward_hacking")
 HACKING_KINDS = ("divergence", "length_correlation", "part_dominance", "verifier_errors", "judge_disagreement")
 # What each optional metric sink (run.loggers) imports, and the extra that installs it.
 SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -122,7 +125,8 @@ class RewardConfig(_Section):
     isolation: Literal["process", "inline"] = Field("process", description="Where reward code runs: process, a pool of worker processes whose hung calls are killed and replaced (Ray actors when placement.reward_workers > 0 in ray mode); inline, in the rollout's own process (debugging with breakpoints: a hung synchronous reward cannot be killed there).")
     workers: int = Field(2, ge=1, description="Worker processes of the local process pool (ray mode: placement.reward_workers actors instead).")
     timeout_s: float = Field(30.0, gt=0.0, description="Most seconds one reward call may take; past it the call is killed and its episode ends `timeout`.")
-    max_concurrency: int = Field(64, ge=1, description="Most calls in flight in one worker (async rewards overlap; synchronous ones run one at a time).")
+    max_concurrency: int = Field(64, ge=1, description="Most async calls in flight in one worker (they overlap on its event loop).")
+    sync_concurrency: int = Field(8, ge=1, description="Synchronous calls one worker runs at once, each sync lane a thread of its own running its calls in order: hung calls time out together, not one after another (the worst case of a step: docs/rewards.md). 1: one at a time, for a synchronous reward that is not thread-safe.")
     worker_memory_mb: int = Field(4096, ge=64, description="Memory limit of one reward worker process and everything it starts (its cgroup's memory limit, where tidal can make cgroups: see docs/rewards.md, Limits); a worker that reaches it is killed by the kernel and the call it was running ends `reward_error` naming the limit. Where no cgroup can be made it is not enforced (a warning says so) and worker_max_rss_mb recycling bounds a leak.")
     worker_max_processes: int = Field(512, ge=8, description="Most processes and threads of one reward worker and what it starts (its cgroup's pids limit, where tidal can make cgroups): a fork bomb fails its own forks.")
     worker_max_calls: int = Field(10000, ge=0, description="A reward worker is recycled (a fresh one takes its place, the old one ends once its calls are answered) after this many calls; 0: never.")
@@ -306,6 +310,18 @@ class RoleResources(_Section):
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources one actor needs, e.g. {node_type_a: 1}: pins the role to nodes that offer them.")
 
 
+class WeightSyncDeltaConfig(_Section):
+    """Delta weight sync (docs/weightsync.md#delta-sync): each engine gets the XOR of the new
+    weights with the version it holds, compressed, with a checksum per piece; a full sync when a
+    checksum fails, when an engine is new or restarted, and every `full_every` versions. Bit for
+    bit the full sync's result. `placement.weight_sync_delta=true` is short for `enabled: true`."""
+
+    enabled: bool = Field(False, description="Send deltas (placement.weight_sync=shard; needs the `delta` extra: pip install 'tidal[delta]'). Off: every sync sends the full bytes, which on fast links is quicker (BENCHMARKS.md, Weight sync at scale).")
+    full_every: int = Field(20, ge=1, description="A full sync every this many versions, whatever the checksums say.")
+    codec: Literal["zstd", "lz4"] = Field("zstd", description="Compressor of the XOR's byte planes: zstd (smaller) or lz4.")
+    level: int = Field(1, ge=-5, le=19, description="Compression level (zstd: 1 is its fast default; lz4: 0 fast, 3+ high-compression mode).")
+
+
 class PlacementConfig(_Section):
     mode: Literal["local", "ray"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors.")
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
@@ -321,15 +337,21 @@ class PlacementConfig(_Section):
     env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step/close, tools, sandboxes, per-turn rewards), least-loaded per episode; 0: environments run in the driver's rollout. The task's reward functions score in the reward pool either way.")
     env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
-    weight_sync: Literal["auto", "inprocess", "broadcast", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; disk = safetensors under weight_sync_dir (a filesystem every node sees).")
+    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
     weight_sync_bucket_mb: float = Field(256.0, gt=0.0, description="broadcast transport: size of one flat bucket.")
     weight_sync_checksum: bool = Field(False, description="Verify every sync: engines checksum what arrived against the trainer's checksum.")
+    weight_sync_delta: WeightSyncDeltaConfig = Field(default_factory=WeightSyncDeltaConfig, description="Delta weight sync (placement.weight_sync=shard): send only what changed since the version each engine holds.")
     call_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one remote call (a trainer step, a weight sync); past it the role is reported hung, with role, call and step.")
     collective_timeout_s: float = Field(600.0, gt=0.0, description="Bound on one torch.distributed collective of trainer ranks and weight broadcast.")
     start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
     ping_s: float = Field(30.0, gt=0.0, description="An env worker with a call pending this long is pinged; one that does not answer the ping within as long is hung (stopped, deadlocked): killed and replaced as a dead one is (run.max_restarts).")
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
+
+    @field_validator("weight_sync_delta", mode="before")
+    @classmethod
+    def _delta_flag(cls, v: Any) -> Any:
+        return {"enabled": v} if isinstance(v, bool) else v
 
 
 class GatewayConfig(_Section):
@@ -381,6 +403,7 @@ class EvalConfig(_Section):
     k: int = Field(8, ge=1, description="Samples per problem for pass@k.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the pass@k samples.")
     reward: str | None = Field(None, description="The reward held-out evaluation measures accuracy with (its `correct` part), as a dotted or file path, e.g. the task's verifier when training on a reward model or a judge; None: the task's own rewards.")
+    reward_form: Literal["tidal", "trl", "verl"] = Field("tidal", description="The calling convention of eval.reward, as task.reward_form: tidal, trl or verl (accuracy from its `correct` part, veRL's `acc`, or, for a TRL function, its float when eval.reward's function is named `correct`).")
     at_start: bool = Field(False, description="With run.eval_every > 0: evaluate the starting weights before step 1 too (a metrics.jsonl line of step 0).")
     k_every: int = Field(0, ge=0, description="Every N steps also sampled: eval/pass_at_k and eval/pass_at_1 with eval.k samples per problem at eval.temperature (0: off; k×n generations, costly).")
     sets: dict[str, str] = Field(default_factory=dict, description="More held-out sets, name → dataset (JSONL, Parquet or HF datasets dir, with the task's columns): eval/<name>/accuracy at every evaluation, on at most eval.n rows each.")
@@ -407,6 +430,7 @@ class AlertsConfig(_Section):
     tool_error_jump: float = Field(0.2, gt=0, le=1, description="tool_error_rate_jump: tools/error_rate over its recent median plus this.")
     throughput_drop_ratio: float = Field(0.2, gt=0, lt=1, description="throughput_drop: tokens_per_s under this fraction of its recent median...")
     throughput_drop_steps: int = Field(3, ge=1, description="...for this many steps in a row.")
+    no_signal_steps: int = Field(10, ge=1, description="no_learning_signal: every group's rewards equal (groups/zero_std_frac = 1: no advantage, no gradient) for this many steps in a row.")
     hacking_kinds: list[str] = Field(default_factory=lambda: ["divergence", "part_dominance", "verifier_errors", "judge_disagreement"], description="Reward-hacking monitor events that are alerts (divergence as reward_up_eval_down, the others as reward_hacking). length_correlation is left out by default: it fires on the healthy default job (measured: Spearman r 0.57-0.70 between the format part and length, in 4 and 15 steps of two 60-step runs); its events stay in hacking_events.jsonl and the metrics.")
 
     @field_validator("hacking_kinds")
@@ -463,8 +487,20 @@ class TidalConfig(_Section):
         self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
         if pl.colocate and self.engine.replicas != pl.trainer_ranks:
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
-        if pl.mode == "local" and pl.weight_sync == "broadcast":
-            raise ValueError("placement.weight_sync=broadcast needs placement.mode=ray (local mode moves weights in process)")
+        if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard"):
+            raise ValueError(f"placement.weight_sync={pl.weight_sync} needs placement.mode=ray (local mode moves weights in process)")
+        if pl.weight_sync == "shard" and pl.colocate:
+            raise ValueError("placement.weight_sync=shard sends to engine actors of their own; colocated engines "
+                             "(placement.colocate) take the weights in process")
+        if pl.weight_sync == "shard" and self.train.lora.rank > 0:
+            raise ValueError("placement.weight_sync=shard sends the trainer's own shards; with LoRA the engines get merged "
+                             "weights: use placement.weight_sync=broadcast")
+        if pl.weight_sync_delta.enabled:
+            if pl.weight_sync != "shard":
+                raise ValueError(f"placement.weight_sync_delta needs placement.weight_sync=shard (got {pl.weight_sync})")
+            missing = [m for m in ("zstandard", "lz4", "xxhash") if importlib.util.find_spec(m) is None]
+            if missing:
+                raise ValueError(f"placement.weight_sync_delta needs {', '.join(missing)}: pip install 'tidal[delta]'")
         if self.train.mixed_precision and self.model.dtype != "float32":
             raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
@@ -534,12 +570,60 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    """` (did you mean `PREFIXx`?)` for the closest of `choices` to `word` (difflib's ratio, at
+    least its default 0.6), or ""."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean `{prefix}{close[0]}`?)" if close else ""
+
+
+def _section_model(ann: Any) -> Any:
+    """The section model of a field's annotation (`Section` or `list[Section]`), or None."""
+    if typing.get_origin(ann) is list and typing.get_args(ann):
+        ann = typing.get_args(ann)[0]
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def all_keys(model: Any = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (`[]` for the items of a list of sections), sections too."""
+    out = []
+    for name, field in (model or TidalConfig).model_fields.items():
+        out.append(prefix + name)
+        sub = _section_model(field.annotation)
+        if sub is not None:
+            brackets = "[]" if typing.get_origin(field.annotation) is list else ""
+            out += all_keys(sub, f"{prefix}{name}{brackets}.")
+    return out
+
+
+def section_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the section at `loc` (a validation error's location up to its last part; list
+    indices included) accepts; [] when `loc` names no section."""
+    model: Any = TidalConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of a list of sections: its model was taken at the list
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        model = _section_model(field.annotation)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
 def _explain(e: ValidationError, source: str) -> str:
     lines = []
     for err in e.errors():
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
-            lines.append(f"`{key}`: unknown key")
+            loc = tuple(err["loc"])
+            prefix = "".join(f"{p}." for p in loc[:-1])
+            # the right name in the wrong section first (`run.samples_per_prompt`), then a near spelling
+            same = [k for k in all_keys() if k.rsplit(".", 1)[-1] == str(loc[-1])] if loc else []
+            hint = f" (did you mean `{same[0]}`?)" if len(same) == 1 else \
+                did_you_mean(str(loc[-1]), section_keys(loc[:-1]), prefix) if loc else ""
+            lines.append(f"`{key}`: unknown key{hint} (`tidal config` lists every key)")
         else:
             got = err.get("input")
             got_s = "" if isinstance(got, dict) else f" (got {got!r})"
@@ -547,21 +631,28 @@ def _explain(e: ValidationError, source: str) -> str:
     return f"invalid config ({source}):\n  " + "\n  ".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TidalConfig:
-    """Defaults ← YAML file ← overrides, validated as one."""
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file `{path}` does not exist")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file `{path}` is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file `{path}` must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def load_config(path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None) -> TidalConfig:
+    """Defaults ← YAML file(s) ← overrides, validated as one. Several files merge in order, a
+    later file's keys winning over an earlier one's, section by section (a mapping merges into
+    a mapping; any other value, a list included, replaces)."""
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     data: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file `{path}` does not exist")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file `{path}` is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file `{path}` must hold a mapping of sections, got {type(data).__name__}")
-        source = str(path)
+    for p in paths:
+        data = _merge(data, _read_yaml(p))
+    source = " + ".join(str(p) for p in paths) or "defaults"
     if overrides:
         data = _merge(data, parse_overrides(overrides))
         source += " + overrides"

@@ -100,6 +100,7 @@ class ToolCallRecord:
     error: str = ""
     output_chars: int = 0  # length of the tool's answer before truncation
     duration_s: float = 0.0
+    output: str = ""  # the answer's text as the policy got it (truncated as it was; an error's message)
 
 
 @dataclass
@@ -152,6 +153,9 @@ class Episode:
     # the pictures are in `image_blobs` while the episode is in memory and under RUN/images/ on disk.
     images: list[str] = field(default_factory=list)
     image_blobs: dict[str, Any] = field(default_factory=dict, repr=False)  # id -> ImageBlob; not stored in Parquet
+    # The task row's columns but the prompt (the reference answer, tests, metadata), as JSON, cut
+    # at REFERENCE_CHARS: what the episode was judged against, beside it in the store.
+    reference: str = ""
 
     @property
     def num_policy_tokens(self) -> int:

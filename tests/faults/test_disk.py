@@ -21,8 +21,10 @@ import subprocess
 import pyarrow.parquet as pq
 import pytest
 
+from tidal.cli import main
 from tidal.config import load_config
 from tidal.monitor.alerts import AlertEvent
+from tidal.monitor.hacking import HackingEvent
 from tidal.runtime.checkpoints import checkpoint_dirs, damage, latest_good
 from tidal.runtime.controller import Controller, RunFailed
 
@@ -157,6 +159,37 @@ def _fill_before_events(disk, monkeypatch, ctl):
     return "events.jsonl"
 
 
+def _fill_before_hacking_events(disk, monkeypatch, ctl):
+    import tidal.runtime.health as health_module  # the step's monitors write hacking_events.jsonl
+
+    real = health_module.append_lines
+
+    def append(path, lines):
+        if path.name == "hacking_events.jsonl":
+            disk.fill()
+            disk.fail(path)
+        return real(path, lines)
+    monkeypatch.setattr(health_module, "append_lines", append)
+    # a monitor fires at this step, with a message longer than a page (more than the file's slack)
+    event = HackingEvent("length_correlation", 3, "h" * 9000, [], 0.9, 0.5)
+    monkeypatch.setattr(ctl.health.monitor, "update", lambda step, *a: [event])
+    return "hacking_events.jsonl"
+
+
+def _fill_before_tensorboard(disk, monkeypatch, ctl):
+    # TensorBoard's writer thread meets the full disk; its error comes back at the sink's flush.
+    sink = next(s for s in ctl.metrics.sinks if s.name == "tensorboard")
+
+    def before(step, metrics):
+        disk.fill()
+        if disk.kind == "injected":  # what TensorBoard's writer thread hands back: an OSError without a file name
+            monkeypatch.setattr(sink.writer, "flush",
+                                lambda: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+        metrics.update({f"pad/{i}": float(i) for i in range(600)})  # more than the event file's slack
+    _wrap(monkeypatch, sink, "log", before)
+    return "tensorboard"
+
+
 def _fill_before_trace(disk, monkeypatch, ctl):
     import tidal.monitor.trace as trace_module
 
@@ -172,6 +205,7 @@ def _fill_before_trace(disk, monkeypatch, ctl):
 
 WRITES = {"optimizer_state": _fill_before_torch_save, "metrics_jsonl": _fill_before_metrics,
           "episodes": _fill_before_episodes, "train_log": _fill_before_train_log, "events_jsonl": _fill_before_events,
+          "hacking_events_jsonl": _fill_before_hacking_events, "tensorboard": _fill_before_tensorboard,
           "trace_jsonl": _fill_before_trace}
 FAST = {"optimizer_state", "metrics_jsonl"}  # in `make test`; the others are slow (~8 s each here)
 
@@ -183,6 +217,9 @@ def test_a_full_disk_at_each_write_stops_the_run_cleanly_and_the_resume_finishes
     overrides = [f"model.path={tiny_model_dir}", f"run.dir={run}", *SMALL]
     if write == "trace_jsonl":
         overrides.append("run.trace=true")
+    if write == "tensorboard":
+        pytest.importorskip("tensorboard")
+        overrides.append("run.loggers=[console,jsonl,tensorboard]")
     ctl = Controller(load_config(None, overrides))
     try:
         ctl.train_step()
@@ -208,7 +245,7 @@ def test_a_full_disk_at_each_write_stops_the_run_cleanly_and_the_resume_finishes
     assert [p.name for p in checkpoint_dirs(run / "checkpoints")] == [f"step_{s:06d}" for s in (good - 1, good)], why
     assert not list((run / "checkpoints").glob("*.tmp")), why
     assert damage(last) is None and latest_good(run / "checkpoints") == last, why
-    for name in ("metrics.jsonl", "events.jsonl", "trace.jsonl"):
+    for name in ("metrics.jsonl", "events.jsonl", "hacking_events.jsonl", "trace.jsonl"):
         _jsonl(run / name)  # every line whole
     assert not list((run / "episodes").glob(".*.tmp")), why
     episode_steps = sorted(p.name for p in (run / "episodes").glob("step_*.parquet"))
@@ -265,3 +302,56 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_with_the_last_good_one_in
         resumed.close()
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+
+
+@pytest.mark.slow  # two short runs, ~11 s here
+def test_a_full_disk_at_start_up_stops_with_exit_3_naming_the_file_and_a_new_start_works(disk, tiny_model_dir,
+                                                                                          monkeypatch, capsys):
+    """The first writes of a run (its lock, config.yaml, train.log): exit 3 naming the file, and
+    nothing left that stops a fresh start once there is room (no half-written config, the lock free)."""
+    import tidal.runtime.controller as controller_module
+
+    run = disk.path / "run"
+    args = ["train", f"model.path={tiny_model_dir}", f"run.dir={run}", *SMALL]
+    disk.fill()
+    if disk.kind == "injected":  # config.yaml, the first file of the run's own
+        real = controller_module.write_atomic
+        monkeypatch.setattr(controller_module, "write_atomic", lambda path, text: (disk.fail(path), real(path, text)))
+    assert main(args) == 3
+    err = capsys.readouterr().err
+    why = f"({disk.kind} disk) {err}"
+    assert f"could not write {run}/" in err and "No space left on device" in err and "nothing was trained" in err, why
+    assert not (run / "config.yaml").exists() and not list(run.glob(".*.tmp")), why
+    disk.free_up()
+    assert main(args) == 0, capsys.readouterr().err
+    assert [m["step"] for m in _jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow  # a run and two resumes, ~11 s here
+def test_a_full_disk_at_the_resume_record_stops_cleanly_and_the_next_resume_counts_once(disk, tiny_model_dir,
+                                                                                         monkeypatch, capsys):
+    """resumes.jsonl, written once a resume has started: exit 3 naming it, the roles closed and the
+    lock released (the next resume in this process takes it), no line for the failed attempt."""
+    import tidal.runtime.controller as controller_module
+
+    run = disk.path / "run"
+    args = ["train", f"model.path={tiny_model_dir}", f"run.dir={run}", *SMALL]
+    assert main([*args, "train.steps=2"]) == 0
+    real = controller_module.append_lines
+
+    def append(path, lines):
+        if path.name == "resumes.jsonl":
+            disk.fill()
+            disk.fail(path)
+        return real(path, lines)
+    with monkeypatch.context() as mp:
+        mp.setattr(controller_module, "append_lines", append)
+        assert main([*args, "--resume"]) == 3
+    err = capsys.readouterr().err
+    why = f"({disk.kind} disk) {err}"
+    assert f"{run}/resumes.jsonl" in err and "No space left on device" in err, why
+    assert _jsonl(run / "resumes.jsonl") == [], why
+    disk.free_up()
+    assert main([*args, "--resume"]) == 0, capsys.readouterr().err
+    assert [m["step"] for m in _jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4], why
+    assert len(_jsonl(run / "resumes.jsonl")) == 1, why

@@ -136,3 +136,34 @@ def test_sigterm_while_ray_roles_start_stops_cleanly(tiny_model_dir, tmp_path):
             driver.kill()
     assert driver.returncode == 143, err[-3000:]
     assert "stopped by SIGTERM during start-up, before any step; nothing was trained" in err, err[-3000:]
+
+
+@pytest.mark.slow  # a Ray start in a process of its own (~15 s here)
+def test_sigterm_inside_ray_init_stops_cleanly_and_leaves_no_ray_process(tiny_model_dir, tmp_path):
+    """A SIGTERM while ray.init itself runs meets Ray's own handler (`sys.exit(15)`): the run still
+    ends as after any SIGTERM at start-up (exit 143, one line) and Ray's processes end with it."""
+    run = tmp_path / "run"
+    driver = subprocess.Popen([*TIDAL, "train", f"model.path={tiny_model_dir}", f"run.dir={run}", "train.steps=400",
+                               *RAY, f"placement.ray_temp_dir=/tmp/rdi{os.getpid()}"],
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        # Ray's GCS is up and ray.init has not returned (the watchdog starts right after it does).
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and driver.poll() is None:
+            alive = _alive(_descendants(driver.pid))
+            if any("gcs_server" in p for p in alive) and not any("ray_watchdog" in p for p in alive):
+                break
+            time.sleep(0.005)
+        assert driver.poll() is None and not any("ray_watchdog" in p for p in _alive(_descendants(driver.pid)))
+        descendants = _descendants(driver.pid)
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM during start-up, before any step; nothing was trained" in err, err[-3000:]
+    deadline = time.monotonic() + 30  # Ray's processes notice their GCS is gone within seconds
+    while time.monotonic() < deadline and _alive(descendants):
+        time.sleep(0.5)
+    assert _alive(descendants) == [], err[-3000:]

@@ -523,6 +523,8 @@ async def execute(calls: list[ToolCall], tools: dict[str, Tool] | Iterable[Tool 
     metrics["tools/calls"] = float(len(calls))
     messages = []
     for (content, rec), call in zip(results, calls):
+        rec.output = content if isinstance(content, str) else \
+            "".join(str(p.get("text", f"[{p.get('type')}]")) for p in content if isinstance(p, dict))
         if rec.status != "ok":
             metrics[f"tools/errors/{rec.status}"] += 1.0
         messages.append({"role": "tool", "tool_call_id": call.call_id, "name": call.name, "content": content})

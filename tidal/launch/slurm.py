@@ -44,7 +44,7 @@ RAY_STOP_WAIT_S = 5  # the Ray processes' once the driver is gone (measured: gcs
 class SlurmJob:
     """What `tidal launch slurm` asks of Slurm, from its flags and the config."""
 
-    config: Path | None
+    configs: list[Path]  # merged in order by `tidal train`
     overrides: list[str]
     run_dir: Path
     nodes: int
@@ -135,7 +135,7 @@ def render(job: SlurmJob) -> str:
     head += [f"#SBATCH --partition={job.partition}"] if job.partition else []
     # Before the time limit, SIGTERM to the batch shell: the trap stops the driver while there is time.
     head += [f"#SBATCH --time={job.time}", "#SBATCH --signal=B:TERM@120"] if job.time else []
-    train = [sys.executable, "-m", "tidal.cli", "train", *([str(job.config)] if job.config else []), *job.overrides,
+    train = [sys.executable, "-m", "tidal.cli", "train", *[str(c) for c in job.configs], *job.overrides,
              f"run.dir={job.run_dir}", "placement.mode=ray"]
     resources = " ".join(q(json.dumps(r, sort_keys=True)) for r in job.node_resources)
     return TEMPLATE.format(

@@ -18,6 +18,7 @@ that the default job never reaches (tests/test_alerts.py runs it).
 | `failure_rate_jump` | `episodes/failed_frac` > its recent median + `failure_jump` |
 | `tool_error_rate_jump` | `tools/error_rate` > its recent median + `tool_error_jump` |
 | `throughput_drop` | `tokens_per_s` < `throughput_drop_ratio` × its recent median for `throughput_drop_steps` steps in a row |
+| `no_learning_signal` | `groups/zero_std_frac` = 1 (every group's samples got the same reward: no advantage, no gradient) for `no_signal_steps` steps in a row |
 | `reward_up_eval_down` | the `divergence` hacking monitor fired: the training reward's trend rises while held-out accuracy's falls (needs `reward.monitors`) |
 | `reward_hacking` | another hacking monitor of `hacking_kinds` fired (part dominance, verifier errors, judge disagreement; length correlation is left out by default: it fires on the healthy default job) |
 """
@@ -60,11 +61,13 @@ class Alerts:
         self.warmup: dict[str, list[float]] = {}
         self.active: set[str] = set()  # alerts whose condition held at the last step
         self.low_throughput = 0
+        self.no_signal = 0  # steps in a row whose groups all had equal rewards
         self.rules: dict[str, Check] = {
             "entropy_collapse": self._entropy_collapse, "kl_spike": self._kl_spike,
             "grad_norm_spike": self._grad_norm_spike, "mismatch_growth": self._mismatch_growth,
             "staleness_over_bound": self._staleness, "failure_rate_jump": self._failure_jump,
             "tool_error_rate_jump": self._tool_error_jump, "throughput_drop": self._throughput_drop,
+            "no_learning_signal": self._no_learning_signal,
         }
 
     def update(self, step: int, metrics: dict[str, Any], hacking_events: list | None = None) -> list[AlertEvent]:
@@ -186,3 +189,16 @@ class Alerts:
         return self.low_throughput >= c.throughput_drop_steps, v["tokens_per_s"], threshold, (
             f"tokens_per_s {v['tokens_per_s']:.0f} has been under {c.throughput_drop_ratio:g}× its median "
             f"{median:.0f} for {self.low_throughput} steps")
+
+    def _no_learning_signal(self, v: dict[str, float]):
+        if "groups/zero_std_frac" not in v:
+            return None
+        c = self.cfg
+        self.no_signal = self.no_signal + 1 if v["groups/zero_std_frac"] >= 1.0 else 0
+        reward = v.get("reward")
+        why = ("every answer is rewarded alike: the task may be too hard for the model (all wrong), the reward may "
+               "never pay (read a few episodes: `tidal episodes`), or the task is learned (all right)")
+        return self.no_signal >= c.no_signal_steps, v["groups/zero_std_frac"], 1.0, (
+            f"for {self.no_signal} steps in a row every group's samples got the same reward"
+            + (f" (mean reward {reward:.3g})" if reward is not None else "")
+            + f": GRPO's advantages are 0 and nothing is learned; {why}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import json
 import os
 import re
 import threading
@@ -49,7 +50,7 @@ from tidal.types import Episode, Status, ToolCallRecord, Turn
 
 TOOL_CALL_TYPE = pa.struct([
     ("name", pa.string()), ("arguments", pa.string()), ("call_id", pa.string()), ("status", pa.string()),
-    ("error", pa.string()), ("output_chars", pa.int64()), ("duration_s", pa.float64()),
+    ("error", pa.string()), ("output_chars", pa.int64()), ("duration_s", pa.float64()), ("output", pa.string()),
 ])
 TURN_TYPE = pa.struct([
     ("index", pa.int32()), ("start", pa.int32()), ("end", pa.int32()), ("obs_end", pa.int32()),
@@ -63,14 +64,15 @@ SCHEMA = pa.schema([
     ("prompt_len", pa.int64()), ("tokens", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.bool_())),
     ("logprobs", pa.list_(pa.float32())), ("versions", pa.list_(pa.int32())), ("text", pa.string()),
     ("seed", pa.int64()), ("outcome_reward", pa.float64()), ("segments", pa.list_(pa.int32())),
-    ("turns", pa.list_(TURN_TYPE)), ("images", pa.list_(pa.string())),
+    ("turns", pa.list_(TURN_TYPE)), ("images", pa.list_(pa.string())), ("reference", pa.string()),
 ])
 # Min/max statistics only where a query filters on them (the footer stays small).
 _STATS_COLUMNS = ["step", "episode_id", "group_id", "task_id", "env", "status", "reward", "prompt_len", "seed",
                   "outcome_reward"]
 _SCALARS = [("step", pa.int64()), ("episode_id", pa.string()), ("group_id", pa.string()),
             ("task_id", pa.string()), ("env", pa.string()), ("error", pa.string()), ("reward", pa.float64()),
-            ("prompt_len", pa.int64()), ("seed", pa.int64()), ("outcome_reward", pa.float64())]
+            ("prompt_len", pa.int64()), ("seed", pa.int64()), ("outcome_reward", pa.float64()),
+            ("reference", pa.string())]
 _LISTS = [("tokens", pa.int32()), ("loss_mask", pa.bool_()), ("logprobs", pa.float32()), ("versions", pa.int32()),
           ("segments", pa.int32()), ("images", pa.string())]
 # Episode fields that are not columns: the pictures themselves live in the store's images/ folder.
@@ -104,6 +106,18 @@ def episode_files(path: str | Path) -> list[Path]:
         if m:
             found.append((int(m.group(1)), int(m.group(2) or 0), f))
     return [f for _, _, f in sorted(found)]
+
+
+REFERENCE_CHARS = 2000  # of an episode's `reference`: an answer, a few tests; not a document per episode
+
+
+def reference_of(row: dict) -> str:
+    """The row's columns but its prompt and pictures, as JSON (Episode.reference), cut at REFERENCE_CHARS."""
+    rest = {k: v for k, v in row.items() if k not in ("prompt", "images", "image")}
+    if not rest:
+        return ""
+    text = json.dumps(rest, ensure_ascii=False, default=repr)
+    return text if len(text) <= REFERENCE_CHARS else f"{text[:REFERENCE_CHARS]}… ({len(text) - REFERENCE_CHARS} more characters)"
 
 
 def _list_column(lists: list[list], value_type: pa.DataType) -> pa.Array:

@@ -11,7 +11,9 @@ step, message, example episode ids); `monitor.metrics_of(events)` gives the numb
 - `length_correlation`: the reward no verifier vouches for (the reward less the parts in
   `part_exempt`, a verifier's `correct`) correlates with the response length beyond a bound
   (Spearman by default, within groups by default: GRPO compares samples of one prompt, so
-  that is the correlation the policy gradient sees); a right answer may be long;
+  that is the correlation the policy gradient sees), and within right and within wrong
+  answers apart where a reward says which is which (the episode's `correct`): a right answer
+  may be long;
 - `part_dominance`: one reward part carries more than `part_share_max` of the reward's
   magnitude (sum over episodes of |part| / sum of |parts|). Parts in `part_exempt` (the
   verifier's `correct`, by default) may dominate: that is what they are for;
@@ -124,7 +126,9 @@ class HackingMonitor:
       divergence_min_drop (held-out metric, over the window);
     - length_corr_max, length_corr_method ("spearman" | "pearson"), length_corr_scope ("group":
       reward and length centred on their group's mean | "batch"), length_corr_abs (also fire
-      on a negative correlation below -bound), length_window (steps pooled);
+      on a negative correlation below -bound), length_window (steps pooled),
+      length_corr_given_correct (within right and within wrong answers apart, where the
+      episodes have a `correct`: length that correctness explains is not counted);
     - part_share_max, part_exempt (parts allowed to dominate, matched as `p` or `*/p`);
     - error_jump (rate above baseline), error_baseline_steps, error_min_history (steps of
       history before a baseline counts);
@@ -138,7 +142,8 @@ class HackingMonitor:
                  divergence_window: int = 3, divergence_min_rise: float = 0.05, divergence_min_drop: float = 0.05,
                  length_corr_max: float = 0.5, length_corr_method: Literal["spearman", "pearson"] = "spearman",
                  length_corr_scope: Literal["group", "batch"] = "group", length_corr_abs: bool = False,
-                 length_window: int = 1, length_corr_unverified: bool = True, part_share_max: float = 0.8,
+                 length_window: int = 1, length_corr_unverified: bool = True, length_corr_given_correct: bool = True,
+                 part_share_max: float = 0.8,
                  part_exempt: tuple[str, ...] = ("correct",),
                  error_jump: float = 0.1, error_baseline_steps: int = 10, error_min_history: int = 3,
                  judge_part: str = "judge", judge_weight: float = 1.0, judge_high: float = 0.7, judge_low: float = 0.3,
@@ -162,6 +167,7 @@ class HackingMonitor:
         self.length_corr_method = length_corr_method
         self.length_corr_scope = length_corr_scope
         self.length_corr_unverified = length_corr_unverified
+        self.length_corr_given_correct = length_corr_given_correct
         self.length_corr_abs = length_corr_abs
         self.part_share_max = part_share_max
         self.part_exempt = tuple(part_exempt)
@@ -263,18 +269,29 @@ class HackingMonitor:
         rewards = [round(e.reward - sum(v for k, v in e.reward_parts.items()
                                         if any(_is_part(k, p) for p in self.part_exempt)), 9)
                    if self.length_corr_unverified else e.reward for e in pool]
-        if self.length_corr_scope == "group":
-            groups: dict[str, list[int]] = defaultdict(list)
-            for i, e in enumerate(pool):
-                groups[f"{e.step}/{e.group_id}"].append(i)
-            keep = [i for idx in groups.values() if len(idx) > 1 for i in idx]
+        # Cells whose reward and length are centred on their own mean: the group (what GRPO's
+        # advantages compare), and within it right and wrong answers apart when a reward says
+        # which is which (`correct`: a verifier part, veRL's `acc`, a reward named `correct`).
+        # Then a reward that pays right answers, which happen to be longer (tool use, worked
+        # steps), has nothing left to correlate; a reward that pays length among answers of the
+        # same correctness still does. Without a `correct`, length cannot be told from merit.
+        def cell(e: Episode) -> str:
+            where = f"{e.step}/{e.group_id}" if self.length_corr_scope == "group" else ""
+            c = e.metrics.get("correct") if self.length_corr_given_correct else None
+            return f"{where}|{c}" if c is not None else where
+
+        cells: dict[str, list[int]] = defaultdict(list)
+        for i, e in enumerate(pool):
+            cells[cell(e)].append(i)
+        if len(cells) > 1 or self.length_corr_scope == "group":
+            keep = [i for idx in cells.values() if len(idx) > 1 for i in idx]
             if len(keep) < self.min_episodes:
                 return []
             means = {g: (sum(lengths[i] for i in idx) / len(idx), sum(rewards[i] for i in idx) / len(idx))
-                     for g, idx in groups.items()}
-            gid = {i: g for g, idx in groups.items() for i in idx}
+                     for g, idx in cells.items()}
+            gid = {i: g for g, idx in cells.items() for i in idx}
             lengths = [lengths[i] - means[gid[i]][0] for i in keep]
-            rewards = [rewards[i] - means[gid[i]][1] for i in keep]
+            rewards = [round(rewards[i] - means[gid[i]][1], 9) for i in keep]  # equal rewards centre to an exact 0
             pool = [pool[i] for i in keep]
         corr = (spearman if self.length_corr_method == "spearman" else pearson)(lengths, rewards)
         if not math.isfinite(corr):

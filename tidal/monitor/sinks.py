@@ -17,6 +17,7 @@ it stops the run as any write of its directory does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from tidal.durable import append_lines, disk_error, write_atomic
+from tidal.durable import append_lines, disk_error, named, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -137,15 +138,26 @@ class TensorBoardSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         now = time.time()
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, step, walltime=now)
-        self.writer.flush()
+        with self._files_named():
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step, walltime=now)
+            self.writer.flush()
 
     def table(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
         head = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n"
         body = "".join("| " + " | ".join(_one_line(c, 400).replace("|", "\\|") for c in row) + " |\n" for row in rows)
-        self.writer.add_text("samples", head + body, step)
-        self.writer.flush()
+        with self._files_named():
+            self.writer.add_text("samples", head + body, step)
+            self.writer.flush()
+
+    @contextlib.contextmanager
+    def _files_named(self):
+        # TensorBoard writes from a thread of its own and hands that thread's error to the next
+        # add or flush, without a file name: a full disk is then named as the event files' directory.
+        try:
+            yield
+        except OSError as e:
+            raise named(e, self.directory) from e
 
     def close(self) -> None:
         self.writer.close()

@@ -40,9 +40,24 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         m.setdefault(k, sum(vs) / len(vs))
     if m.get("tools/calls"):
         m["tools/error_rate"] = sum(v for k, v in m.items() if k.startswith("tools/errors/")) / m["tools/calls"]
+    if (zero := zero_std_frac(ok)) is not None:
+        m["groups/zero_std_frac"] = zero
     m["episodes"] = float(n if episodes else 0)
     m["episodes/failed_frac"] = (len(episodes) - len(ok)) / n if episodes else 0.0
     return m
+
+
+def zero_std_frac(episodes: list[Episode]) -> float | None:
+    """The fraction of groups (of two or more trained-on episodes) whose rewards are all
+    equal: those give GRPO no advantage, so no gradient (TRL logs the same). None: no group."""
+    by_group: dict[str, list[float]] = {}
+    for e in episodes:
+        by_group.setdefault(e.group_id, []).append(e.reward)
+    groups = [rs for rs in by_group.values() if len(rs) > 1]
+    if not groups:
+        return None
+    # Equal within 1e-9: rewards summed from weighted parts differ in their last bits.
+    return sum(max(rs) - min(rs) <= 1e-9 for rs in groups) / len(groups)
 
 
 def staleness_metrics(episodes: list[Episode], version: int, per_step: int, k: int) -> dict[str, float]:

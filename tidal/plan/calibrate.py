@@ -26,6 +26,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from tidal.models import resolve_model_dir
+from tidal.monitor.episodes import episode_files, file_step
+
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 
 
@@ -53,7 +56,6 @@ def run_steps(run_dir: Path) -> list[dict]:
     """Per step: the metrics and, from the episode store, response lengths and prompt lengths."""
     import pyarrow.parquet as pq
 
-    from tidal.monitor.episodes import episode_files, file_step
 
     metrics = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
@@ -120,7 +122,6 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a tidal run directory?)")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    from tidal.models import resolve_model_dir
 
     shape = model_shape(resolve_model_dir(cfg["model"]["path"]))
     steps = run_steps(run_dir)[skip_steps:] or run_steps(run_dir)
@@ -181,7 +182,6 @@ def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40, workloa
     engine_gpus, colocate, max_staleness, sync). The workload's lengths (what the task makes the model
     generate, not a timing) are resampled from `workload_run`'s episode store (default: the calibration
     run's)."""
-    from tidal.models import resolve_model_dir
 
     r = cfg["rollout"]
     m = model_shape(resolve_model_dir(cfg["model"]["path"]))

@@ -46,6 +46,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     require_extra()
     if ns.target == "calibrate":
         return _calibrate(ns)
+    # The planner's modules import SimPy and matplotlib (the `plan` extra): loaded once
+    # require_extra has said what to install when they are missing.
     from tidal.plan.spec import load_spec
 
     spec = load_spec(ns.target)

@@ -154,139 +154,149 @@ class Simulator:
 
     # -- the processes ----------------------------------------------------------------------------
     def run(self) -> SimResult:
-        env = simpy.Environment()
-        spec, p, k = self.spec, self.spec.placement, self.spec.placement.max_staleness
+        """Simulate `self.steps` steps (restarts after failures included); the steps' records."""
+        self.env = simpy.Environment()
         self.records: dict[int, StepRecord] = {}
         self.failures, self.lost_s = 0, 0.0
-        state = {"published": 0, "event": env.event(), "rollout": None, "ckpt_step": 0, "ckpt_t": 0.0,
-                 "prod": None, "gpus": None, "unlearned": 0}
-
-        def publish(v: int) -> None:
-            state["published"] = v
-            ev, state["event"] = state["event"], env.event()
-            ev.succeed()
-
-        def producer(start: int, store: simpy.Store):
-            for s in range(start, self.steps + 1):
-                t0 = env.now
-                while state["published"] < s - 1 - k:
-                    yield state["event"]
-                gpus = state["gpus"]
-                req = None
-                if gpus is not None:
-                    # colocated: a handed-over step is trained before the next rollout takes the GPUs
-                    while state["unlearned"]:
-                        yield state["event"]
-                    req = gpus.request(priority=1)
-                    yield req
-                rec, curves = self._rollout(s)
-                rec.admission_wait, rec.rollout_start = env.now - t0, env.now
-                rec.version_start = state["published"]
-                versions = []  # (share of tokens before the update, new version)
-                remaining = total = rec.gen_s + rec.reward_tail_s
-                state["rollout"] = state["prod"]
-                while remaining > 1e-12:
-                    t_start = env.now
-                    try:
-                        yield env.timeout(remaining)
-                        remaining = 0.0
-                    except simpy.Interrupt as i:
-                        if i.cause == "fail":
-                            raise
-                        remaining -= env.now - t_start
-                        version, pause = i.cause
-                        versions.append((self._tokens_done_frac(curves, total - remaining), version))
-                        rec.pause_s += pause
-                        remaining += pause  # the engines stop for the update, then go on
-                state["rollout"] = None
-                if req is not None:
-                    gpus.release(req)
-                rec.rollout_end = env.now
-                lag0 = (s - 1) - rec.version_start
-                shares, prev = [], 0.0
-                lags = [lag0]
-                for frac, v in versions:
-                    shares.append(frac - prev)
-                    prev = frac
-                    lags.append((s - 1) - v)
-                shares.append(1.0 - prev)
-                if lag0 > k:  # the admission rule above makes this impossible; a broken model must not report
-                    raise RuntimeError(f"step {s} started at version {rec.version_start}: staleness {lag0} > k={k}")
-                rec.staleness_max = lag0
-                rec.staleness_mean = float(sum(a * b for a, b in zip(shares, lags)))
-                self.records[s] = rec
-                state["unlearned"] += 1
-                yield store.put(rec)
-
-        def learner(start: int, store: simpy.Store):
-            for s in range(start, self.steps + 1):
-                t0 = env.now
-                rec = yield store.get()
-                rec.trainer_wait = env.now - t0
-                gpus = state["gpus"]
-                req = gpus.request(priority=0) if gpus else None
-                if req is not None:
-                    yield req
-                rec.train_start = env.now
-                mean_ctx = rec.train_tokens / max(rec.trained, 1)
-                tc = cost.train_step_cost(rec.train_tokens, mean_ctx, spec.model, self.hw, spec.efficiency,
-                                          spec.cluster, self.n_train, p.train_tp, p.train_cp, p.train_ep)
-                yield env.timeout(tc.total_s + self.switch_s)
-                rec.train_end = env.now
-                rollout = state["rollout"]
-                if rollout is not None and rollout.is_alive and not p.colocate:
-                    rollout.interrupt((s, self.sync.total_s))  # a partial rollout: engines take version s
-                yield env.timeout(self.sync.total_s)
-                rec.sync_end = env.now
-                if req is not None:
-                    gpus.release(req)
-                state["unlearned"] -= 1
-                publish(s)
-                if s % spec.failures.save_every == 0 or s == self.steps:
-                    yield env.timeout(self.ckpt_s)
-                    state["ckpt_step"], state["ckpt_t"] = s, env.now
-                rec.learn_end = env.now
-
-        def supervisor():
-            start, mtbf = 1, spec.failures.node_mtbf_h
-            nodes = max(1, math.ceil(spec.cluster.gpus / spec.cluster.gpus_per_node))
-            while True:
-                store = simpy.Store(env, capacity=k + 1)
-                state["published"], state["unlearned"] = start - 1, 0
-                # a fresh GPU resource per (re)start: a killed process's request must not hold it
-                state["gpus"] = simpy.PriorityResource(env, capacity=1) if p.colocate else None
-                prod = state["prod"] = env.process(producer(start, store))
-                learn = env.process(learner(start, store))
-                fail = env.timeout(self.rng.exponential(mtbf * 3600 / nodes)) if mtbf else env.event()
-                result = yield learn | fail
-                if learn in result:
-                    if prod.is_alive:
-                        prod.interrupt("fail")
-                    return
-                self.failures += 1
-                if self.failures > spec.failures.max_failures:
-                    raise RuntimeError(
-                        f"failures: {self.failures} failures and the run is at step {state['ckpt_step']} of "
-                        f"{self.steps}: with node_mtbf_h={mtbf} on {nodes} nodes a failure comes every "
-                        f"{mtbf * 3600 / nodes:.0f} s on average, too often for save_every={spec.failures.save_every}")
-                for proc in (prod, learn):
-                    if proc.is_alive:
-                        proc.interrupt("fail")
-                self.lost_s += env.now - state["ckpt_t"] + spec.failures.restart_s
-                start = state["ckpt_step"] + 1
-                for s in [s for s in self.records if s >= start]:
-                    del self.records[s]
-                state["rollout"] = None
-                yield env.timeout(spec.failures.restart_s)
-
-        producer = _quiet(producer)  # a failure's interrupt ends a process quietly
-        learner = _quiet(learner)
-        done = env.process(supervisor())
-        env.run(until=done)  # not past it: a failure drawn for after the last step must not move the clock
+        # what the processes share: the version the engines hold (and the event of its next
+        # change), the rollout in flight, the last checkpoint, the GPUs when colocated, and how
+        # many rolled-out steps wait to be learned
+        self.state = {"published": 0, "event": self.env.event(), "rollout": None, "ckpt_step": 0, "ckpt_t": 0.0,
+                      "prod": None, "gpus": None, "unlearned": 0}
+        done = self.env.process(self._supervisor())
+        self.env.run(until=done)  # not past it: a failure drawn for after the last step must not move the clock
         recs = [self.records[s] for s in sorted(self.records)]
-        return SimResult(spec, recs, env.now, self.failures, self.lost_s, self.R,
+        return SimResult(self.spec, recs, self.env.now, self.failures, self.lost_s, self.R,
                          {"sync_s": self.sync.total_s, "switch_s": self.switch_s, "checkpoint_s": self.ckpt_s,
                           "max_batch": self.max_batch})
+
+    def _publish(self, v: int) -> None:
+        """The engines now hold version `v`: wake whoever waits for it."""
+        self.state["published"] = v
+        ev, self.state["event"] = self.state["event"], self.env.event()
+        ev.succeed()
+
+    def _producer(self, start: int, store: simpy.Store):
+        """Roll out steps from `start` as the admission rule allows (version >= s-1-k), paused by
+        each weight sync; each step's staleness recorded."""
+        k = self.spec.placement.max_staleness
+        for s in range(start, self.steps + 1):
+            t0 = self.env.now
+            while self.state["published"] < s - 1 - k:
+                yield self.state["event"]
+            gpus = self.state["gpus"]
+            req = None
+            if gpus is not None:
+                # colocated: a handed-over step is trained before the next rollout takes the GPUs
+                while self.state["unlearned"]:
+                    yield self.state["event"]
+                req = gpus.request(priority=1)
+                yield req
+            rec, curves = self._rollout(s)
+            rec.admission_wait, rec.rollout_start = self.env.now - t0, self.env.now
+            rec.version_start = self.state["published"]
+            versions = []  # (share of tokens before the update, new version)
+            remaining = total = rec.gen_s + rec.reward_tail_s
+            self.state["rollout"] = self.state["prod"]
+            while remaining > 1e-12:
+                t_start = self.env.now
+                try:
+                    yield self.env.timeout(remaining)
+                    remaining = 0.0
+                except simpy.Interrupt as i:
+                    if i.cause == "fail":
+                        raise
+                    remaining -= self.env.now - t_start
+                    version, pause = i.cause
+                    versions.append((self._tokens_done_frac(curves, total - remaining), version))
+                    rec.pause_s += pause
+                    remaining += pause  # the engines stop for the update, then go on
+            self.state["rollout"] = None
+            if req is not None:
+                gpus.release(req)
+            rec.rollout_end = self.env.now
+            lag0 = (s - 1) - rec.version_start
+            shares, prev = [], 0.0
+            lags = [lag0]
+            for frac, v in versions:
+                shares.append(frac - prev)
+                prev = frac
+                lags.append((s - 1) - v)
+            shares.append(1.0 - prev)
+            if lag0 > k:  # the admission rule above makes this impossible; a broken model must not report
+                raise RuntimeError(f"step {s} started at version {rec.version_start}: staleness {lag0} > k={k}")
+            rec.staleness_max = lag0
+            rec.staleness_mean = float(sum(a * b for a, b in zip(shares, lags)))
+            self.records[s] = rec
+            self.state["unlearned"] += 1
+            yield store.put(rec)
+
+    def _learner(self, start: int, store: simpy.Store):
+        """Train each rolled-out step, sync the weights (interrupting a rollout in flight: a
+        partial rollout), publish the version, checkpoint when due."""
+        spec, p = self.spec, self.spec.placement
+        for s in range(start, self.steps + 1):
+            t0 = self.env.now
+            rec = yield store.get()
+            rec.trainer_wait = self.env.now - t0
+            gpus = self.state["gpus"]
+            req = gpus.request(priority=0) if gpus else None
+            if req is not None:
+                yield req
+            rec.train_start = self.env.now
+            mean_ctx = rec.train_tokens / max(rec.trained, 1)
+            tc = cost.train_step_cost(rec.train_tokens, mean_ctx, spec.model, self.hw, spec.efficiency,
+                                      spec.cluster, self.n_train, p.train_tp, p.train_cp, p.train_ep)
+            yield self.env.timeout(tc.total_s + self.switch_s)
+            rec.train_end = self.env.now
+            rollout = self.state["rollout"]
+            if rollout is not None and rollout.is_alive and not p.colocate:
+                rollout.interrupt((s, self.sync.total_s))  # a partial rollout: engines take version s
+            yield self.env.timeout(self.sync.total_s)
+            rec.sync_end = self.env.now
+            if req is not None:
+                gpus.release(req)
+            self.state["unlearned"] -= 1
+            self._publish(s)
+            if s % spec.failures.save_every == 0 or s == self.steps:
+                yield self.env.timeout(self.ckpt_s)
+                self.state["ckpt_step"], self.state["ckpt_t"] = s, self.env.now
+            rec.learn_end = self.env.now
+
+    def _supervisor(self):
+        """Start the rollout and learning processes from the last checkpoint; on a node failure
+        (exponential, `failures.node_mtbf_h` per node) end them, count the lost time, restart."""
+        spec, p, k = self.spec, self.spec.placement, self.spec.placement.max_staleness
+        start, mtbf = 1, spec.failures.node_mtbf_h
+        nodes = max(1, math.ceil(spec.cluster.gpus / spec.cluster.gpus_per_node))
+        while True:
+            store = simpy.Store(self.env, capacity=k + 1)
+            self.state["published"], self.state["unlearned"] = start - 1, 0
+            # a fresh GPU resource per (re)start: a killed process's request must not hold it
+            self.state["gpus"] = simpy.PriorityResource(self.env, capacity=1) if p.colocate else None
+            prod = self.state["prod"] = self.env.process(_quiet(self._producer)(start, store))
+            learn = self.env.process(_quiet(self._learner)(start, store))
+            fail = self.env.timeout(self.rng.exponential(mtbf * 3600 / nodes)) if mtbf else self.env.event()
+            result = yield learn | fail
+            if learn in result:
+                if prod.is_alive:
+                    prod.interrupt("fail")
+                return
+            self.failures += 1
+            if self.failures > spec.failures.max_failures:
+                raise RuntimeError(
+                    f"failures: {self.failures} failures and the run is at step {self.state['ckpt_step']} of "
+                    f"{self.steps}: with node_mtbf_h={mtbf} on {nodes} nodes a failure comes every "
+                    f"{mtbf * 3600 / nodes:.0f} s on average, too often for save_every={spec.failures.save_every}")
+            for proc in (prod, learn):
+                if proc.is_alive:
+                    proc.interrupt("fail")
+            self.lost_s += self.env.now - self.state["ckpt_t"] + spec.failures.restart_s
+            start = self.state["ckpt_step"] + 1
+            for s in [s for s in self.records if s >= start]:
+                del self.records[s]
+            self.state["rollout"] = None
+            yield self.env.timeout(spec.failures.restart_s)
 
 
 def _quiet(gen_fn):

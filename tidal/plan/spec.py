@@ -93,7 +93,7 @@ class PlacementSpec(_S):
     reward_workers: int = Field(0, ge=0, description="Reward workers (0: rewards in the driver, one worker's worth).")
     sync: Literal["broadcast", "shard", "delta", "disk", "inprocess"] = Field("broadcast", description="Weight-sync transport (tidal.plan.sync_model): broadcast (tidal's gather + rank-0 broadcast), shard (shard-to-shard), delta (changed bytes only), disk, inprocess (colocated).")
 
-    delta_density: float = Field(0.03, gt=0, le=1, description="sync=delta: share of the weights' values that change in a step (RL updates change 1-5% of bf16 values).")
+    delta_fraction: float = Field(0.25, gt=0, le=1, description="sync=delta: the delta's bytes as a share of the full bytes (tidal's XOR + zstd per byte plane: 0.27 in bfloat16 and 0.63 in float32 on the default job, BENCHMARKS.md; an RL step of a large model at a small learning rate leaves more bf16 values unchanged).")
 
     @property
     def engine_gpus_per_replica(self) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tidal.monitor.episodes import episode_files
 from tidal.plan.spec import LengthSpec, WorkloadSpec
 
 
@@ -31,7 +32,6 @@ def store_lengths(path: str | Path) -> np.ndarray:
     """Generated tokens per episode (policy tokens: the loss mask's count) from a run's episode store."""
     import pyarrow.parquet as pq
 
-    from tidal.monitor.episodes import episode_files
 
     files = episode_files(path)
     if not files:

@@ -435,6 +435,18 @@ def draw_habits(n: int, habits: dict[str, float], rng: random.Random) -> tuple[l
     return drawn, [rng.randrange(4) for _ in range(n)]
 
 
+def _checked_recipe(habits: dict[str, float] | None, form: str, lookup_steps: int) -> dict[str, float]:
+    """The teacher's habits (`DEFAULT_HABITS` when None), after a ValueError for a recipe that cannot build."""
+    habits = habits or dict(DEFAULT_HABITS)
+    if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - set(HABITS):
+        raise ValueError(f"habits must be fractions of {', '.join(HABITS)} summing to 1, got {habits}")
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    if lookup_steps and form != "quote":
+        raise ValueError(f"lookup_steps needs form='quote' (the lookup curriculum's turns are that form's), got {form!r}")
+    return habits
+
+
 def build_browser_model(
     out_dir: str | Path,
     seed: int = 0,
@@ -476,13 +488,7 @@ def build_browser_model(
     its success stays near the chance that the target is the first button. The result is
     deterministic for a seed and a torch thread count (recorded as `threads`).
     """
-    habits = habits or dict(DEFAULT_HABITS)
-    if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - set(HABITS):
-        raise ValueError(f"habits must be fractions of {', '.join(HABITS)} summing to 1, got {habits}")
-    if form not in FORMS:
-        raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
-    if lookup_steps and form != "quote":
-        raise ValueError(f"lookup_steps needs form='quote' (the lookup curriculum's turns are that form's), got {form!r}")
+    habits = _checked_recipe(habits, form, lookup_steps)
     random.seed(seed)
     torch.manual_seed(seed)
     rows = make_tasks("train", train_size, seed=30_000 + seed, families=FAMILIES)

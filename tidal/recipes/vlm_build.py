@@ -260,6 +260,66 @@ def sft_loss(model, batch: dict[str, torch.Tensor], banned: tuple[int, ...], pre
                                              labels[:, prefix_len + 1 :].reshape(-1), ignore_index=-100)
 
 
+def _demonstration_sets(tokenizer, vision, train: dict, careful: dict[str, float], rng: random.Random) -> dict:
+    """Per task, the careful teacher's demonstrations and the drawn habits' (module docstring), in
+    the order the build has always drawn them from `rng`."""
+    examples = {}
+    for task, task_rows in train.items():
+        # per picture: the careful teacher's demonstration (phase 1) and the drawn habit's (phase 2:
+        # the same one when the habit is careful)
+        habits = [rng.random() < careful[task] for _ in task_rows]
+        ex = examples[task] = _Examples(vision.image_token_id)
+        for i in range(0, len(task_rows), 100):  # 100 pictures' demonstrations use at most 200 images: all in
+            chunk, drawn = task_rows[i : i + 100], habits[i : i + 100]  # vision's cache, none processed twice
+            first = len(ex)
+            ex.add(demonstrations(tokenizer, vision, task, chunk, [True] * len(chunk)), vision)
+            hasty = [r for r, h in zip(chunk, drawn) if not h]
+            start = len(ex)
+            ex.add(demonstrations(tokenizer, vision, task, hasty, [False] * len(hasty)), vision)
+            ex.careful += range(first, start)
+            slips = iter(range(start, len(ex)))
+            ex.mixed += [first + j if h else next(slips) for j, h in enumerate(drawn)]
+    return examples
+
+
+def _warm_start(model, tokenizer, vision, examples: dict, val: dict, rng: random.Random, *, steps: int,
+                see_steps: int, batch_size: int, lr: float, warmup: int, eval_every: int,
+                eval_k: int) -> tuple[list[str], dict[str, float]]:
+    """The SFT loop: the careful teacher alone for `see_steps`, then the drawn habits; returns the
+    task cycle and each task's smoothed loss."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    banned = vision.banned_token_ids
+    model.train()
+    # the zoom task takes two steps of every four (module docstring)
+    names = ["vlm_color", "vlm_zoom", "vlm_count", "vlm_zoom"]
+    # a shared prefix pays for its extra forward only when it is long (the zoom task's tools)
+    prefix = {task: p if (p := ex.shared_prefix()) >= 32 else 0 for task, ex in examples.items()}
+    losses: dict[str, float] = {}
+    t0 = time.time()
+    for step in range(1, steps + 1):
+        task = names[(step - 1) % len(names)]
+        ex = examples[task]
+        pool = ex.careful if step <= see_steps else ex.mixed
+        loss = sft_loss(model, ex.batch([pool[rng.randrange(len(pool))] for _ in range(batch_size)],
+                                        tokenizer.pad_token_id), banned, prefix[task])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses[task] = 0.9 * losses.get(task, loss.item()) + 0.1 * loss.item()
+        if eval_every and step % eval_every == 0 and step < steps:
+            for t in TASKS:
+                print(f"  step {step} {t}: {json.dumps(held_out(model, tokenizer, vision, t, val[t], k=eval_k))}",
+                      flush=True)
+        if step % 150 == 0 or step == steps:
+            print(f"vlm warm-start step {step}: loss " + "  ".join(f"{t} {v:.3f}" for t, v in losses.items())
+                  + f"  ({time.time() - t0:.0f}s)", flush=True)
+    return names, losses
+
+
 def build_default_vlm(
     out_dir: str | Path = DEFAULT_VLM_DIR,
     seed: int = 0,
@@ -296,55 +356,13 @@ def build_default_vlm(
     tokenizer = build_vlm_tokenizer(task_corpus({task: r[:500] for task, r in train.items()}), vocab_size)
     model = build_vlm(tokenizer, seed=seed)
     vision = vision_of(model)
-    examples = {}
-    for task, task_rows in train.items():
-        # per picture: the careful teacher's demonstration (phase 1) and the drawn habit's (phase 2:
-        # the same one when the habit is careful)
-        habits = [rng.random() < careful[task] for _ in task_rows]
-        ex = examples[task] = _Examples(vision.image_token_id)
-        for i in range(0, len(task_rows), 100):  # 100 pictures' demonstrations use at most 200 images: all in
-            chunk, drawn = task_rows[i : i + 100], habits[i : i + 100]  # vision's cache, none processed twice
-            first = len(ex)
-            ex.add(demonstrations(tokenizer, vision, task, chunk, [True] * len(chunk)), vision)
-            hasty = [r for r, h in zip(chunk, drawn) if not h]
-            start = len(ex)
-            ex.add(demonstrations(tokenizer, vision, task, hasty, [False] * len(hasty)), vision)
-            ex.careful += range(first, start)
-            slips = iter(range(start, len(ex)))
-            ex.mixed += [first + j if h else next(slips) for j, h in enumerate(drawn)]
+    examples = _demonstration_sets(tokenizer, vision, train, careful, rng)
     t_data = time.time() - t_start
     print(f"vlm warm-start: {sum(len(e) for e in examples.values())} demonstrations ({t_data:.0f}s)", flush=True)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
-    banned = vision.banned_token_ids
-    model.train()
-    # the zoom task takes two steps of every four (module docstring)
-    names = ["vlm_color", "vlm_zoom", "vlm_count", "vlm_zoom"]
-    # a shared prefix pays for its extra forward only when it is long (the zoom task's tools)
-    prefix = {task: p if (p := ex.shared_prefix()) >= 32 else 0 for task, ex in examples.items()}
-    losses: dict[str, float] = {}
     t0 = time.time()
-    for step in range(1, steps + 1):
-        task = names[(step - 1) % len(names)]
-        ex = examples[task]
-        pool = ex.careful if step <= see_steps else ex.mixed
-        loss = sft_loss(model, ex.batch([pool[rng.randrange(len(pool))] for _ in range(batch_size)],
-                                        tokenizer.pad_token_id), banned, prefix[task])
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses[task] = 0.9 * losses.get(task, loss.item()) + 0.1 * loss.item()
-        if eval_every and step % eval_every == 0 and step < steps:
-            for t in TASKS:
-                print(f"  step {step} {t}: {json.dumps(held_out(model, tokenizer, vision, t, val[t], k=eval_k))}",
-                      flush=True)
-        if step % 150 == 0 or step == steps:
-            print(f"vlm warm-start step {step}: loss " + "  ".join(f"{t} {v:.3f}" for t, v in losses.items())
-                  + f"  ({time.time() - t0:.0f}s)", flush=True)
+    names, losses = _warm_start(model, tokenizer, vision, examples, val, rng, steps=steps, see_steps=see_steps,
+                                batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every, eval_k=eval_k)
     train_s = time.time() - t0
     t1 = time.time()
     results = {task: held_out(model, tokenizer, vision, task, val[task], k=eval_k) for task in TASKS}

@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import numbers
+import threading
 import traceback as tb_module
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -320,17 +321,53 @@ def error_text(reward: LoadedReward, failed: Failed, inp: RewardInput) -> str:
     return f"{text}: {failed.hint}" if failed.hint else text
 
 
-def combine(rewards: list[LoadedReward], inp: RewardInput, results: list[Result]) -> RewardOutcome:
+class OncePerStep:
+    """Which failures were logged in full: a reward that fails the same way on many episodes
+    logs its traceback once per step (the first episode), the others one line each in
+    train.log only (INFO), and the step's summary counts them (tidal/runtime/health.py).
+    Distinct errors are told apart by function, status and what happened; the steps kept are
+    bounded (async training scores several steps at once)."""
+
+    STEPS = 8
+
+    def __init__(self):
+        self._seen: dict[int, set[tuple[str, str, str]]] = {}
+        self._lock = threading.Lock()  # the pools answer from their own threads
+
+    def first(self, step: int, key: tuple[str, str, str]) -> bool:
+        with self._lock:
+            seen = self._seen.get(step)
+            if seen is None:
+                seen = self._seen[step] = set()
+                for old in sorted(self._seen)[: -self.STEPS]:
+                    del self._seen[old]
+            if key in seen:
+                return False
+            seen.add(key)
+            return True
+
+
+def log_failure(r: LoadedReward, res: Failed, inp: RewardInput, text: str, logged: OncePerStep | None) -> None:
+    """Its traceback the first time `logged` (the scorer's) sees this error in the step; later
+    ones a line in train.log. `logged` None: every traceback."""
+    if logged is not None and not logged.first(inp.step, (r.label, res.status, res.what)):
+        log.info("%s (the same error as logged above for this step)", text)
+    elif res.traceback:
+        log.warning("%s\n%s", text, res.traceback.rstrip())
+    else:
+        log.warning("%s", text)
+
+
+def combine(rewards: list[LoadedReward], inp: RewardInput, results: list[Result],
+            logged: OncePerStep | None = None) -> RewardOutcome:
     """One episode's outcome from each reward's result (in the order of `rewards`). The first
-    failure (in that order) is the outcome; every failure is logged with its traceback."""
+    failure (in that order) is the outcome; every failure is logged, its traceback once per
+    distinct error and step where the scorer keeps `logged` (`log_failure`)."""
     first: RewardOutcome | None = None
     for r, res in zip(rewards, results):
         if isinstance(res, Failed):
             text = error_text(r, res, inp)
-            if res.traceback:
-                log.warning("%s\n%s", text, res.traceback.rstrip())
-            else:
-                log.warning("%s", text)
+            log_failure(r, res, inp, text, logged)
             if first is None:
                 first = RewardOutcome(res.status, error=text)  # type: ignore[arg-type]
     if first is not None:
@@ -350,7 +387,42 @@ def combine(rewards: list[LoadedReward], inp: RewardInput, results: list[Result]
         else:
             parts[r.name] = parts.get(r.name, 0.0) + r.weight * res.value
         for k, v in res.metrics.items():
-            metrics[f"{r.name}/{k}" if several else k] = v
+            metrics[extra_key(k, r.name if several else None)] = v
+    if correct is None:
+        correct = _correct_elsewhere(rewards, results)
     if correct is not None:
         metrics["correct"] = correct
     return RewardOutcome("ok", reward=sum(parts.values()), parts=parts, metrics=metrics)
+
+
+def extra_key(key: str, reward: str | None) -> str:
+    """The metric name of a number a reward reported besides its value (veRL's `acc`, a
+    RewardParts metric): `reward/extra/<key>` (`reward/extra/<reward>/<key>` among several
+    rewards), so that it reaches the step's metrics; a key with a `/` (`judge/injection`) is
+    already a metric name and stays as it is."""
+    if "/" in key:
+        return key
+    return f"reward/extra/{reward}/{key}" if reward else f"reward/extra/{key}"
+
+
+def says_correct(reward: LoadedReward) -> str | None:
+    """Where a reward's answers say what is correct, as a person reads its config, or None:
+    a tidal-form `correct` part can only be seen in its answers (None here)."""
+    if reward.name == "correct":
+        return f"the reward named `correct` (`{reward.label}`)"
+    if reward.form == "verl":
+        return f"veRL's `acc` of `{reward.label}`, where it returns one"
+    return None
+
+
+def _correct_elsewhere(rewards: list[LoadedReward], results: list[Result]) -> float | None:
+    """Accuracy where no `correct` part says it: a reward named `correct` (its unweighted
+    value: a TRL or veRL function named so in config), else veRL's `acc` (its extra key for
+    accuracy, as veRL's own validation reads it)."""
+    for r, res in zip(rewards, results):
+        if r.name == "correct" and isinstance(res, Scored) and not res.parts:
+            return res.value
+    for r, res in zip(rewards, results):
+        if r.form == "verl" and isinstance(res, Scored) and "acc" in res.metrics:
+            return res.metrics["acc"]
+    return None

@@ -9,9 +9,9 @@ Worker side (called in `python -m tidal.rewards.worker`):
   Processes in a session of their own (a sandbox pool's warm sandboxes) live until then.
 - `rss_bytes`: the worker's resident memory, reported with every answer; the driver recycles
   a worker past `reward.worker_max_rss_mb` (or `reward.worker_max_calls` calls).
-- `crash_mark`: 8 bytes of memory shared with the driver (a memfd) holding the id of the
-  synchronous call running now, so that a crash (a segfault, the OOM killer) is charged to
-  that call alone.
+- `CrashMark`: 8 bytes a sync lane of memory shared with the driver (a memfd) holding the
+  id of the synchronous call running in that lane, so that a crash (a segfault, the OOM
+  killer) is charged to that call alone (several running: each runs again alone, which tells).
 
 Driver side:
 - `WorkerCgroups`: each worker in a cgroup of its own (memory.max = `reward.worker_memory_mb`,
@@ -157,29 +157,31 @@ def _kill_and_reap(pids: list[int]) -> None:
 
 
 class CrashMark:
-    """The id of the synchronous call running now (+1; 0: none), in memory the driver reads
-    after the worker died."""
+    """The id of the synchronous call running now in each lane (+1; 0: none), in memory the
+    driver reads after the worker died."""
 
-    def __init__(self, fd: int | None):
-        self._map = mmap.mmap(fd, 8) if fd is not None else None
+    def __init__(self, fd: int | None, lanes: int = 1):
+        self._map = mmap.mmap(fd, 8 * lanes) if fd is not None else None
 
-    def set(self, call_id: int | None) -> None:
+    def set(self, call_id: int | None, lane: int = 0) -> None:
         if self._map is not None:
-            struct.pack_into("q", self._map, 0, 0 if call_id is None else call_id + 1)
+            struct.pack_into("q", self._map, 8 * lane, 0 if call_id is None else call_id + 1)
 
 
 # -- driver side -------------------------------------------------------------------------------
 class MarkReader:
-    """The driver's end of a worker's CrashMark: a memfd passed to the worker."""
+    """The driver's end of a worker's CrashMark: a memfd passed to the worker, 8 bytes a lane."""
 
-    def __init__(self):
+    def __init__(self, lanes: int = 1):
+        self.lanes = lanes
         self.fd = os.memfd_create("tidal-reward-mark", 0)
-        os.ftruncate(self.fd, 8)
-        self._map = mmap.mmap(self.fd, 8)
+        os.ftruncate(self.fd, 8 * lanes)
+        self._map = mmap.mmap(self.fd, 8 * lanes)
 
-    def running(self) -> int | None:
-        value = struct.unpack_from("q", self._map, 0)[0]
-        return value - 1 if value > 0 else None
+    def running(self) -> set[int]:
+        """The ids of the synchronous calls running when the worker died (one per busy lane)."""
+        values = struct.unpack_from(f"{self.lanes}q", self._map, 0)
+        return {v - 1 for v in values if v > 0}
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError, BufferError):

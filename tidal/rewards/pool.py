@@ -13,12 +13,17 @@
 How the pools work. `score(inputs)` turns each reward into calls: one per input for the
 per-sample forms (tidal, veRL), one per group for TRL's batched form. Calls go to the
 least-loaded worker; each worker serves up to `reward.max_concurrency` async calls at once
-and runs synchronous ones one at a time, in order. Every call in flight has a deadline
-`reward.timeout_s + GRACE_S`, counted from when it starts (a synchronous call starts when the
-one before it on its worker answers; the worker's lane is first-in first-out). A worker that
-reports a hung call, or misses a deadline, is killed (SIGKILL to its process group, so a
-subprocess the reward started dies with it; `ray.kill` for an actor) and replaced; the call
-that hung ends `timeout`; the other calls it held are sent again. A worker that dies on its
+and runs synchronous ones in `reward.sync_concurrency` sync lanes, each a thread that runs its
+calls one at a time, in order (the driver picks the lane and holds at most LANE_DEPTH calls
+on one). Every call in flight has a deadline `reward.timeout_s + GRACE_S`, counted from when
+it starts (a synchronous call starts when the one before it in its lane answers). A worker
+that reports a hung call has a stuck lane: the call ends `timeout`, the call queued behind it
+is sent elsewhere, a replacement starts, and the worker, serving on its other lanes until the
+replacement is ready, is killed (SIGKILL to its process group, so a subprocess the reward
+started dies with it) once its other calls are answered; hung calls thus time out together.
+A worker that misses a deadline (a hang holding the GIL) is killed at once and replaced; the
+call that hung ends `timeout` (several lanes running: each runs again alone, which tells);
+the other calls it held are sent again. A worker that dies on its
 own (a segfault, `os._exit`) is replaced the same way, and its crash is charged to the call it
 was running alone (a process worker tells which, through memory it shares with the driver):
 that call ends `reward_error` naming the crash and is not retried; every other call it held is
@@ -42,7 +47,7 @@ import weakref
 from typing import Any
 
 from tidal.rewards.contract import RewardInput, RewardOutcome
-from tidal.rewards.forms import default_keys, spec_data
+from tidal.rewards.forms import OncePerStep, default_keys, spec_data
 from tidal.rewards.pool_base import PoolScorer, RewardLoadError, calls_of, outcomes
 from tidal.rewards.pool_process import ProcessPool
 from tidal.rewards.pool_ray import RayPool
@@ -81,6 +86,7 @@ class InlineScorer:
         self.host = RewardHost(specs, cfg.timeout_s, sync_in_thread=False)
         self.rewards = self.host.rewards
         self.per_group = any(r.form == "trl" for r in self.rewards)
+        self.logged = OncePerStep()  # a failure's traceback: once per distinct error and step
 
     async def score(self, inputs: list[RewardInput]) -> list[RewardOutcome]:
         if not inputs:
@@ -88,7 +94,7 @@ class InlineScorer:
         calls = calls_of(self.rewards, inputs)
         runs = [self.host.run(si, [inputs[j] for j in rows]) for si, rows in calls]
         answers = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
-        return outcomes(self.rewards, inputs, calls, [a for a, _ in answers])
+        return outcomes(self.rewards, inputs, calls, [a for a, _ in answers], self.logged)
 
     async def close(self) -> None:
         await self.host.close()

@@ -18,13 +18,17 @@ from collections import deque
 from typing import Any
 
 from tidal.rewards.contract import RewardInput, RewardOutcome
-from tidal.rewards.forms import Failed, LoadedReward, Result, combine, reward_meta, timed_out
+from tidal.rewards.forms import Failed, LoadedReward, OncePerStep, Result, combine, reward_meta, timed_out
 
 log = logging.getLogger("tidal.rewards")
 
 GRACE_S = 0.5  # the driver's deadline past reward.timeout_s: the worker's own answer normally comes first
 START_TIMEOUT_S = 120.0  # a worker imports the rewards (torch, math-verify, a model) before it is ready
 SYNC_DEPTH = 32  # synchronous calls queued on one process worker: amortizes IPC, keeps load balanced
+# Synchronous calls held by one sync lane of a worker: the one running and one more, so that the
+# next starts without waiting for the driver, and a hang strands at most one call behind it
+# (sent elsewhere when the hang is seen: a deeper lane would chain hangs one after another).
+LANE_DEPTH = 2
 RAY_ACTOR_CONCURRENCY = 64  # placement's max_concurrency of a reward actor
 MAX_ZOMBIES = 64  # exited orphans a worker may hold before it is recycled (tidal/rewards/limits.py, zombies)
 MAX_UNEXPLAINED = 3  # crashes a call may wait through with no call charged, before it ends reward_error
@@ -45,20 +49,21 @@ def calls_of(rewards: list[LoadedReward], inputs: list[RewardInput]) -> list[tup
     return out
 
 
-def outcomes(rewards: list[LoadedReward], inputs: list[RewardInput], calls, answers) -> list[RewardOutcome]:
+def outcomes(rewards: list[LoadedReward], inputs: list[RewardInput], calls, answers,
+             logged: OncePerStep | None = None) -> list[RewardOutcome]:
     """Each input's outcome from the answers of `calls` (as `calls_of` planned them): its
-    rewards' results combined into one reward and its parts."""
+    rewards' results combined into one reward and its parts (failures logged through `logged`)."""
     per_input: list[list[Result | None]] = [[None] * len(rewards) for _ in inputs]
     for (si, rows), results in zip(calls, answers):
         for j, res in zip(rows, results):
             per_input[j][si] = res
-    return [combine(rewards, inp, res) for inp, res in zip(inputs, per_input)]  # type: ignore[arg-type]
+    return [combine(rewards, inp, res, logged) for inp, res in zip(inputs, per_input)]  # type: ignore[arg-type]
 
 
 # -- the pools ---------------------------------------------------------------------------------
 class Call:
-    __slots__ = ("deadline", "finished", "future", "id", "inputs", "is_async", "loop", "lost", "slot", "solo", "spec",
-                 "unexplained")
+    __slots__ = ("deadline", "finished", "future", "id", "inputs", "is_async", "lane", "loop", "lost", "slot", "solo",
+                 "spec", "unexplained")
 
     def __init__(self, call_id: int, spec: int, inputs: list[RewardInput], is_async: bool, loop, future):
         self.id, self.spec, self.inputs, self.is_async = call_id, spec, inputs, is_async
@@ -67,6 +72,7 @@ class Call:
         self.unexplained = 0  # crashes of its worker, while it waited there, that no call running was charged with
         self.solo = False  # suspected of a crash with others: it runs again alone, which tells
         self.slot: Slot | None = None  # the worker it is in flight on
+        self.lane: int | None = None  # its sync lane there (synchronous calls)
         self.deadline: float | None = None
         self.finished = False  # answered (or its caller went away)
 
@@ -74,13 +80,14 @@ class Call:
 class Slot:
     """One worker (process or actor) and the calls in flight on it."""
 
-    def __init__(self, index: int, generation: int):
+    def __init__(self, index: int, generation: int, lanes: int = 1):
         self.index, self.generation = index, generation
         self.ready = False
         self.dead = False
         self.pid: int | None = None
         self.inflight: dict[int, Call] = {}
-        self.lane: deque[Call] = deque()  # synchronous calls, in the order the worker runs them
+        # Per sync lane, its synchronous calls in the order the worker runs them (the head runs).
+        self.lanes: list[deque[Call]] = [deque() for _ in range(lanes)]
         self.n_async = 0
         self.transport: Any = None
         self.calls = 0  # answered
@@ -89,6 +96,17 @@ class Slot:
         self.retiring = False  # recycled: takes no new call, ends once its calls are answered
         self.reserved: int | None = None  # kept free for this solo call: takes no other
         self.solo: int | None = None  # the solo call in flight on it: it takes no other
+        self.hung = False  # a sync lane is stuck in user code: killed once its other calls are answered
+        self.stuck: set[int] = set()  # its sync lanes stuck in user code (they take no call)
+
+    @property
+    def queued(self) -> int:
+        """Synchronous calls on it, running or waiting."""
+        return sum(len(q) for q in self.lanes)
+
+    def free_lane(self) -> int:
+        """The lane, not stuck, with the fewest calls."""
+        return min((i for i in range(len(self.lanes)) if i not in self.stuck), key=lambda i: len(self.lanes[i]))
 
     def __repr__(self) -> str:
         return f"reward worker {self.index}" + (f" (pid {self.pid})" if self.pid else "")
@@ -105,13 +123,16 @@ class PoolScorer:
     # share that with the driver); without it, every call that may have run is a suspect.
     exact_crashes = True
     grace_s = GRACE_S
+    lane_depth = LANE_DEPTH
 
     def __init__(self, specs: list[dict[str, Any]], cfg, n_workers: int, max_async: int):
         self.specs = specs
         self.rewards = reward_meta(specs)  # names and weights; the code itself is imported in the workers
+        self.logged = OncePerStep()  # a failure's traceback: once per distinct error and step
         self.per_group = any(r.form == "trl" for r in self.rewards)
         self.timeout_s = float(cfg.timeout_s)
         self.max_async = max_async
+        self.n_lanes = self.lanes_of(cfg)
         self.kinds: list[bool] | None = None  # per reward: async (from the first worker that started)
         self.lock = threading.Lock()
         self._cond = threading.Condition(self.lock)
@@ -151,6 +172,10 @@ class PoolScorer:
             self.shutdown()
             raise RewardLoadError(broken)
 
+    def lanes_of(self, cfg) -> int:
+        """Sync lanes per worker: synchronous calls that run at once in one worker."""
+        return max(1, int(getattr(cfg, "sync_concurrency", 1) or 1))
+
     # -- transport (subclasses) -----------------------------------------------------------
     def start_worker(self, slot: Slot) -> None:
         raise NotImplementedError
@@ -185,7 +210,7 @@ class PoolScorer:
                 for c in calls:
                     c.finished = True  # in flight it stays on its worker's books until it answers or its deadline
             raise
-        return outcomes(self.rewards, inputs, plan, answers)
+        return outcomes(self.rewards, inputs, plan, answers, self.logged)
 
     def submit(self, calls: list[tuple[int, list[RewardInput]]], loop) -> list[asyncio.Future]:
         """Calls (reward index, inputs) as they are, without combining: a future per call for
@@ -231,7 +256,7 @@ class PoolScorer:
 
     # -- bookkeeping (every method below runs with the lock held) ----------------------------
     def _new_slot(self, index: int) -> Slot:
-        slot = Slot(index, next(self._generation))
+        slot = Slot(index, next(self._generation), self.n_lanes)
         self._push(time.monotonic() + START_TIMEOUT_S, "start", slot)
         self.start_worker(slot)
         return slot
@@ -255,14 +280,21 @@ class PoolScorer:
             with contextlib.suppress(RuntimeError):  # that loop is closed: its caller is gone
                 loop.call_soon_threadsafe(set_results, items)
 
+    def _serving(self) -> list[Slot]:
+        """The workers that take new calls: the current ones, and a hung one whose replacement
+        is not ready yet (its other lanes serve meanwhile: no gap while the new one starts)."""
+        waiting = [r for r in self._retiring if r.hung and not r.dead and not self.slots[r.index].ready]
+        return self.slots + waiting if waiting else self.slots
+
     def _pick(self, is_async: bool, open_lanes: set[int] | None) -> Slot | None:
         best = None
-        for s in self.slots:
-            if not s.ready or s.dead or s.retiring or s.reserved is not None or s.solo is not None:
+        for s in self._serving():
+            if not s.ready or s.dead or (s.retiring and not s.hung) or s.reserved is not None or s.solo is not None:
                 continue
             if is_async and s.n_async >= self.max_async:
                 continue
-            if not is_async and len(s.lane) >= self.sync_depth:
+            live = len(s.lanes) - len(s.stuck)
+            if not is_async and (not live or s.queued >= min(self.sync_depth, self.lane_depth * live)):
                 continue
             if not is_async and open_lanes is not None and s.generation not in open_lanes:
                 continue
@@ -279,7 +311,7 @@ class PoolScorer:
         now = time.monotonic()
         sends: dict[int, tuple[Slot, list[Call]]] = {}
         waiting: deque[Call] = deque()
-        open_lanes = {s.generation for s in self.slots if not s.lane} if self.lane_exclusive else None
+        open_lanes = {s.generation for s in self.slots if not s.queued} if self.lane_exclusive else None
         while self._pending:
             c = self._pending.popleft()
             if c.finished:
@@ -294,8 +326,10 @@ class PoolScorer:
                 slot.n_async += 1
                 self._set_deadline(c, now)
             else:
-                slot.lane.append(c)
-                if len(slot.lane) == 1:  # it starts now; the others start as the one before answers
+                c.lane = slot.free_lane()
+                lane = slot.lanes[c.lane]
+                lane.append(c)
+                if len(lane) == 1:  # it starts now; the others start as the one before answers
                     self._set_deadline(c, now)
             sends.setdefault(slot.generation, (slot, []))[1].append(c)
         self._pending = waiting
@@ -329,6 +363,8 @@ class PoolScorer:
         if self.kinds is None:
             self.kinds = list(info["kinds"])
         self._cond.notify_all()
+        for old in [r for r in self._retiring if r.hung and r.index == slot.index]:
+            self._maybe_retire(old)  # it served while this one started: it ends once idle
         self._dispatch()
 
     def on_start_failed(self, slot: Slot, why: str, traceback: str = "") -> None:
@@ -344,6 +380,8 @@ class PoolScorer:
             log.error("reward worker %d could not be restarted: %s", slot.index, why)
             if not any(not s.dead for s in self.slots):
                 self._broken = f"no reward worker is left (the last restart failed: {why})"
+        for old in [r for r in self._retiring if r.hung and r.index == slot.index]:
+            self._maybe_retire(old)  # no replacement comes: it ends once idle
         self._cond.notify_all()
         self._dispatch()
 
@@ -351,7 +389,7 @@ class PoolScorer:
         if slot.dead:
             return  # it was killed: these calls were sent again already
         now = time.monotonic()
-        hung = False
+        stuck: set[int] = set()
         if rss is not None:
             slot.rss = rss
         for call_id, results, was_hung in batch:
@@ -364,19 +402,45 @@ class PoolScorer:
             if c.is_async:
                 slot.n_async -= 1
             else:
-                head = bool(slot.lane) and slot.lane[0] is c
+                lane = slot.lanes[c.lane or 0]
+                head = bool(lane) and lane[0] is c
                 with contextlib.suppress(ValueError):
-                    slot.lane.remove(c)
-                if head and slot.lane:
-                    self._set_deadline(slot.lane[0], now)
+                    lane.remove(c)
+                if head and lane:
+                    self._set_deadline(lane[0], now)
+                if was_hung:
+                    stuck.add(c.lane or 0)
             self.served[slot.index] += 1
-            hung = hung or was_hung
             self._finish(c, results)
-        if hung:  # the worker's sync lane is stuck in user code: only a kill frees it
-            self._lose(slot, "its reward worker was killed (another call on it timed out)")
-        else:
-            self._maybe_retire(slot)
+        for lane in stuck:  # that lane is stuck in user code: only a kill frees it
+            self._stuck(slot, lane)
+        if stuck:
+            self._dispatch()  # what it stranded, at once: to the others, or its own free lanes meanwhile
+        self._maybe_retire(slot)
         self._dispatch()
+
+    def _stuck(self, slot: Slot, lane: int) -> None:
+        """A sync lane of `slot` hung (its call answered `timeout`): the calls queued behind it
+        never start there and go to another worker now; a replacement starts now; until it is
+        ready, the worker's other lanes go on taking calls, and then it takes none, finishes
+        what it runs and is killed. So hangs on one worker time out together, a hang strands no
+        other call, and the pool keeps serving while the replacement starts."""
+        again = [c for c in slot.lanes[lane] if not c.finished]
+        for c in slot.lanes[lane]:
+            slot.inflight.pop(c.id, None)
+            c.slot, c.deadline, c.lane = None, None, None
+            if slot.solo == c.id:
+                slot.solo = None
+        slot.lanes[lane].clear()
+        self._pending.extendleft(reversed(again))
+        slot.hung = True
+        slot.stuck.add(lane)
+        if not slot.retiring and not self._closed:
+            slot.retiring = True
+            self.restarts += 1
+            self._retiring.append(slot)
+            if self.slots[slot.index] is slot:
+                self.slots[slot.index] = self._new_slot(slot.index)
 
     def _maybe_retire(self, slot: Slot) -> None:
         """Recycle a worker past reward.worker_max_calls calls or reward.worker_max_rss_mb: a
@@ -392,10 +456,16 @@ class PoolScorer:
             self._retiring.append(slot)
             if self.slots[slot.index] is slot:
                 self.slots[slot.index] = self._new_slot(slot.index)
+        if slot.hung and not self._closed and slot in self._retiring and not (
+                self.slots[slot.index].ready or self.slots[slot.index].dead):
+            return  # it serves until its replacement is ready (or cannot start)
         if slot.retiring and not slot.inflight and not slot.dead:
             slot.dead = True
             self._retiring.remove(slot)
-            self._retire(slot)
+            if slot.hung:  # a thread of it is stuck in user code: asked politely, it would still hold it
+                self.kill_worker(slot)
+            else:
+                self._retire(slot)
 
     def _retire(self, slot: Slot) -> None:
         """End a recycled worker that has nothing in flight (politely; the transport's own way)."""
@@ -405,33 +475,42 @@ class PoolScorer:
         """A call past its deadline: it ends `timeout`, its worker is killed and replaced."""
         slot = c.slot
         assert slot is not None
+        if not c.is_async:
+            running = {q[0].id for q in slot.lanes if q and q[0].deadline is not None}
+            if running - {c.id}:
+                # Several sync lanes were running and none answered: the one holding the whole
+                # worker (the GIL) cannot be told from those it froze. Each runs again alone.
+                self._lose(slot, "its reward worker stopped answering while it ran", running | {c.id}, hung=True)
+                return
         slot.inflight.pop(c.id, None)
         if c.is_async:
             slot.n_async -= 1
         else:
             with contextlib.suppress(ValueError):
-                slot.lane.remove(c)
+                slot.lanes[c.lane or 0].remove(c)
         self._finish(c, timed_out(self.timeout_s, len(c.inputs), hint=f"{slot} did not answer by its deadline "
                                   f"and was killed"))
         self._lose(slot, "its reward worker was killed (another call on it timed out)")
 
-    def _lose(self, slot: Slot, why: str, suspects: set[int] | None = None) -> None:
+    def _lose(self, slot: Slot, why: str, suspects: set[int] | None = None, hung: bool = False) -> None:
         """`slot` is gone (killed, or crashed when `suspects` is given: the calls that were
         running then) and a replacement starts. A crash with one suspect is that call's: it
         ends `reward_error` naming the crash. Several suspects each run again alone (a solo
         call), which tells. Every other call is sent again as it was: a call never pays for
         another's crash or hang. (A call that waited on crashed workers MAX_UNEXPLAINED times
-        with no suspect ends `reward_error`: nothing loops forever.)"""
+        with no suspect ends `reward_error`: nothing loops forever.) `hung`: the suspects hung
+        rather than crashed (several sync lanes ran when the worker stopped answering): each
+        runs again alone, and none is charged here.)"""
         if slot.dead:
             return
         slot.dead = True
         self.kill_worker(slot)
-        crashed = suspects is not None
+        crashed = suspects is not None and not hung
         suspects = set() if suspects is None else suspects & set(slot.inflight)
-        culprit = next(iter(suspects)) if len(suspects) == 1 else None
+        culprit = next(iter(suspects)) if len(suspects) == 1 and not hung else None
         again = []
         for c in sorted(slot.inflight.values(), key=lambda c: c.id):
-            c.slot, c.deadline = None, None
+            c.slot, c.deadline, c.lane = None, None, None
             if c.finished:
                 continue
             if c.id == culprit:
@@ -448,7 +527,8 @@ class PoolScorer:
                     continue
             again.append(c)
         slot.inflight.clear()
-        slot.lane.clear()
+        for q in slot.lanes:
+            q.clear()
         slot.n_async = 0
         self._pending.extendleft(reversed(again))
         if slot in self._retiring:
@@ -458,9 +538,9 @@ class PoolScorer:
             self.slots[slot.index] = self._new_slot(slot.index)
         self._dispatch()
 
-    def on_exit(self, slot: Slot, why: str, running: int | None = None) -> None:
+    def on_exit(self, slot: Slot, why: str, running: set[int] | None = None) -> None:
         """A worker process ended by itself (or was killed from outside). `running`: the
-        synchronous call it was running, where the worker tells (`exact_crashes`)."""
+        synchronous calls its lanes were running, where the worker tells (`exact_crashes`)."""
         if slot.dead:
             return
         if not slot.ready:
@@ -468,10 +548,9 @@ class PoolScorer:
             return
         suspects = {c.id for c in slot.inflight.values() if c.is_async}
         if self.exact_crashes:
-            if running is not None:
-                suspects.add(running)
+            suspects |= running or set()
         else:  # any synchronous call sent may have started: each runs again alone
-            suspects |= {c.id for c in slot.lane}
+            suspects |= {c.id for q in slot.lanes for c in q}
         self._lose(slot, f"its reward worker died ({why})", suspects)
 
     def _run_timer(self) -> None:
@@ -501,7 +580,7 @@ def wire(calls: list[Call]) -> dict:
                 index[id(inp)] = len(inputs)
                 inputs.append(inp)
             rows.append(index[id(inp)])
-        wire.append((c.id, c.spec, rows))
+        wire.append((c.id, c.spec, rows, c.lane or 0))
     return {"inputs": inputs, "calls": wire}
 
 

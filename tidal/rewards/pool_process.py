@@ -49,7 +49,7 @@ class _Proc:
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
         out_r, out_w = os.pipe()  # the worker's stdout and stderr: to train.log, never to ours
-        self.mark = limits.MarkReader()
+        self.mark = limits.MarkReader(pool.n_lanes)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["PYTHONUNBUFFERED"] = "1"  # what a reward prints arrives as it prints it (os._exit loses no buffer)
@@ -69,7 +69,7 @@ class _Proc:
         self.rx = Connection(from_worker_r, writable=False)
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox.put(pickle.dumps({"init": {"specs": pool.specs, "timeout_s": pool.timeout_s,
-                                               "sys_path": list(sys.path),
+                                               "sys_path": list(sys.path), "lanes": pool.n_lanes,
                                                "address_space_mb": pool.address_space_mb}}))
         self.killed = False
         self._cg_lock = threading.Lock()

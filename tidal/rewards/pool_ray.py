@@ -19,6 +19,7 @@ from typing import Any
 from tidal.rewards.pool_base import (
     GRACE_S,
     RAY_ACTOR_CONCURRENCY,
+    SYNC_DEPTH,
     Call,
     PoolScorer,
     Slot,
@@ -38,6 +39,7 @@ class RayPool(PoolScorer):
     # replaced; the driver's deadline is the backstop for an actor that stops answering at
     # all, past that answer and a replacement's start.
     grace_s = GRACE_S + 10.0
+    lane_depth = SYNC_DEPTH  # the calls of one message: the actor's pool keeps its own lanes' depth
 
     def __init__(self, specs: list[dict[str, Any]], cfg, actors):
         self.actors = actors
@@ -47,6 +49,11 @@ class RayPool(PoolScorer):
         threading.Thread(target=self._run_events, name="tidal-reward-ray", daemon=True).start()
         super().__init__(specs, cfg, int(actors.count), min(int(cfg.max_concurrency), RAY_ACTOR_CONCURRENCY - 4))
         self.max_calls = self.max_rss = 0  # the actor recycles its worker process; the actor lives on
+
+    def lanes_of(self, cfg) -> int:
+        """One lane in the driver's view of an actor: the actor's own pool spreads the calls over
+        its worker's sync lanes, and this pool's deadlines are the backstop past its answers."""
+        return 1
 
     def _run_events(self) -> None:
         while (event := self._events.get()) is not None:

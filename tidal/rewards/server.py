@@ -67,18 +67,22 @@ class Fail(Exception):
         self.code, self.kind, self.message = code, kind, message
 
 
-def create_app(pool: RewardModelPool, token: str | None = None, transform: Transform = "raw",
-               max_texts: int = MAX_TEXTS):
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
+def _error(code: int, kind: str, message: str, headers: dict | None = None):
+    """The server's one error shape: `{"error": {code, type, message}}`."""
     from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"code": code, "type": kind, "message": message}}, status_code=code,
+                        headers=headers)
+
+
+def _guard(app, token: str | None) -> None:
+    """The bearer-token check (when `token` is set) and the handlers that turn every error, ours
+    and the framework's, into the server's error shape."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    def error(code: int, kind: str, message: str, headers: dict | None = None):
-        return JSONResponse({"error": {"code": code, "type": kind, "message": message}}, status_code=code,
-                            headers=headers)
-
-    app = FastAPI(title="tidal reward model", docs_url=None, redoc_url=None, openapi_url=None)
+    error = _error
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
@@ -108,6 +112,33 @@ def create_app(pool: RewardModelPool, token: str | None = None, transform: Trans
     async def on_crash(request: Request, e: Exception):
         return error(500, "internal_error", f"{request.url.path}: {type(e).__name__}: {e}")
 
+
+def _texts_of(req: ScoreRequest, pool: RewardModelPool) -> list[str]:
+    """The texts a /score request asks to score: its `texts`, or its prompts and completions
+    rendered by the model's chat template."""
+    if req.texts is not None:
+        if req.prompts is not None or req.completions is not None:
+            raise Fail(400, "invalid_request", "/score: give `texts`, or `prompts` and `completions`, not both")
+        return req.texts
+    if req.prompts is not None and req.completions is not None:
+        if len(req.prompts) != len(req.completions):
+            raise Fail(400, "invalid_request", f"/score: {len(req.prompts)} prompts and {len(req.completions)} "
+                       "completions: they pair up one to one")
+        try:
+            return [pool.render(c, p, None) if isinstance(p, str) else pool.render(c, None, p)
+                    for p, c in zip(req.prompts, req.completions)]
+        except Exception as e:  # a message list the chat template cannot render
+            raise Fail(400, "invalid_request", f"/score: cannot render a prompt: {type(e).__name__}: {e}") from e
+    raise Fail(400, "invalid_request", "/score: the body needs `texts`, or `prompts` and `completions`")
+
+
+def create_app(pool: RewardModelPool, token: str | None = None, transform: Transform = "raw",
+               max_texts: int = MAX_TEXTS):
+    from fastapi import FastAPI
+
+    app = FastAPI(title="tidal reward model", docs_url=None, redoc_url=None, openapi_url=None)
+    _guard(app, token)
+
     async def scores_of(texts: list[str], path: str) -> list[float]:
         if len(texts) > max_texts:
             raise Fail(413, "too_many_texts", f"{path}: {len(texts)} texts in one request; at most {max_texts}")
@@ -118,22 +149,7 @@ def create_app(pool: RewardModelPool, token: str | None = None, transform: Trans
 
     @app.post("/score")
     async def score(req: ScoreRequest) -> dict:
-        if req.texts is not None:
-            if req.prompts is not None or req.completions is not None:
-                raise Fail(400, "invalid_request", "/score: give `texts`, or `prompts` and `completions`, not both")
-            texts = req.texts
-        elif req.prompts is not None and req.completions is not None:
-            if len(req.prompts) != len(req.completions):
-                raise Fail(400, "invalid_request", f"/score: {len(req.prompts)} prompts and {len(req.completions)} "
-                           "completions: they pair up one to one")
-            try:
-                texts = [pool.render(c, p, None) if isinstance(p, str) else pool.render(c, None, p)
-                         for p, c in zip(req.prompts, req.completions)]
-            except Exception as e:  # a message list the chat template cannot render
-                raise Fail(400, "invalid_request", f"/score: cannot render a prompt: {type(e).__name__}: {e}") from e
-        else:
-            raise Fail(400, "invalid_request", "/score: the body needs `texts`, or `prompts` and `completions`")
-        return {"scores": await scores_of(texts, "/score")}
+        return {"scores": await scores_of(_texts_of(req, pool), "/score")}
 
     @app.post("/get_reward")
     async def get_reward(req: GetRewardRequest) -> dict:

@@ -3,16 +3,20 @@ process (a worker process of the pool, a Ray reward actor, or the driver for the
 scorer), and `python -m tidal.rewards.worker IN_FD OUT_FD` is a pool worker process.
 
 A host imports every reward once when it starts. Async rewards run concurrently on the
-host's event loop and are cancelled at `timeout_s`. Synchronous rewards run one at a time,
-in order, in one thread of their own (the "sync lane"): the loop stays free to serve async
-calls, and a hung call is observable. A synchronous call past its timeout cannot be stopped
-from inside the process, so the host answers it `timeout` with `hung=True` and stops its lane;
-the driver then kills the whole process (and its process group) and starts another. When the
-hang holds the GIL (a regex backtracking in C) the host cannot even answer; the driver's own
+host's event loop and are cancelled at `timeout_s`. Synchronous rewards run in `lanes` sync
+lanes (`reward.sync_concurrency`), each a thread of its own that runs its calls one at a
+time, in order, so that up to `lanes` synchronous calls run at once and hung ones time out
+together, not one after another; the loop stays free to serve async calls, and a hung call
+is observable. The driver says which lane each call goes to (it keeps each lane's deadlines).
+A synchronous call past its timeout cannot be stopped from inside the process, so the host
+answers it `timeout` with `hung=True` and stops that lane (the calls queued behind it never
+start there: the driver sends them elsewhere); the other lanes go on, and the driver retires
+the process (killed once its other calls are answered) and starts another. When the hang
+holds the GIL (a regex backtracking in C) the host cannot even answer; the driver's own
 deadline catches that.
 
 Wire protocol of a worker process (pickled messages over two pipes, see pool.py):
-driver → worker: {"init": ...} once, then {"inputs": [RewardInput], "calls": [(id, spec, [input index])]},
+driver → worker: {"init": ...} once, then {"inputs": [RewardInput], "calls": [(id, spec, [input index], lane)]},
 or {"close": True}; worker → driver: {"ready": {...}} or {"failed": "message"} once, then
 {"results": [(id, [Result], hung)]} (results that finish together travel together).
 """
@@ -61,32 +65,45 @@ async def _awaited(aw) -> tuple[bool, Any, str]:
         return False, e, traceback.format_exc()
 
 
+class _Lane:
+    """One sync lane: a queue, the thread that runs its calls, and whether a hang stopped it."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"tidal-reward-sync{index}")
+        self.task: asyncio.Task | None = None
+        self.stopped = False  # a call hung: nothing more starts in this lane
+
+
 class RewardHost:
     """The rewards of a run, loaded in this process. `run(spec, inputs)` -> (one Result per
     input, hung). `sync_in_thread=False` (the inline scorer) calls synchronous rewards
-    directly in the caller's loop: breakpoints work, a hang cannot be stopped."""
+    directly in the caller's loop: breakpoints work, a hang cannot be stopped. `lanes`: the
+    synchronous calls that may run at once, each lane in a thread of its own."""
 
-    def __init__(self, specs: list[dict[str, Any]], timeout_s: float, *, sync_in_thread: bool = True):
+    def __init__(self, specs: list[dict[str, Any]], timeout_s: float, *, sync_in_thread: bool = True, lanes: int = 1):
         self.rewards: list[LoadedReward] = load_rewards(specs)
         self.timeout_s = timeout_s
         self.sync_in_thread = sync_in_thread
         self.kinds = [r.is_async for r in self.rewards]
-        self._lane: asyncio.Queue | None = None
-        self._lane_task: asyncio.Task | None = None
-        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.n_lanes = max(1, int(lanes))
+        self._lanes: dict[int, _Lane] = {}
         self._delivered: list = []
         self._delivered_lock = threading.Lock()
         self._drain_scheduled = False
-        self.hung = False
-        # In a worker process (see _main): where the running sync call's id is kept for the
+        self.hung = False  # some lane is stuck in user code
+        # In a worker process (see _main): where the running sync calls' ids are kept for the
         # driver, and what runs each time the last call in flight ends (its children killed).
         self.mark = None
         self.after_call = None
-        self._busy = 0  # calls running now (async ones, and the lane's current one)
-        self._busy_lock = threading.Lock()  # counted from the loop and from the lane's thread
+        self._busy = 0  # calls running now (async ones, and each lane's current one)
+        self._busy_lock = threading.Lock()  # counted from the loop and from the lanes' threads
 
-    async def run(self, spec: int, inputs: list[RewardInput], call_id: int | None = None) -> tuple[list[Result], bool]:
-        """`call_id`: the driver's id of the call, kept in `mark` while it runs (a crash is charged to it)."""
+    async def run(self, spec: int, inputs: list[RewardInput], call_id: int | None = None,
+                  lane: int = 0) -> tuple[list[Result], bool]:
+        """`call_id`: the driver's id of the call, kept in `mark` while it runs (a crash is
+        charged to it); `lane`: the sync lane it runs in (synchronous rewards)."""
         reward = self.rewards[spec]
         try:
             args, kwargs = arguments(reward, inputs)
@@ -98,12 +115,12 @@ class RewardHost:
                 return await self._direct(reward, args, kwargs, inputs), False
             finally:
                 self._ended()
-        if self._lane is None:
-            self._lane = asyncio.Queue()
-            self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tidal-reward-sync")
-            self._lane_task = asyncio.get_running_loop().create_task(self._serve_lane())
+        ln = self._lanes.get(lane % self.n_lanes)
+        if ln is None:
+            ln = self._lanes[lane % self.n_lanes] = _Lane(lane % self.n_lanes)
+            ln.task = asyncio.get_running_loop().create_task(self._serve_lane(ln))
         fut = asyncio.get_running_loop().create_future()
-        self._lane.put_nowait((reward, args, kwargs, inputs, fut, call_id))
+        ln.queue.put_nowait((reward, args, kwargs, inputs, fut, call_id))
         return await fut
 
     async def _direct(self, reward, args, kwargs, inputs) -> list[Result]:
@@ -123,22 +140,22 @@ class RewardHost:
         ok, out, tb = task.result()
         return check(reward, out, inputs) if ok else raised(reward, out, inputs, tb)
 
-    async def _serve_lane(self) -> None:
-        """Synchronous calls, one at a time, in arrival order, each timed from its own start.
-        The calls waiting when the thread frees up go to it together (one hand-over, not one
-        per call); the loop sleeps until the running call's deadline or the batch's end."""
+    async def _serve_lane(self, ln: _Lane) -> None:
+        """A lane's synchronous calls, one at a time, in arrival order, each timed from its own
+        start. The calls waiting when the thread frees up go to it together (one hand-over,
+        not one per call); the loop sleeps until the running call's deadline or the batch's end."""
         loop = asyncio.get_running_loop()
         while True:
-            batch = [await self._lane.get()]
-            while not self._lane.empty():
-                batch.append(self._lane.get_nowait())
+            batch = [await ln.queue.get()]
+            while not ln.queue.empty():
+                batch.append(ln.queue.get_nowait())
             progress = [(0, time.monotonic())]  # (index of the running call, its start), set by the thread
-            job = loop.run_in_executor(self._thread, self._run_batch, batch, progress, loop)
+            job = loop.run_in_executor(ln.thread, self._run_batch, ln, batch, progress, loop)
             while not job.done():
                 i, t0 = progress[0]
                 left = t0 + self.timeout_s - time.monotonic()
                 if left <= 0:  # the thread is stuck in user code: only killing the process ends it
-                    self.hung = True
+                    self.hung = ln.stopped = True  # what is queued behind it never starts here
                     fut = batch[i][4]
                     if not fut.done():
                         fut.set_result((timed_out(self.timeout_s, len(batch[i][3])), True))
@@ -146,17 +163,19 @@ class RewardHost:
                 await asyncio.wait({job}, timeout=left)
             job.result()
 
-    def _run_batch(self, batch: list, progress: list, loop) -> None:
+    def _run_batch(self, ln: _Lane, batch: list, progress: list, loop) -> None:
         """In the lane's thread."""
         for i, (reward, args, kwargs, inputs, fut, call_id) in enumerate(batch):
+            if ln.stopped:  # a call before this one hung and came back late: the driver sent the rest elsewhere
+                return
             t0 = time.monotonic()
             progress[0] = (i, t0)
             self._begun()
             if self.mark is not None:
-                self.mark.set(call_id)
+                self.mark.set(call_id, ln.index)
             ok, out, tb = _invoke(reward.fn, args, kwargs)
             if self.mark is not None:
-                self.mark.set(None)
+                self.mark.set(None, ln.index)
             if not ok:
                 res = raised(reward, out, inputs, tb)
             elif inspect.isawaitable(out):  # a sync-looking callable that returned an awaitable
@@ -212,10 +231,10 @@ class RewardHost:
                     await asyncio.wait_for(out, timeout_s)
             except Exception:  # noqa: BLE001, S110 - the process ends next; nothing to save
                 pass
-        if self._lane_task is not None:
-            self._lane_task.cancel()
-        if self._thread is not None:
-            self._thread.shutdown(wait=False, cancel_futures=True)
+        for ln in self._lanes.values():
+            if ln.task is not None:
+                ln.task.cancel()
+            ln.thread.shutdown(wait=False, cancel_futures=True)
 
 
 # -- the worker process ------------------------------------------------------------------------
@@ -237,12 +256,12 @@ def _main(in_fd: int, out_fd: int, mark_fd: int | None = None) -> None:
     sys.path[:] = init["sys_path"]  # the driver's import path: the rewards import here as they do there
     try:
         limits.set_address_space(init.get("address_space_mb"))
-        host = RewardHost(init["specs"], init["timeout_s"])
+        host = RewardHost(init["specs"], init["timeout_s"], lanes=init.get("lanes", 1))
     except Exception as e:  # noqa: BLE001 - reported to the driver, which raises it at start
         send({"failed": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}({e})",
               "traceback": traceback.format_exc()})
         return
-    host.mark = limits.CrashMark(mark_fd)
+    host.mark = limits.CrashMark(mark_fd, host.n_lanes)
     host.after_call = limits.end_group_children
     send({"ready": {"pid": os.getpid(), "kinds": host.kinds}})
     asyncio.run(_serve(host, rx, send))
@@ -260,9 +279,9 @@ async def _serve(host: RewardHost, rx, send) -> None:
         if batch:
             send({"results": batch, **limits_state()})
 
-    async def one(call_id: int, spec: int, inputs: list[RewardInput]) -> None:
+    async def one(call_id: int, spec: int, inputs: list[RewardInput], lane: int) -> None:
         try:
-            results, hung = await host.run(spec, inputs, call_id)
+            results, hung = await host.run(spec, inputs, call_id, lane)
         except Exception as e:  # noqa: BLE001 - a bug here must answer the call, not strand it
             results, hung = raised(host.rewards[spec], e, inputs), False
         if not outbox:
@@ -275,8 +294,8 @@ async def _serve(host: RewardHost, rx, send) -> None:
                 stop.set_result(None)
             return
         inputs = msg["inputs"]
-        for call_id, spec, rows in msg["calls"]:
-            t = loop.create_task(one(call_id, spec, [inputs[i] for i in rows]))
+        for call_id, spec, rows, lane in msg["calls"]:
+            t = loop.create_task(one(call_id, spec, [inputs[i] for i in rows], lane))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
 

@@ -34,6 +34,7 @@ from tidal.envs.dataset import DatasetError, load_prompts
 from tidal.models import load_model, load_tokenizer, resolve_model_dir, stop_token_ids
 from tidal.models.vision import Vision
 from tidal.rewards.pool import build_scorer, spec_keys
+from tidal.runtime.evaluate import accuracy_note
 from tidal.runtime.gateway_http import start_gateway
 from tidal.runtime.placement import build_roles
 from tidal.runtime.rollout import Rollout
@@ -84,11 +85,14 @@ class RunParts:
             engine.close()
 
 
-def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None) -> Rollout:
+def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None,
+                 training: bool = False) -> Rollout:
+    """`training`: a step stops waiting for its rewards past reward.failure_budget
+    (tidal/runtime/step_budget.py); evaluation and replay wait for every one."""
     r = cfg.rollout
     return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
                    max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer,
-                   gateway=gateway, vision=vision)
+                   gateway=gateway, vision=vision, failure_budget=cfg.reward.failure_budget if training else 1.0)
 
 
 def sampling_params(cfg: TidalConfig, tokenizer, purpose: str) -> SamplingParams:
@@ -139,6 +143,17 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
     return parts
 
 
+def _eval_spec(cfg: TidalConfig) -> RewardSpec:
+    return RewardSpec(fn=cfg.eval.reward, form=cfg.eval.reward_form)
+
+
+def _accuracy_note(cfg: TidalConfig, task: Task) -> str | None:
+    """The line to log at start when no reward evaluation uses can say what is correct."""
+    if cfg.eval.reward:
+        return accuracy_note([_eval_spec(cfg)], ["eval.reward"])
+    return accuracy_note(task.rewards, spec_keys(cfg.task))
+
+
 def _task_scorer(cfg: TidalConfig, task: Task, ray_handles=None):
     return build_scorer(task.rewards, cfg.reward, ray_handles=ray_handles, keys=spec_keys(cfg.task))
 
@@ -159,12 +174,20 @@ def _training(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None:
     # The OpenAI-compatible gateway over the engines: agent tasks call it (and so may tools
     # outside the run, with gateway.enabled).
     parts.gateway = start_run_gateway(cfg, task, parts.engine, parts.tokenizer, parts.model_dir, run_dir)
-    parts.rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.scorer, parts.gateway, parts.vision)
-    parts.eval_scorer, parts.eval_rollout = parts.scorer, parts.rollout
+    parts.rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.scorer, parts.gateway, parts.vision,
+                                 training=True)
+    parts.eval_scorer = parts.scorer
     if cfg.eval.reward:  # held-out accuracy by another reward (the verifier of an RM-trained task)
-        parts.eval_scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
-        parts.eval_rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.eval_scorer, parts.gateway,
-                                          parts.vision)
+        parts.eval_scorer = build_scorer([_eval_spec(cfg)], cfg.reward, keys=["eval.reward"])
+    if cfg.run.eval_every and not task.eval_rows and not cfg.eval.sets:
+        log.warning("evaluation: no held-out rows (task.eval_dataset is not set for the dataset %s), so "
+                    "run.eval_every=%d evaluates nothing: set task.eval_dataset (or eval.sets)",
+                    cfg.task.dataset, cfg.run.eval_every)
+    elif cfg.run.eval_every and (note := _accuracy_note(cfg, task)):
+        log.warning("%s", note)
+    # Its own rollout: evaluation waits for every reward (no step failure budget).
+    parts.eval_rollout = make_rollout(cfg, parts.tokenizer, parts.params, parts.eval_scorer, parts.gateway,
+                                      parts.vision)
     for name, path in cfg.eval.sets.items():  # named by their key when they cannot load
         try:
             parts.eval_sets[name] = load_prompts(path)[: cfg.eval.n]
@@ -179,7 +202,7 @@ def _evaluation(cfg: TidalConfig, parts: RunParts, run_dir: Path | None) -> None
                                 device=device, pad_token_id=parts.tokenizer.pad_token_id, seed=cfg.run.seed)
     parts.engines = [parts.engine]
     if cfg.eval.reward:  # accuracy by another reward than the task's (e.g. the verifier of an RM-trained run)
-        parts.scorer = build_scorer([RewardSpec(fn=cfg.eval.reward)], cfg.reward, keys=["eval.reward"])
+        parts.scorer = build_scorer([_eval_spec(cfg)], cfg.reward, keys=["eval.reward"])
     elif parts.task.rewards:
         parts.scorer = _task_scorer(cfg, parts.task)
     parts.gateway = start_run_gateway(cfg, parts.task, parts.engine, parts.tokenizer, parts.model_dir, run_dir)

@@ -46,17 +46,18 @@ from tidal.monitor.alerts import AlertEvent
 from tidal.monitor.episodes import EpisodeWriter
 from tidal.monitor.progress import Progress
 from tidal.monitor.run_log import RunLog
+from tidal.monitor.run_status import clear_exit
 from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.monitor.step_metrics import episode_metrics, staleness_metrics
-from tidal.runtime import inflight
+from tidal.runtime import inflight, sources
 from tidal.runtime.assemble import build_run
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
 from tidal.runtime.evaluate import evaluate_during_training
 from tidal.runtime.health import Health
 from tidal.runtime.rollout import group_specs
-from tidal.runtime.run_dir import DiskError, RunFailed, disk_failure, free_space, tidy_for_resume
+from tidal.runtime.run_dir import DiskError, RunFailed, clear_run, disk_failure, free_space, tidy_for_resume
 from tidal.runtime.run_lock import RunLock
 from tidal.types import Episode
 
@@ -86,11 +87,14 @@ class Sampled:
 
 
 class Controller:
-    def __init__(self, cfg: TidalConfig, resume: bool = False, resume_record: dict | None = None):
-        """`resume`: continue the run in cfg.run.dir from its newest good checkpoint;
-        `resume_record` (the overrides and config changes of this resume, from
-        config.load_resume_config) is appended to the run's resumes.jsonl."""
+    def __init__(self, cfg: TidalConfig, resume: bool = False, resume_record: dict | None = None,
+                 overwrite: bool = False):
+        """`resume`: continue the run in cfg.run.dir from its newest good checkpoint (from its start
+        when it has none); `resume_record` (the overrides and config changes of this resume, from
+        config.load_resume_config) is appended to the run's resumes.jsonl. `overwrite`: a new run
+        into the directory of an earlier one, whose files are removed first (run_dir.clear_run)."""
         self.cfg = cfg
+        self._overwrite = overwrite
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         torch.manual_seed(cfg.run.seed)
@@ -136,7 +140,9 @@ class Controller:
         self._restored: dict[int, Sampled] = {}  # steps a checkpoint kept ahead, trained as they were
         if self.resumed_from is not None:
             self._load(self.resumed_from)
-        self.metrics = open_sinks(cfg, run_dir, self.step if resume else None, cfg.model_dump(mode="json"),
+        # A resume with no checkpoint starts again from step 0: the earlier attempt's metrics all go (-1).
+        resume_step = (self.step if self.resumed_from is not None else -1) if resume else None
+        self.metrics = open_sinks(cfg, run_dir, resume_step, cfg.model_dump(mode="json"),
                                   self.run_log.file)
         self.episode_writer = EpisodeWriter(run_dir / "episodes", self.tokenizer) if cfg.run.write_episodes else None
         if resume:  # recorded once the resume has started: a resume that failed to start adds no line
@@ -150,18 +156,28 @@ class Controller:
         (resumes.jsonl gets its line once the start has succeeded)."""
         run_dir, cfg = self.paths.root, self.cfg
         self.run_lock.acquire()  # a second run, or a resume of a live one, is refused here by name
+        clear_exit(run_dir)  # an earlier attempt's exit record: this one is running (tidal/monitor/run_status.py)
         resume_from = self.paths.latest_checkpoint() if resume else None
-        if resume and resume_from is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {self.paths.checkpoints}")
-        if not resume and (run_dir / "metrics.jsonl").exists():
-            raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it or choose another run.dir")
+        if resume and resume_from is None:  # stopped before its first checkpoint: it starts again
+            log.warning("--resume: %s has no complete checkpoint (the run stopped before its first save): it "
+                        "starts again from step 0, with its own config", self.paths.checkpoints)
+        if self._overwrite:  # after the lock: a live run's directory is never cleared
+            clear_run(run_dir)
+        elif not resume and (run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(f"run directory {run_dir} already holds a run: pass --resume to continue it, "
+                                  "--overwrite to delete it and start again, or choose another run.dir")
         self.resumed_from = resume_from
         run_dir.mkdir(parents=True, exist_ok=True)
         if not (resume and (run_dir / "config.yaml").is_file()):  # a resumed run keeps its own record
-            write_atomic(run_dir / "config.yaml", dump_config(cfg))
+            saved = sources.absolute(cfg)  # eval and replay of the run work from any directory
+            write_atomic(run_dir / "config.yaml", dump_config(saved))
+            sources.keep_sources(saved, run_dir)  # its files of code, as they are now (tidal/runtime/sources.py)
+        else:
+            sources.warn_changed(run_dir, "--resume")
         self.run_log = RunLog(run_dir / "train.log")  # train.log (tidal/monitor/run_log.py)
-        if resume_from is not None:  # what an earlier attempt left past the checkpoint
-            tidy_for_resume(run_dir, json.loads((resume_from / "controller.json").read_text())["step"])
+        if resume:  # what an earlier attempt left past the checkpoint (past step 0 without one)
+            tidy_for_resume(run_dir, json.loads((resume_from / "controller.json").read_text())["step"]
+                            if resume_from is not None else 0)
         if cfg.run.trace:  # before the roles start: a trainer in this process records into the driver's track
             trace.enable("driver")
 
@@ -299,8 +315,14 @@ class Controller:
     # -- evaluation during training ---------------------------------------------------------
     def _evaluate(self, step: int) -> dict[str, float]:
         with trace.span("eval", cat="eval", step=step):
-            return evaluate_during_training(self.engine, self.eval_rollout, self.task.eval_rows, self.eval_sets,
-                                            self.make_env, self.cfg.eval, step)
+            out = evaluate_during_training(self.engine, self.eval_rollout, self.task.eval_rows, self.eval_sets,
+                                           self.make_env, self.cfg.eval, step)
+        if "eval/failed_frac" in out and "eval/accuracy" not in out and not getattr(self, "_said_no_accuracy", False):
+            self._said_no_accuracy = True  # once: the reason does not change between evaluations
+            log.warning("evaluation at step %d: no held-out episode was scored as right or wrong (%.0f%% failed; "
+                        "no `correct` part, reward named `correct` or veRL `acc` among the others): eval/accuracy "
+                        "is not reported (docs/rewards.md)", step, 100 * out["eval/failed_frac"])
+        return out
 
     def _improves_best(self, metrics: dict[str, float]) -> bool:
         key = self.cfg.eval.keep_best

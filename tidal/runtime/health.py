@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +49,22 @@ def role_restarts(roles, step: int) -> list[dict]:
         while pending:
             out.append({"kind": "restart", "step": step, **pending.pop(0)})
     return out
+
+
+_WHERE = re.compile(r" on episode \S+ \(task [^)]*\) of step \d+")
+
+
+def _others(eps: list[Episode], most: int = 3) -> str:
+    """The distinct errors among `eps` beyond the first one's, with their counts: a flaky
+    reward's step is one line, not a traceback per episode (their tracebacks: once a step)."""
+    counts = Counter(_WHERE.sub("", e.error) for e in eps)
+    if len(counts) == 1:
+        return f" (all {len(eps)} the same error)" if len(eps) > 1 else ""
+    first = _WHERE.sub("", eps[0].error)
+    rest = [(n, err) for err, n in counts.most_common() if err != first]
+    text = "; ".join(f"{n} x {err}" for n, err in rest[:most])
+    more = f"; and {len(rest) - most} more distinct errors" if len(rest) > most else ""
+    return f" ({counts[first]} x that error; also {text}{more})"
 
 
 class Health:
@@ -78,8 +96,8 @@ class Health:
             if not e.status.trainable:
                 failed_by.setdefault(e.status.value, []).append(e)
         for status, eps in failed_by.items():
-            log.warning("step %d: %d of %d episodes ended %s (not trained on); first: %s",
-                        step, len(eps), len(episodes), status, eps[0].error)
+            log.warning("step %d: %d of %d episodes ended %s (not trained on); first: %s%s",
+                        step, len(eps), len(episodes), status, eps[0].error, _others(eps))
         rc = self.cfg.reward
         failed = metrics.get("episodes/failed_frac", 0.0)
         self.over_budget = self.over_budget + 1 if episodes and failed > rc.failure_budget else 0

@@ -99,6 +99,18 @@ def _keeping_sigterm():
     previous = signal.getsignal(signal.SIGTERM) if main else None
     try:
         yield
+    except SystemExit as e:
+        # A SIGTERM while ray.init runs met Ray's handler (`sys.exit(15)`): what Ray had started is
+        # shut down, and the program's own handler gets the signal, as after ray.init.
+        if not (callable(previous) and e.code == signal.SIGTERM):
+            raise
+        import ray
+
+        signal.signal(signal.SIGTERM, previous)
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        previous(signal.SIGTERM, None)
+        raise
     finally:
         if callable(previous):
             signal.signal(signal.SIGTERM, previous)
@@ -264,6 +276,7 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)
     log.info("placement: ray, %d trainer rank(s), %d engine replica(s) (%s), weight sync %s",
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
+    pusher.prepare()  # weight_sync=shard: the group forms and the transfer plan is logged now
     return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
                  reward_handles=rewards, env_handles=envs, envs=remote_envs)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tidal.envs import loop_scoped
+from tidal.runtime.sources import use_kept
 
 # Log-prob agreement that counts as "the same weights": float32 forward passes of one model on
 # other batches agree to ~1e-5 per token here; 1e-3 leaves room for another CPU's kernels while
@@ -75,6 +76,8 @@ def find_episode(run_dir: Path, episode_id: str) -> dict[str, Any]:
 def checkpoint_of_version(run_dir: Path, version: int, updates_per_step: int) -> Path | None:
     """The checkpoint of the run whose trainer had made `version` updates; None for version 0
     (the run's starting model) or when no kept checkpoint has it."""
+    # This module's imports of tidal are inside its functions: `tidal.cli` imports it at start-up
+    # (ReplayError), and a replay's run assembly loads transformers, which no other command needs.
     from tidal.runtime.checkpoints import checkpoint_dirs
 
     for ckpt in checkpoint_dirs(run_dir / "checkpoints"):
@@ -93,6 +96,7 @@ def replay(run_dir: str | Path, episode_id: str, checkpoint: str | Path | None =
 
     run_dir = Path(run_dir)
     cfg, _ = load_resume_config(run_dir, [])
+    cfg = use_kept(cfg, run_dir, "replay")  # the run's copies of its environment, reward, ... files
     recorded = find_episode(run_dir, episode_id)
     policy_versions = sorted({v for v, m in zip(recorded["versions"], recorded["loss_mask"]) if m})
     if len(policy_versions) > 1:

@@ -44,7 +44,9 @@ from typing import Any
 from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride, is_agent_env, optional
 from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
+from tidal.monitor.episodes import reference_of
 from tidal.rewards.contract import RewardInput, RewardOutcome
+from tidal.runtime import step_budget
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
 
 log = logging.getLogger("tidal")
@@ -109,6 +111,12 @@ class EpisodeSpec:
     row: dict[str, Any] = field(default_factory=dict)  # the dataset row: its columns reach the rewards
 
 
+def new_episode(spec: EpisodeSpec, step: int) -> Episode:
+    """The record an episode of `spec` fills in, its task row's reference beside it (the store keeps it)."""
+    return Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed,
+                   reference=reference_of(spec.row))
+
+
 @dataclass
 class _Conversation:
     """One episode's state between its turns (`Rollout._run_episode`)."""
@@ -167,7 +175,7 @@ class _GroupScoring:
 class Rollout:
     def __init__(self, tokenizer, params: SamplingParams, max_turns: int = 1, timeout_s: float = 600.0, *,
                  max_total_tokens: int | None = None, prefix_policy: str = "split", scorer=None,
-                 close_timeout_s: float = 60.0, gateway=None, vision=None):
+                 close_timeout_s: float = 60.0, gateway=None, vision=None, failure_budget: float = 1.0):
         if prefix_policy not in ("split", "continue"):
             raise ValueError(f"prefix_policy must be 'split' or 'continue', got {prefix_policy!r}")
         self.tokenizer = tokenizer
@@ -180,6 +188,7 @@ class Rollout:
         self.close_timeout_s = close_timeout_s
         self.gateway = gateway  # a GatewayServer: agent environments (task.env=openai_agent) call it
         self.vision = vision  # a vision-language model's Vision (tidal/models/vision.py); None: text only
+        self.failure_budget = failure_budget  # a step stops waiting for rewards past it (step_budget.py); 1.0: never
 
     def with_params(self, **changes: Any) -> Rollout:
         """A copy of this rollout whose sampling differs (e.g. greedy evaluation)."""
@@ -254,7 +263,7 @@ class Rollout:
     # -- one episode --------------------------------------------------------------------------
     async def run_episode(self, spec: EpisodeSpec, client: BatchingClient, step: int,
                           groups: dict[str, _GroupScoring] | None = None) -> Episode:
-        ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
+        ep = new_episode(spec, step)
         group = (groups or {}).get(spec.group_id)
         try:
             if is_agent_env(spec.env):
@@ -428,10 +437,14 @@ class Rollout:
             async with trace.async_span("reward", spec.episode_id):
                 if group is not None:
                     group.submitted.add(ep.episode_id)
-                    outcome = await group.submit(self.scorer, inp)
+                    outcome = await step_budget.unless_spent(group.submit(self.scorer, inp))
                 else:
-                    outcome = (await self.scorer.score([inp]))[0]
+                    outcomes = await step_budget.unless_spent(self.scorer.score([inp]))
+                    outcome = None if outcomes is None else outcomes[0]
             ep.metrics["reward_s"] = time.perf_counter() - t3
+            if outcome is None:  # the step's rewards failed past reward.failure_budget: not waited for
+                budget = step_budget.current()
+                return self._fail(ep, Status.REWARD_ERROR, budget.why() if budget else "not scored")
             if outcome.status != "ok":
                 st = Status.TIMEOUT if outcome.status == "timeout" else Status.REWARD_ERROR
                 return self._fail(ep, st, outcome.error)
@@ -514,8 +527,8 @@ class Rollout:
         try:
             ep = await asyncio.wait_for(self.run_episode(spec, client, step, groups), self.timeout_s)
         except TimeoutError:
-            ep = Episode(spec.episode_id, spec.group_id, spec.task_id, spec.env.name, step=step, seed=spec.seed)
-            ep = self._fail(ep, Status.TIMEOUT, f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
+            ep = self._fail(new_episode(spec, step), Status.TIMEOUT,
+                            f"episode exceeded rollout.episode_timeout_s={self.timeout_s:g}")
         await self._close(spec, ep)
         return ep
 
@@ -543,11 +556,17 @@ class Rollout:
 
         async def one(spec: EpisodeSpec) -> Episode:
             ep = await self._bounded(spec, client, step, groups)
+            if (budget := step_budget.current()) is not None:
+                budget.record(ep)
             if on_episode is not None:
                 on_episode(ep)
             return ep
 
-        return list(await asyncio.gather(*(one(s) for s in specs)))
+        token = step_budget.open_budget(len(specs), self.failure_budget)  # seen by the episode tasks below
+        try:
+            return list(await asyncio.gather(*(one(s) for s in specs)))
+        finally:
+            step_budget.close_budget(token)
 
 
 def _short(e: BaseException, n: int = 300) -> str:

@@ -12,15 +12,21 @@ middle of it) and said in the log, and the episode files of steps after the chec
 attempt that went further than the resume will, or that died in a step) are removed, with the
 hidden temporary files of unfinished ones. metrics.jsonl drops its own steps past the
 checkpoint as it opens (tidal/monitor/sinks.py).
+
+`clear_run` (`tidal train --overwrite`) empties the directory of an earlier run for a new one,
+and says what it removed. It removes only a run's directory (one that holds a config.yaml, or an
+empty one): a mistyped run.dir naming a directory of other files is refused, not emptied.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from tidal.durable import disk_error, free_bytes, repair_tail
 from tidal.monitor.episodes import episode_files, file_step
+from tidal.runtime.run_lock import LOCK_FILE
 
 log = logging.getLogger("tidal")
 
@@ -84,3 +90,27 @@ def tidy_for_resume(root: Path, step: int) -> None:
     if gone:
         log.warning("episodes: %d file(s) of steps after the checkpoint (step %d), left by an earlier attempt, were "
                     "removed: %s", len(gone), step, ", ".join(sorted(f.name for f in gone)[:8]))
+
+
+def clear_run(root: Path) -> list[str]:
+    """Remove everything in `root`, the directory of an earlier run, but its lock (held by the
+    caller); the removed entries are named in the log (and returned). A FileExistsError for a
+    directory that is not a run's (no config.yaml and not empty)."""
+    entries = sorted(p for p in root.iterdir() if p.name != LOCK_FILE) if root.is_dir() else []
+    if entries and not (root / "config.yaml").is_file():
+        raise FileExistsError(f"--overwrite: {root} is not a run directory (it holds no config.yaml, but "
+                              f"{len(entries)} other entries): --overwrite empties only a run's directory; choose "
+                              "another run.dir")
+    if not entries:
+        return []
+    names, total = [], 0
+    for p in entries:
+        files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+        total += sum(f.stat().st_size for f in files if not f.is_symlink())
+        names.append(f"{p.name}/ ({len(files)} files)" if p.is_dir() and not p.is_symlink() else p.name)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    log.warning("--overwrite: removed the earlier run in %s (%.1f MiB): %s", root, total / 2**20, ", ".join(names))
+    return names

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from tidal.durable import named
+
 log = logging.getLogger("tidal")
 
 LOCK_FILE = "run.lock"
@@ -92,10 +94,15 @@ class RunLock:
                         self.path.parent, describe(previous))
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "command": _command()}
-        f.seek(0)
-        f.truncate()
-        f.write(json.dumps(me) + "\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(json.dumps(me) + "\n")
+            f.flush()
+        except OSError as e:  # a full disk: said naming this file, and the lock not kept
+            with contextlib.suppress(OSError):  # its buffer cannot be written either
+                f.close()
+            raise named(e, self.path) from e
         self._f = f
 
     def release(self) -> None:

@@ -8,6 +8,9 @@ each transport a class with one `deliver` in TRANSPORTS),
   inprocess  each colocated rank loads them into its own engine;
   broadcast  rank 0 broadcasts them in buckets over a group of rank 0 and the engine
              actors, created for the purpose and re-formed when a replica is replaced;
+  shard      no gather: every trainer rank sends its own shards' pieces to the engine actors
+             by a transfer plan (tidal/weightsync/plan.py), made when the group forms; with
+             placement.weight_sync_delta, only the compressed XOR against what each engine holds;
   disk       rank 0 writes safetensors to a shared directory and every engine loads it.
 Each engine answers with the version it now holds; the router's view is set from that.
 
@@ -25,6 +28,7 @@ from pathlib import Path
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
+from tidal.weightsync import InProcessSync
 
 log = logging.getLogger("tidal")
 
@@ -39,15 +43,14 @@ class WeightPusher:
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:
-        from tidal.weightsync import InProcessSync
 
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
             # On a thread that ends with it, as the trainer's calls (trainer_group.on_own_thread): copying the
             # weights into the engine is a parallel op whose OpenMP team must not stay on the loop's thread.
-            return on_own_thread(lambda: {"time/weight_sync_s": sync.push(trainer.version,
-                                                                          trainer.named_weights())["seconds"]})
+            out = on_own_thread(lambda: sync.push(trainer.version, trainer.named_weights()))
+            return {"time/weight_sync_s": out["seconds"], "weight_sync/bytes": out["bytes"]}
 
         return cls(push, "in process")
 
@@ -65,6 +68,10 @@ class WeightPusher:
 
     def push(self, step: int | None = None) -> dict[str, float]:
         return self._push(step)
+
+    def prepare(self) -> None:
+        if hasattr(self, "_state"):
+            self._state.prepare()
 
 
 def choose_transport(weight_sync: str, colocated: bool) -> str:
@@ -98,6 +105,7 @@ class _Broadcast:
         subs = [h.submit("push_weights", "broadcast", sync.options) for h in ranks]
         subs += [sync.handles[i].submit("sync_recv") for i in targets]
         out = gather(subs, step=step, timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": float(out[0].get("bytes", 0.0))}  # rank 0's payload, to every engine
         return {i: o["version"] for i, o in zip(targets, out[len(ranks):])}
 
     def _ensure_group(self, sync: _RemoteSync, live: list[Handle]) -> None:
@@ -114,6 +122,47 @@ class _Broadcast:
         self.members = live
 
 
+class _Shard:
+    """Every trainer rank sends its own shards' pieces straight to the engine actors, by a
+    transfer plan made when the group (all trainer ranks and the live engines) forms, again
+    whenever the set of live engines changed; a new group starts every engine on a full sync."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.members: list[Handle] | None = None
+        self.metrics: dict[str, float] = {}
+
+    def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
+        self._ensure_group(sync, [sync.handles[i] for i in targets])
+        ranks = sync.trainer.ranks
+        subs = [h.submit("push_weights", "shard", sync.options) for h in ranks]
+        subs += [sync.handles[i].submit("shard_recv") for i in targets]
+        out = gather(subs, step=step, timeout_s=sync.timeout_s)
+        engines = out[len(ranks):]
+        self.metrics = {"weight_sync/bytes": max(e["bytes"] for e in engines),
+                        "weight_sync/full_bytes": max(e["raw_bytes"] for e in engines),
+                        "weight_sync/repaired": float(sum(bool(e["mismatched"]) for e in engines))}
+        return {i: o["version"] for i, o in zip(targets, engines)}
+
+    def prepare(self, sync: _RemoteSync) -> None:
+        self._ensure_group(sync, [h for h, up in zip(sync.handles, sync.router.up) if up])
+
+    def _ensure_group(self, sync: _RemoteSync, live: list[Handle]) -> None:
+        if self.members is not None and [id(h) for h in live] == [id(h) for h in self.members]:
+            return
+        self.epoch += 1
+        ranks = sync.trainer.ranks
+        addr, port = ranks[0].call("where", timeout_s=sync.timeout_s)
+        world, name, n = len(ranks) + len(live), f"tidal-shard-{self.epoch}", len(ranks)
+        args = {"backend": sync.backend(), "timeout_s": sync.cfg.placement.collective_timeout_s,
+                "engine_ranks": len(live), "bucket_mb": sync.cfg.placement.weight_sync_bucket_mb}
+        out = gather([h.submit("shard_join", addr, port, r, world, name, **args) for r, h in enumerate(ranks)]
+                     + [h.submit("shard_join", addr, port, n + r, world, name, **args) for r, h in enumerate(live)],
+                     timeout_s=sync.timeout_s)
+        log.info("%s", out[0])  # the transfer plan: bytes per engine rank, buckets, senders
+        self.members = live
+
+
 class _Disk:
     """Rank 0 writes safetensors to a shared directory; every engine loads the file."""
 
@@ -125,7 +174,7 @@ class _Disk:
         return dict(zip(targets, got))
 
 
-TRANSPORTS = {"inprocess": _InProcess, "broadcast": _Broadcast, "disk": _Disk}
+TRANSPORTS = {"inprocess": _InProcess, "broadcast": _Broadcast, "shard": _Shard, "disk": _Disk}
 
 
 class _RemoteSync:
@@ -202,4 +251,10 @@ class _RemoteSync:
             if not self.router.up[i]:
                 self.router.mark_up(i)
                 log.warning("step %s: %s is back with weights v%d", step, self.router.names[i], v)
-        return {"time/weight_sync_s": time.perf_counter() - t0, "engines/restarted": float(len(self._pending_up))}
+        return {"time/weight_sync_s": time.perf_counter() - t0, "engines/restarted": float(len(self._pending_up)),
+                **getattr(self.transport, "metrics", {})}
+
+    def prepare(self) -> None:
+        """Form the transport's group now (the shard transport's plan is logged at start)."""
+        if hasattr(self.transport, "prepare"):
+            self.transport.prepare(self)

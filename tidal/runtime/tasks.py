@@ -15,31 +15,16 @@ other's.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any
 
-from tidal.config import ConfigError, RewardSpec, TaskConfig
+from tidal.config import ConfigError, TaskConfig
 from tidal.envs import BUILTIN_ENVS, GENERATED_TASK
 from tidal.envs.base import optional
 from tidal.envs.dataset import load_prompts
+from tidal.envs.task import Task
 from tidal.importing import adapter_of, import_object
 
 REASONING_GYM_REWARD = "tidal.envs.adapters.reasoning_gym:score"
-
-
-@dataclass
-class Task:
-    name: str
-    train_rows: list[dict[str, Any]]
-    eval_rows: list[dict[str, Any]]
-    env_cls: Any
-    env_args: dict[str, Any] = field(default_factory=dict)
-    rewards: list[RewardSpec] = field(default_factory=list)
-
-    def make_env(self, row: dict[str, Any], seed: int = 0):
-        env = self.env_cls(row, seed=seed, **self.env_args)
-        env.name = self.name
-        return env
 
 
 def load_env_class(cfg: TaskConfig):

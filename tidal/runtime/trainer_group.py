@@ -24,17 +24,20 @@ from pathlib import Path
 import torch
 
 from tidal.config import TidalConfig
+from tidal.models import load_tokenizer
 from tidal.monitor import trace
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, gather
 from tidal.runtime.workers import SyncReceiver, free_port, make_engine, node_ip, set_threads
-from tidal.trainer.trainer import TrainBatch
+from tidal.trainer.distributed import balanced_shards as split
+from tidal.trainer.distributed import init_distributed
+from tidal.trainer.trainer import TrainBatch, Trainer
+from tidal.weightsync import DiskSync, send_weights
 
 
 def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
     """n shards of sequence indices with balanced token counts (longest first to the
     lightest shard); indices sorted inside a shard."""
-    from tidal.trainer.distributed import balanced_shards as split
 
     return split(lengths, n)
 
@@ -96,7 +99,6 @@ def on_own_thread(fn, *args, **kwargs):
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
-    from tidal.trainer.trainer import Trainer
 
     return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                    temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
@@ -143,7 +145,6 @@ class TrainerWorker(SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
-            from tidal.trainer.distributed import init_distributed
 
             if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -190,7 +191,6 @@ class TrainerWorker(SyncReceiver):
     def save(self, path: str, with_tokenizer: bool = True) -> None:
         tokenizer = None
         if with_tokenizer and self.rank == 0:
-            from tidal.models import load_tokenizer
 
             tokenizer = load_tokenizer(self.model_dir)
         self.trainer.save(path, tokenizer=tokenizer)
@@ -202,12 +202,43 @@ class TrainerWorker(SyncReceiver):
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.named_weights()
 
+    def shards(self) -> dict[str, torch.Tensor]:
+        """The policy's parameters as this rank holds them (DTensor shards under a mesh)."""
+        from tidal.trainer import distributed as dp
+
+        dp.reshard(self.trainer.model)
+        return {n: p.detach() for n, p in self.trainer.model.named_parameters()}
+
+    def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
+                   engine_ranks: int = 1, bucket_mb: float = 256.0) -> str:
+        """Collective over the trainer ranks (weight_sync=shard): join the group of every trainer
+        rank and `engine_ranks` engine ranks, and agree the transfer plan: every rank's shard
+        boxes are exchanged, rank 0 builds the plan and sends it to the engine ranks. Returns the
+        plan's summary (tidal/weightsync/plan.py)."""
+        from tidal.weightsync import BroadcastGroup
+        from tidal.weightsync.plan import build_plan, full_slices, gather_layout
+        from tidal.weightsync.shard import ShardSender, share_plan
+
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
+        layout = gather_layout(self.shards())
+        plan = build_plan(layout, full_slices(layout, engine_ranks), int(bucket_mb * 2**20), self.world_size) \
+            if self.rank == 0 else None
+        plan = share_plan(self._group, plan)
+        pl = self.cfg.placement
+        self._shard = ShardSender(self._group, plan, delta=pl.weight_sync_delta, verify=pl.weight_sync_checksum)
+        return plan.summary()
+
     def push_weights(self, transport: str, options: dict | None = None) -> dict:
         """Collective: every rank gathers the full weights; then rank 0 sends them
         ("broadcast" over the sync group, "disk" into a directory) or each rank loads them
-        into its own colocated engine ("inprocess")."""
+        into its own colocated engine ("inprocess"). "shard": no gather, every rank sends its
+        own shards' pieces by the transfer plan (`shard_join`)."""
         options = options or {}
         version = self.trainer.version
+        if transport == "shard":  # no gather: each rank sends its own pieces
+            return {"version": version, **self._shard.send(version, self.shards())}
         named = self.trainer.named_weights()
         if transport == "inprocess":
             if self.engine is None:
@@ -218,13 +249,11 @@ class TrainerWorker(SyncReceiver):
         if self.rank != 0:
             return {"version": version}
         if transport == "broadcast":
-            from tidal.weightsync import send_weights
 
             out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
         if transport == "disk":
-            from tidal.weightsync import DiskSync
 
             path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
             return {"version": version, "path": str(path)}

@@ -25,11 +25,16 @@ from typing import Any
 
 import torch
 
-from tidal.config import TidalConfig
+from tidal.config import RewardConfig, TidalConfig
 from tidal.engines.base import EngineBase
+from tidal.engines.factory import build_engine
 from tidal.envs.base import optional
 from tidal.monitor import trace
+from tidal.rewards.pool_process import ProcessPool
+from tidal.runtime.handles import RoleDied
+from tidal.runtime.tasks import build_task
 from tidal.types import GenerationRequest, GenerationResult
+from tidal.weightsync import BroadcastGroup, DiskSync, receive_into
 
 log = logging.getLogger("tidal")
 
@@ -58,7 +63,6 @@ def set_threads(num_cpus: float) -> None:
 
 
 def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id: int, log_dir: str | Path | None):
-    from tidal.engines.factory import build_engine
 
     return build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
                         pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
@@ -69,22 +73,35 @@ class SyncReceiver:
 
     engine = None
     _group = None
+    _shard = None  # weight_sync=shard: this side of the transfer plan
 
     def sync_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str,
                   timeout_s: float) -> None:
-        from tidal.weightsync import BroadcastGroup
 
         if self._group is not None:
             self._group.close()
         self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
 
     def sync_recv(self) -> dict:
-        from tidal.weightsync import receive_into
 
         return receive_into(self.engine, self._group)
 
+    def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
+                   **_) -> None:
+        """weight_sync=shard: join the group of the trainer ranks and the engine ranks; the transfer
+        plan arrives from trainer rank 0."""
+        from tidal.weightsync import BroadcastGroup
+        from tidal.weightsync.shard import ShardReceiver, share_plan
+
+        if self._group is not None:
+            self._group.close()
+        self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
+        self._shard = ShardReceiver(self._group, share_plan(self._group, None))
+
+    def shard_recv(self) -> dict:
+        return self._shard.recv(self.engine)
+
     def load_weights_file(self, path: str) -> int:
-        from tidal.weightsync import DiskSync
 
         return DiskSync(Path(path).parent).load_into(self.engine, path)["version"]
 
@@ -173,8 +190,6 @@ class RewardWorker:
     def __init__(self, specs: list[dict], timeout_s: float, num_cpus: float = 0.0, reward_cfg: dict | None = None):
         import traceback
 
-        from tidal.config import RewardConfig
-        from tidal.rewards.pool_process import ProcessPool
 
         if num_cpus:
             set_threads(num_cpus)
@@ -192,13 +207,13 @@ class RewardWorker:
         return self.failed or {"pid": os.getpid(), "kinds": self.pool.kinds}
 
     async def run_batch(self, msg: dict):
-        """Calls {"inputs", "calls": [(id, spec, [input index])]}, answered as a stream of
+        """Calls {"inputs", "calls": [(id, spec, [input index], lane)]}, answered as a stream of
         bunches {"results": [(id, results, hung)], "log": [(logger, level, message)]} in the
         order they finish (sync calls run in the order given)."""
         inputs = msg["inputs"]
-        futures = self.pool.submit([(spec, [inputs[i] for i in rows]) for _, spec, rows in msg["calls"]],
-                                   asyncio.get_running_loop())
-        ids = {f: cid for f, (cid, _, _) in zip(futures, msg["calls"])}
+        futures = self.pool.submit([(c[1], [inputs[i] for i in c[2]]) for c in msg["calls"]],
+                                   asyncio.get_running_loop())  # its own pool picks the lanes
+        ids = {f: c[0] for f, c in zip(futures, msg["calls"])}
         while ids:
             done, _ = await asyncio.wait(ids, return_when=asyncio.FIRST_COMPLETED)
             yield {"results": [(ids.pop(f), f.result(), False) for f in done], "log": self.lines.take()}
@@ -272,7 +287,6 @@ class EnvWorker:
     worker; the task's reward functions still score in the driver's reward pool."""
 
     def __init__(self, cfg: TidalConfig, num_cpus: float = 0.0):
-        from tidal.runtime.tasks import build_task
 
         if num_cpus:
             set_threads(num_cpus)
@@ -346,7 +360,6 @@ class RemoteEnvs:
         return RemoteEnv(self, row, seed)
 
     async def call(self, i: int, method: str, *args):
-        from tidal.runtime.handles import RoleDied
 
         handle = self.handles[i]
         try:

@@ -12,11 +12,27 @@ config names `isolation="unsafe_host"`. See docs/sandbox.md.
         assert result.status is SandboxStatus.OK and result.stdout == "45\\n"
 """
 
-from tidal.sandbox.config import SandboxConfig, SandboxLimits
-from tidal.sandbox.pool import SandboxPool, run_command_sync, run_python_sync
-from tidal.sandbox.result import SandboxResult, SandboxSessionClosed, SandboxStatus, SandboxUnavailable
-from tidal.sandbox.session import PythonSession, ShellSession
+from __future__ import annotations
 
+import importlib
+
+# The public names, loaded on first use (PEP 562): importing one submodule, such as
+# `tidal.sandbox.cgroup` from the reward pools, does not load the whole sandbox, and the
+# submodules that import their siblings by `from tidal.sandbox import cgroup` form no cycle
+# through this file.
+_EXPORTS = {
+    "PythonSession": "session",
+    "SandboxConfig": "config",
+    "SandboxLimits": "config",
+    "SandboxPool": "pool",
+    "SandboxResult": "result",
+    "SandboxSessionClosed": "result",
+    "SandboxStatus": "result",
+    "SandboxUnavailable": "result",
+    "ShellSession": "session",
+    "run_command_sync": "pool",
+    "run_python_sync": "pool",
+}
 __all__ = [
     "PythonSession",
     "SandboxConfig",
@@ -30,3 +46,16 @@ __all__ = [
     "run_command_sync",
     "run_python_sync",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tidal.sandbox' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"tidal.sandbox.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

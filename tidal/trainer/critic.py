@@ -20,6 +20,7 @@ from tidal.algorithms import aggregate, value_loss
 from tidal.config import CriticConfig
 from tidal.models import DTYPES, resolve_model_dir
 from tidal.trainer import distributed as dp
+from tidal.trainer.parallel import parallelize
 
 
 def load_value_model(path: str | Path, dtype: str, device: str):
@@ -57,7 +58,6 @@ class Critic:
         self.model = load_value_model(model_path, dtype, str(device))
         self.model.train()
         if dims is not None:  # the trainer's mesh: sharded over its data dimensions, replicated over tp
-            from tidal.trainer.parallel import parallelize
 
             parallelize(self.model, dims, tensor_parallel=False)
         elif dp.world_size() > 1:

@@ -4,7 +4,8 @@
   half-written last line left for the next read, so a live run costs only its new lines. A
   step logged again (a resume that lost its last checkpoint re-runs steps) replaces the rows
   from that step on, and the reader says so (`reset`), so curves never show a step twice.
-- `config.yaml` is flattened to `section.key` leaves for the config diff.
+- `config.yaml` is flattened to `section.key` leaves for the config diff, with the hash of each
+  file of code the run copied (`sources.<key>`, from `sources.json`).
 - The Parquet episode store is queried through DuckDB: filters and the page's order and limit
   pushed into the scan, only the columns a view shows (never `tokens`/`logprobs` for the
   list), and the step range pruned by file name before DuckDB opens a file, so a list page of
@@ -192,6 +193,11 @@ class RunView:
             else:
                 flat[prefix] = node
         walk("", data)
+        # the hash of each file of code the run copied (RUN/sources.json, tidal/runtime/sources.py):
+        # two runs of one path but other code differ here
+        kept = self.root / "sources.json"
+        for key, rec in (json.loads(kept.read_text()) if kept.is_file() else {}).items():
+            flat[f"sources.{key}"] = f"sha256:{rec['sha256'][:12]}"
         return flat
 
     # -- episodes -----------------------------------------------------------------------
@@ -340,9 +346,29 @@ class RunView:
             ep[k] = _finite(ep.get(k))
         ep["seed"] = None if ep.get("seed") is None else str(ep["seed"])  # 64-bit: past a JavaScript number
         ep["pieces"], ep["pieces_note"] = self._pieces(ep["tokens"] or [])
+        self._texts(ep)
         ep["images"] = list(ep.get("images") or [])  # a store from before images has no column
         ep["image_runs"], ep["images_note"] = self._image_runs(ep["tokens"] or [], ep["images"])
         return ep
+
+    def _texts(self, ep: dict[str, Any]) -> None:
+        """What the episode view shows as text: its prompt as the model saw it (`prompt_text`, decoded
+        whole), its task row's reference (`reference`: JSON text; `reference_fields` when it parses,
+        a store from before it has none), and after each turn the observation that followed it
+        (`observation`: tool answers, a user reply; decoded)."""
+        tokens = ep["tokens"] or []
+        ep["reference"] = ep.get("reference") or ""
+        try:
+            fields = json.loads(ep["reference"]) if ep["reference"] else None
+        except ValueError:  # cut at Episode's limit: shown as text
+            fields = None
+        ep["reference_fields"] = fields if isinstance(fields, dict) else None
+        tok = self._load_tokenizer()
+        spans = [(0, ep.get("prompt_len") or 0)] + [(t["end"], t["obs_end"]) for t in ep.get("turns") or []]
+        texts = batch_decoder(tok)([tokens[a:b] for a, b in spans]) if tok is not None else [None] * len(spans)
+        ep["prompt_text"] = texts[0]
+        for t, text in zip(ep.get("turns") or [], texts[1:]):
+            t["observation"] = text if t["obs_end"] > t["end"] else ""
 
     def _image_runs(self, tokens: list[int], images: list[str]) -> tuple[list[dict[str, Any]], str | None]:
         """Where each image sits in the tokens: its run of image pads (`start`, `end`) and its id.

@@ -4,7 +4,8 @@ The page (static/index.html, app.js, style.css) draws with Plotly (plotly.js as 
 `plotly` Python package, served from it: nothing is fetched from a CDN and no plotting code
 is ours) and asks this server's JSON routes for data (tidal/monitor/dashboard/data.py):
 
-    GET /api/runs                     the runs, their episode facets (envs, statuses, steps)
+    GET /api/runs                     the runs, their episode facets (envs, statuses, steps), and whether each
+                                      is running, finished or failed (tidal/monitor/run_status.py)
     GET /api/metrics?run=I&since=N    metric rows from N on, as columns (live: the page polls)
     GET /api/events?run=I             alerts and reward-hacking events
     GET /api/config                   each run's config and the keys that differ between runs
@@ -35,6 +36,7 @@ from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Route
 
 from tidal.monitor.dashboard.data import DashboardError, DashboardNotFound, RunView, config_diff
+from tidal.monitor.run_status import run_status
 from tidal.net import ThreadedServer, is_loopback
 
 log = logging.getLogger("tidal")
@@ -176,8 +178,8 @@ def build_app(runs: list[RunView], token: str | None = None, check_host: bool = 
         return FileResponse(path, headers={**SECURITY_HEADERS, "Cache-Control": "max-age=3600"})
 
     def runs_route(request: Request) -> Any:
-        return {"runs": [{"index": i, "name": r.name, "path": str(r.root), "episodes": r.facets(con.cursor())}
-                         for i, r in enumerate(runs)]}
+        return {"runs": [{"index": i, "name": r.name, "path": str(r.root), "episodes": r.facets(con.cursor()),
+                          "status": run_status(r.root)} for i, r in enumerate(runs)]}
 
     def metrics_route(request: Request) -> Any:
         return run_of(request).metrics(_int(request, "since", 0), _int(request, "generation"))

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from tidal.trainer import distributed as dp
 from tidal.trainer.parallel.mesh import ParallelDims
+from tidal.trainer.parallel.tensor import apply_tp
 
 __all__ = ["ParallelDims", "parallelize"]
 
@@ -20,8 +22,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, mixed_precision: bool =
     """Apply `dims` to `model` in place: its tp plan (unless `tensor_parallel=False`: a model
     outside the plans, such as the critic, is then replicated over tp and sharded over the data
     dimensions only), then FSDP2 over the data dimensions. Nothing for one rank."""
-    from tidal.trainer import distributed as dp
-    from tidal.trainer.parallel.tensor import apply_tp
 
     if dims.tp_mesh is not None and tensor_parallel:
         apply_tp(model, dims.tp_mesh)

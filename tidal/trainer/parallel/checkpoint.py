@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tidal.trainer.distributed import reshard
+
 DIRNAME = "shards"
 
 
@@ -26,7 +28,6 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from tidal.trainer.distributed import reshard
 
     reshard(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -39,7 +40,6 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from tidal.trainer.distributed import reshard
 
     reshard(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)

@@ -77,6 +77,26 @@ function smooth(values, weight) {
   return out;
 }
 
+function isSparse(values) {
+  // A metric not logged every step (the evaluations, or a step-0 row of them): joined, with markers.
+  return values.some((v) => v === null || v === undefined);
+}
+
+function drawnValues(values, weight) {
+  // What a curve draws: each run of consecutive logged steps smoothed on its own, so a point
+  // with no logged neighbour (an evaluation every N steps) is drawn as measured. Smoothing
+  // across the gaps averaged a handful of evaluations far apart: it drew 0.40 where one gave 0.64.
+  if (!(weight > 0)) return values;
+  const out = [];
+  let run = [];
+  const flush = () => { out.push(...(run.length > 1 ? smooth(run, weight) : run)); run = []; };
+  for (const v of values) {
+    if (v === null || v === undefined) { flush(); out.push(null); } else run.push(v);
+  }
+  flush();
+  return out;
+}
+
 function metricNames() {
   const names = new Set();
   for (const m of state.metrics) if (m) for (const k of Object.keys(m.columns)) names.add(k);
@@ -151,14 +171,15 @@ function drawCharts() {
       const ys = m.columns[name], xs = xValues(m), color = COLORS[r % COLORS.length];
       const kind = ys.length > 2000 ? "scattergl" : "scatter";
       const present = ys.filter((v) => v !== null).length;
-      const sparse = present < ys.length;  // not logged every step (evaluations): joined, with markers
+      const sparse = isSparse(ys);  // not logged every step (evaluations): joined, with markers, unsmoothed
       points += present;
       lastStep = m.steps.length ? Math.max(lastStep ?? -Infinity, m.steps[m.steps.length - 1]) : lastStep;
-      if (weight > 0) {
+      const drawn = drawnValues(ys, weight);
+      if (drawn.some((v, i) => v !== ys[i])) {  // smoothing moved a point: the raw curve, faint, behind
         traces.push({x: xs, y: ys, type: kind, mode: "lines", name: `${state.runs[r].name} (raw)`, showlegend: false,
                      line: {color, width: 1}, opacity: 0.25, hoverinfo: "skip", connectgaps: sparse});
       }
-      traces.push({x: xs, y: weight > 0 ? smooth(ys, weight) : ys, type: kind, mode: sparse ? "lines+markers" : "lines",
+      traces.push({x: xs, y: drawn, type: kind, mode: sparse ? "lines+markers" : "lines",
                    name: state.runs[r].name, line: {color, width: 2}, connectgaps: sparse});
     });
     if (marks.length) {
@@ -167,14 +188,19 @@ function drawCharts() {
                    text: marks.map((k) => k.text), hoverinfo: "text", name: "events", showlegend: false});
     }
     const layout = {
-      title: {text: name, font: {size: 13}}, height: 260, margin: {l: 50, r: 10, t: 30, b: 35},
+      // The title sits just above the plot, at its left, below the band of Plotly's toolbar (the
+      // modebar, top right on hover), which covered a centred title on a narrow chart.
+      title: {text: name, font: {size: 13}, x: 0, xref: "paper", xanchor: "left", y: 1, yref: "paper",
+              yanchor: "bottom", pad: {b: 4}},
+      height: 270, margin: {l: 50, r: 10, t: 52, b: 35},
       showlegend: state.visible.size > 1, legend: {orientation: "h", y: -0.2},
       xaxis: {title: {text: document.getElementById("xaxis").value === "wall" ? "wall clock (s)" : "step"}},
       yaxis: {exponentformat: "e"},
       yaxis2: {overlaying: "y", range: [0, 1.05], visible: false, fixedrange: true},
       shapes,
     };
-    Plotly.react(div, traces, layout, {displaylogo: false, responsive: true});
+    Plotly.react(div, traces, layout, {displaylogo: false, responsive: true,
+                                       modeBarButtonsToRemove: ["select2d", "lasso2d"]});
     div.dataset.points = String(points);
     div.dataset.lastStep = lastStep === null ? "" : String(lastStep);
     div.dataset.events = String(marks.length);
@@ -331,14 +357,21 @@ function renderEpisode() {
   const turns = el("div", {class: "turns"});
   for (const t of ep.turns || []) {
     const calls = el("ul", {class: "calls"});
+    let outputs = 0;
     for (const c of t.tool_calls || []) {
+      if (c.output) outputs += 1;
       calls.append(el("li", {class: `call call-${c.status}`},
         `${c.name}(${c.arguments}) → ${c.status}`, c.error ? ` · ${c.error}` : "",
-        ` · ${c.output_chars} chars · ${fmt(c.duration_s, 3)} s`));
+        ` · ${c.output_chars} chars · ${fmt(c.duration_s, 3)} s`,
+        c.output ? el("pre", {class: "tool-output"}, c.output) : null));
     }
+    // Tools an agent ran itself (no output recorded), or a store from before outputs were kept:
+    // the observation that followed the turn, as the model saw it.
+    const obs = !outputs && t.observation ? el("details", {class: "observation"},
+      el("summary", {}, "observation (as the model saw it)"), el("pre", {class: "tool-output"}, t.observation)) : null;
     turns.append(el("div", {class: "turn"},
       el("b", {}, `turn ${t.index}`), ` tokens ${t.start}–${t.end}` + (t.obs_end > t.end ? `, observation to ${t.obs_end}` : "") +
-      ` · ${t.finish_reason} · reward ${fmt(t.reward, 3)} · version ${t.version}`, calls));
+      ` · ${t.finish_reason} · reward ${fmt(t.reward, 3)} · version ${t.version}`, calls, obs));
   }
   box.replaceChildren(...[
     el("h2", {}, `${ep.episode_id}`, el("button", {class: "close", onclick: () => box.classList.add("hidden")}, "×")),
@@ -346,8 +379,9 @@ function renderEpisode() {
       `step ${ep.step} · env ${ep.env} · task ${ep.task_id} · group ${ep.group_id} · seed ${ep.seed} · `,
       el("b", {}, ep.status), ` · reward ${fmt(ep.reward)}`),
     ep.error ? el("pre", {class: "error"}, ep.error) : null,
+    promptAndReference(ep),
     el("div", {class: "cols"},
-      el("div", {}, el("h3", {}, "reward parts"), keyValueTable(ep.reward_parts)),
+      el("div", {class: "reward-parts"}, el("h3", {}, "reward parts"), keyValueTable(ep.reward_parts)),
       el("div", {}, el("h3", {}, "metrics"), keyValueTable(ep.metrics))),
     ep.turns && ep.turns.length ? el("div", {}, el("h3", {}, "turns and tool calls"), turns) : null,
     imageList(ep),
@@ -355,6 +389,17 @@ function renderEpisode() {
     el("div", {class: "legend"}, legendFor(state.colorMode)),
     ep.pieces_note ? el("p", {class: "note"}, ep.pieces_note) : null,
     renderTokens(ep)].filter((x) => x !== null));
+}
+
+function promptAndReference(ep) {
+  // The prompt as the model saw it, beside what the episode was judged against (the task row's
+  // other columns: the reference answer, tests, ...).
+  const ref = ep.reference_fields ? keyValueTable(ep.reference_fields)
+    : el("pre", {class: "reference"}, ep.reference || "– (the task row has no column but its prompt)");
+  return el("div", {class: "cols prompt-reference"},
+    el("div", {class: "prompt"}, el("h3", {}, "prompt"),
+      el("pre", {class: "prompt-text"}, ep.prompt_text ?? "– (the run's tokenizer did not load)")),
+    el("div", {class: "reference"}, el("h3", {}, "reference (the task row)"), ref));
 }
 
 function legendFor(mode) {
@@ -433,12 +478,21 @@ function renderRuns() {
     }});
     b.checked = state.visible.has(r);
     box.append(el("label", {class: "run", title: run.path, style: `border-color:${COLORS[r % COLORS.length]}`}, b,
-      run.name, el("small", {}, ` ${run.episodes.episodes} episodes`)));
+      run.name, el("small", {}, ` ${run.episodes.episodes} episodes `), statusBadge(run.status)));
   });
   const select = document.getElementById("episode-run");
   const chosen = select.value;
   select.replaceChildren(...state.runs.map((run, r) => el("option", {value: String(r)}, run.name)));
   if (chosen) select.value = chosen;
+}
+
+function statusBadge(status) {
+  // running / finished / failed (exit code) / interrupted, from the run directory (tidal/monitor/run_status.py)
+  if (!status) return null;
+  const code = status.exit_code !== undefined && status.exit_code !== null ? ` (exit ${status.exit_code})` : "";
+  const title = [status.message, status.pid ? `pid ${status.pid} on ${status.host}` : "", status.started ? `since ${status.started}` : "",
+                 status.time ? `at ${status.time}` : ""].filter((x) => x).join(" · ");
+  return el("span", {class: `run-status run-${status.state}`, title, dataset: {state: status.state}}, `${status.state}${code}`);
 }
 
 async function poll() {
@@ -447,7 +501,8 @@ async function poll() {
       const changed = await refreshMetrics();
       if (changed) { renderMetricList(); drawCharts(); }
       const runs = (await getJSON("/api/runs")).runs;
-      if (JSON.stringify(runs.map((x) => x.episodes)) !== JSON.stringify(state.runs.map((x) => x.episodes))) {
+      const seen = (rs) => JSON.stringify(rs.map((x) => [x.episodes, x.status]));
+      if (seen(runs) !== seen(state.runs)) {
         state.runs = runs;
         renderRuns();
         fillEpisodeFilters();
