@@ -1,5 +1,5 @@
-"""The generated tool worlds the tiny tool model is warm-started on (tidal/recipes/tool_worlds.py)
-and its compact tool template (tidal/recipes/tool_model.py)."""
+"""The generated tool worlds (tidal/recipes/tool_worlds.py) and the general tool model's recipe
+(tidal/recipes/general_tool_model.py): its compact tool template and its deterministic build."""
 
 from __future__ import annotations
 
@@ -9,8 +9,16 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 from tidal.envs.base import Action
-from tidal.recipes.tool_model import COMPACT_TEMPLATE, render_only_tokenizer, scripted_segments, world_turns
+from tidal.recipes.general_tool_model import (
+    COMPACT_TEMPLATE,
+    build_general_tool_model,
+    render_only_tokenizer,
+    scripted_segments,
+    world_turns,
+)
 from tidal.recipes.tool_worlds import RESERVED_NAMES, WorldEnv, make_worlds, score
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,3 +88,18 @@ def test_compact_template_renders_each_tool_on_a_line_and_is_prefix_preserving()
              zip(make_worlds("train", 12, 5), ["tool", "malformed", "direct"] * 4)]
     segments = scripted_segments(items)  # raises if a turn does not re-render as written
     assert all(seg[0][1] is False and any(trained for _, trained in seg) for seg in segments)
+
+
+@pytest.mark.slow  # 2 minutes on the busy 2-core machine (tokenizer training and two tiny builds)
+def test_general_build_is_deterministic(tmp_path):
+    """A few steps of `tidal build-general-tool-model` twice: the same tokenizer and weights, a
+    summary that records what the build cost."""
+    from safetensors.torch import load_file
+
+    kw = {"steps": 2, "batch_size": 4, "train_size": 60, "eval_n": 4, "evaluate": lambda *a: {}}
+    a, b = build_general_tool_model(tmp_path / "a", **kw), build_general_tool_model(tmp_path / "b", **kw)
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert a["tokens_per_example"] == b["tokens_per_example"] and a["cpu_s"] > 0
+    assert "- {{ f['name'] }}(" in (tmp_path / "a" / "chat_template.jinja").read_text()  # the compact template

@@ -23,7 +23,6 @@ import asyncio
 import json
 import math
 import random
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,6 @@ from tidal.envs.base import Action
 from tidal.envs.tool_arith import ToolArithEnv, make_rows
 from tidal.models import stop_token_ids
 from tidal.recipes.tiny import SPECIAL_TOKENS, build_model, save_model, train_chatml_tokenizer
-from tidal.recipes.tool_worlds import VALUE_WORDS, World, WorldEnv, make_worlds
 from tidal.rewards.pool import build_scorer
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.rollout import Rollout
@@ -76,28 +74,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-# The generalist tool model's template: CHAT_TEMPLATE with each tool on one line as a signature,
-# `name(arg: type, opt?: type, pick: "a" | "b"): description` (as OpenAI's harmony format renders
-# tools as TypeScript rather than JSON): a third of the tokens of the JSON schema, so the warm
-# start sees three times the episodes in the same build time, and the names the policy copies
-# into its calls stand out from the boilerplate.
-TOOL_LINES = (
-    "{% for t in tools %}{% set f = t['function'] if t.get('function') else t %}"
-    "{% set params = f.get('parameters') or {} %}{% set required = params.get('required') or [] %}"
-    "- {{ f['name'] }}("
-    "{% for k, p in (params.get('properties') or {}).items() %}{% if not loop.first %}, {% endif %}"
-    "{{ k }}{% if k not in required %}?{% endif %}: "
-    "{% if p.get('enum') %}{{ p['enum'] | map('tojson') | join(' | ') }}"
-    "{% elif p.get('type') is string %}{{ p['type'] }}{% elif p.get('type') %}{{ p['type'] | join(' | ') }}"
-    "{% else %}any{% endif %}"
-    "{% endfor %}): {{ f.get('description') or '' }}{{ '\\n' }}{% endfor %}"
-)
-COMPACT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:\n"
-    "{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}", "# Tools\n" + TOOL_LINES)
-assert COMPACT_TEMPLATE != CHAT_TEMPLATE
 
 
 TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -172,96 +148,62 @@ def teacher_turns(row: dict[str, Any], habit: str, rng: random.Random) -> list[s
     return [hasty]
 
 
-def world_guess(world: World, rng: random.Random) -> str:
-    """A hasty answer without the tool: of the right kind, right only by chance."""
-    true = world.answer
-    if re.fullmatch(r"-?\d+", true):
-        return str(int(guessed_answer(int(true), rng)))
-    if re.fullmatch(r"-?\d+\.\d+", true):
-        return f"{rng.randint(1, 99999) / 100:.2f}".rstrip("0").rstrip(".")
-    return rng.choice([w for w in VALUE_WORDS if w != true] + ["none"])
-
-
-def world_slip(world: World, rng: random.Random) -> str:
-    """A slipped call of the world's tool: broken JSON, a wrong tool or argument name, unclosed."""
-    spec, args = world.tools[world.target], world.args
-    kind = rng.randrange(4)
-    if kind == 0:
-        return call_text(spec.name, args)[: -len("}</tool_call>")] + "</tool_call>"
-    if kind == 1:
-        return call_text(spec.verb if spec.name != spec.verb else f"{spec.name}_tool", args)
-    if kind == 2:
-        first = next(iter(args))
-        return call_text(spec.name, {("arg" if first != "arg" else "x"): args[first], **{k: v for k, v in args.items()
-                                                                                        if k != first}})
-    return call_text(spec.name, args).removesuffix("</tool_call>")
-
-
-def world_turns(world: World, habit: str, rng: random.Random) -> list[str]:
-    """The scripted policy turns of one generated world's demonstration (`teacher_turns`' habits;
-    a slipped call is retried right half of the time)."""
-    spec = world.tools[world.target]
-    call, answer = call_text(spec.name, world.args), f"<answer>{world.answer}</answer>"
-    guess = f"<answer>{world_guess(world, rng)}</answer>"
-    if habit == "tool":
-        return [call, answer]
-    if habit == "malformed":
-        return [world_slip(world, rng), call, answer] if rng.random() < 0.5 else [world_slip(world, rng), guess]
-    return [guess]
-
-
-def render_only_tokenizer(chat_template: str = COMPACT_TEMPLATE):
-    """A tokenizer object with `chat_template` and no vocabulary: renders text, never tokens."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    render = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
-    render.chat_template = chat_template
-    return render
-
-
-async def episode_segments(render, env, turns: list[str]) -> list[tuple[str, bool]]:
-    """A scripted episode of `env` as (text, trained) segments, cut where the rollout tokenizes:
-    the prompt once, each policy turn as its own tokens, then only the text the template adds.
-    The observations are the env's own."""
+async def _demonstration(tokenizer, row: dict[str, Any], turns: list[str]) -> tuple[list[int], list[bool]]:
+    """Tokens and loss mask of a scripted episode, tokenized as the rollout does: the prompt
+    once, each policy turn as its own tokens, then only the text the template adds."""
+    env = ToolArithEnv(row, seed=0)
     history = await env.reset()
-    rendered = render.apply_chat_template(history, tools=env.tools, add_generation_prompt=True, tokenize=False)
-    segments = [(rendered, False)]
+    rendered = tokenizer.apply_chat_template(history, tools=env.tools, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    mask = [False] * len(ids)
     for i, text in enumerate(turns):
-        segments.append((text + "<|im_end|>", True))
+        turn_ids = tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        ids += turn_ids
+        mask += [True] * len(turn_ids)
         out = await env.step(Action(text, turn=i))
         if out.done:
             break
         history = [*history, out.assistant_message or {"role": "assistant", "content": text}]
         rendered += text + "<|im_end|>"
-        after = render.apply_chat_template(history + out.messages, tools=env.tools, add_generation_prompt=True,
-                                           tokenize=False)
+        after = tokenizer.apply_chat_template(history + out.messages, tools=env.tools, add_generation_prompt=True,
+                                              tokenize=False)
         if not after.startswith(rendered):
             raise AssertionError(f"the chat template does not render the teacher's turn as written: {text!r}")
-        segments.append((after[len(rendered):], False))
+        new = tokenizer(after[len(rendered):], add_special_tokens=False)["input_ids"]
+        ids += new
+        mask += [False] * len(new)
         history, rendered = history + out.messages, after
     await env.close()
-    return segments
+    return ids, mask
 
 
-def scripted_segments(items: list[tuple[Any, list[str]]]) -> list[list[tuple[str, bool]]]:
-    """`episode_segments` of (env, turns) pairs."""
-    render = render_only_tokenizer()
-
+def demonstrations(tokenizer, rows, habits: list[str], rng: random.Random) -> list[tuple[list[int], list[bool]]]:
     async def all_of() -> list:
-        return [await episode_segments(render, env, turns) for env, turns in items]
+        return [await _demonstration(tokenizer, r, teacher_turns(r, h, rng)) for r, h in zip(rows, habits)]
 
     return asyncio.run(all_of())
 
 
-def tokenize_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    ids: list[int] = []
-    mask: list[bool] = []
-    for text, trained in segments:
-        new = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += new
-        mask += [trained] * len(new)
-    return ids, mask
+async def _render_all(rows, rng: random.Random, tokenizer=None) -> list[str]:
+    """Texts for the tokenizer: rendered prompts with tools and every habit's turns."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    # a throwaway tokenizer object only to render the template (no vocabulary needed)
+    render = tokenizer or PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    render.chat_template = CHAT_TEMPLATE
+    texts = []
+    for i, row in enumerate(rows):
+        env = ToolArithEnv(row, seed=0)
+        history = await env.reset()
+        texts.append(render.apply_chat_template(history, tools=env.tools, add_generation_prompt=True, tokenize=False))
+        habit = ("tool", "direct", "malformed")[i % 3]
+        for j, text in enumerate(teacher_turns(row, habit, rng)):
+            texts.append(text + "<|im_end|>\n")
+            out = await env.step(Action(text, turn=j))
+            texts.extend(f"<|im_start|>user\n<tool_response>{m['content']}</tool_response><|im_end|>\n"
+                         for m in out.messages)
+    return texts
 
 
 # --------------------------------------------------------------------------------------------
@@ -284,17 +226,6 @@ def held_out_success(model, tokenizer, rows, k: int = 4, max_turns: int = 4, max
         engine.close()
     model.train()
     return res
-
-
-def both_success(model, tokenizer, val: dict[str, list], k: int = 4) -> dict:
-    """`held_out_success` on the `tool_arith` rows and on held-out generated worlds (tools never
-    trained on), flattened as `arith/...` and `worlds/...`."""
-    out = {}
-    for key, env in (("arith", ToolArithEnv), ("worlds", WorldEnv)):
-        res = held_out_success(model, tokenizer, val[key], k=k, env=env)
-        out.update({f"{key}/{m}": res.get(m) for m in ("accuracy", "pass_at_k", "failed", "tool_calls",
-                                                        "tool_error_rate")})
-    return out
 
 
 def shared_prefix(examples) -> int:
@@ -321,11 +252,12 @@ def sft_loss(model, examples, prefix_len: int, pad_id: int, micro: int = 8) -> t
     """Token-mean cross-entropy of `examples` (token ids, loss mask), whose first `prefix_len`
     tokens are the same and carry no loss: the prefix goes through the model once and its keys
     and values are shared by the batch (the same loss and gradients as whole sequences, at a
-    fraction of the cost: the tools' system turn is most of each sequence)."""
+    fraction of the cost: the tools' system turn is most of each sequence). `prefix_len` 0:
+    whole sequences, sorted by length into micro-batches of `micro` that pad little."""
     from transformers import DynamicCache
 
-    if prefix_len == 0:  # nothing shared: whole sequences, sorted by length into micro-batches
-        ordered = sorted(examples, key=lambda e: len(e[0]))  # that pad little (the same loss)
+    if prefix_len == 0:
+        ordered = sorted(examples, key=lambda e: len(e[0]))
         total, n = torch.zeros(()), sum(sum(m[1:]) for _, m in examples)
         for i in range(0, len(ordered), micro):
             ids, attn, labels = sft_batch(ordered[i : i + micro], pad_id)
@@ -351,78 +283,63 @@ def sft_loss(model, examples, prefix_len: int, pad_id: int, micro: int = 8) -> t
 def build_tool_model(
     out_dir: str | Path,
     seed: int = 0,
-    steps: int = 1200,
+    steps: int = 1500,
     batch_size: int = 32,
     lr: float = 3e-3,
     warmup: int = 50,
     habits: dict[str, float] | None = None,
-    world_frac: float = 0.7,
-    eval_every: int = 400,
+    eval_every: int = 500,
     eval_n: int = 100,
-    train_size: int = 12000,
-    vocab_size: int = 1024,
+    train_size: int = 8000,
+    vocab_size: int = 768,
     evaluate=None,
 ) -> dict:
-    """Build tokenizer and model, warm-start them on generated tool worlds and on `tool_arith`,
-    save an HF directory; return a summary (also written to `tidal_build.json`).
+    """Build tokenizer and model, warm-start them on `tool_arith`, save an HF directory; return
+    a summary (also written to `tidal_build.json`).
 
-    `world_frac` of the demonstrations are generated worlds (tidal/recipes/tool_worlds.py:
-    random tools, several per prompt, results of every kind), the rest `tool_arith` problems.
     The teacher has three habits, drawn per demonstration (`habits`, fractions): `tool`, the
-    right call then the answer read from the tool's result; `direct`, a hasty guess (for
-    `tool_arith` the expression restated and the leading digits right, `guessed_answer`);
+    right call then the answer read from the tool's result; `direct`, the expression restated
+    and a hasty guess whose leading digits are right and the rest made up (`guessed_answer`);
     `malformed`, a slipped call (broken JSON, wrong tool or argument name, never closed), the
-    env's error observation, then a guess (or, in a world, half the time the right call).
-    Greedy decoding follows the most common first move, so held-out success starts low while
-    right answers are among the samples; which habit pays is what RL has to teach. Validation
-    uses a slice of the `tool_arith` *train* split and held-out worlds, whose target tools are
-    never trained on.
+    env's error observation, then a hasty guess. Greedy decoding follows the most common first
+    move (direct), so held-out success starts low while right answers are among the samples;
+    which habit pays is what RL has to teach. Validation uses a slice of the *train* split.
     """
-    habits = habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1}
+    habits = habits or {"tool": 0.3, "direct": 0.6, "malformed": 0.1}
     if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - {"tool", "direct", "malformed"}:
         raise ValueError(f"habits must be fractions of tool, direct, malformed summing to 1, got {habits}")
-    if not 0 <= world_frac <= 1:
-        raise ValueError(f"world_frac must be in [0, 1], got {world_frac}")
     random.seed(seed)
     torch.manual_seed(seed)
-    n_worlds = round(train_size * world_frac)
-    rows = make_rows("train", train_size - n_worlds + eval_n, seed=20_000 + seed)
-    val = {"arith": rows[:eval_n], "worlds": [w.row() for w in make_worlds("test", eval_n, seed)]}
+    rows = make_rows("train", train_size, seed=20_000 + seed)
+    val, train = rows[:eval_n], rows[eval_n:]
     rng = random.Random(seed)
-    names, weights = list(habits), list(habits.values())
-    items = [(ToolArithEnv(r, seed=0), teacher_turns(r, rng.choices(names, weights)[0], rng)) for r in rows[eval_n:]]
-    items += [(WorldEnv(w.row(), seed=0), world_turns(w, rng.choices(names, weights)[0], rng))
-              for w in make_worlds("train", n_worlds, seed)]
-    rng.shuffle(items)
-    t0 = time.time()
-    segments = scripted_segments(items)
-    corpus = [text for episode in segments[:3000] for text, _ in episode]
-    tokenizer = build_tokenizer(corpus, vocab_size, chat_template=COMPACT_TEMPLATE)
-    examples = [tokenize_segments(tokenizer, episode) for episode in segments]
-    record_s = time.time() - t0
+    tokenizer = build_tokenizer(asyncio.run(_render_all(train[:2000], random.Random(seed + 1))), vocab_size)
     model = build_model(tokenizer, seed=seed)
-    # a system turn with three tools and a few turns run to ~400 tokens (RoPE: no table to grow)
-    model.config.max_position_embeddings = 1024
-    evaluate = evaluate or both_success
-    history = sft_train(model, tokenizer, examples, 0, val, evaluate, rng, steps=steps, batch_size=batch_size,
-                        lr=lr, warmup=warmup, eval_every=eval_every, label="tool", log_every=50)
+    # episodes with the tools' system turn and two turns run to ~200 tokens (RoPE: no table to grow)
+    model.config.max_position_embeddings = 512
+    names, weights = list(habits), list(habits.values())
+    drawn = [rng.choices(names, weights)[0] for _ in train]
+    examples = demonstrations(tokenizer, train, drawn, rng)
+    prefix_len = shared_prefix(examples)
+    evaluate = evaluate or held_out_success
+    history = sft_train(model, tokenizer, examples, prefix_len, val, evaluate, rng, steps=steps,
+                        batch_size=batch_size, lr=lr, warmup=warmup, eval_every=eval_every, label="tool")
     save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
-               "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer),
-               "record_s": round(record_s, 1), "threads": torch.get_num_threads(),
-               "tokens_per_example": round(sum(len(t) for t, _ in examples) / len(examples), 1),
-               "val": history[-1] if history else {}, "params": sum(p.numel() for p in model.parameters()),
-               "history": history}
+               "train_size": train_size, "vocab_size": len(tokenizer), "val": history[-1] if history else {},
+               "params": sum(p.numel() for p in model.parameters()), "history": history}
     (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: random.Random, *, steps: int,
               batch_size: int, lr: float, warmup: int, eval_every: int, label: str,
-              log_every: int = 0) -> list[dict]:
+              log_every: int = 0, losses: list | None = None, stop_after: int | None = None) -> list[dict]:
     """The warm start's SFT loop (AdamW, linear warm-up then cosine, batches drawn with `rng`):
     `evaluate(model, tokenizer, val)` every `eval_every` steps (0: never) and at the end; the
-    history of those evaluations. Shared by the tiny models built from demonstrations."""
+    history of those evaluations. Shared by the tiny models built from demonstrations.
+    `log_every`: print the loss (and append `[step, loss]` to `losses`) that often;
+    `stop_after`: end early, on the schedule of `steps`."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
@@ -430,7 +347,8 @@ def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: r
     model.train()
     t0 = time.time()
     history = []
-    for step in range(1, steps + 1):
+    last = min(steps, stop_after or steps)
+    for step in range(1, last + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         loss = sft_loss(model, batch, prefix_len, tokenizer.pad_token_id)
         opt.zero_grad()
@@ -439,8 +357,10 @@ def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: r
         opt.step()
         sched.step()
         if log_every and step % log_every == 0:
+            if losses is not None:
+                losses.append([step, round(loss.item(), 4)])
             print(f"{label} warm-start step {step}: loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
-        if (eval_every and step % eval_every == 0) or step == steps:
+        if (eval_every and step % eval_every == 0) or step == last:
             t1 = time.time()
             res = evaluate(model, tokenizer, val)
             history.append({"step": step, "loss": round(loss.item(), 4), "train_s": round(t1 - t0, 1), **res})

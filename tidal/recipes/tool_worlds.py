@@ -1,6 +1,6 @@
 """Generated tool worlds: random tools, a question that needs one of them, the answer.
 
-The tiny tool model (tidal/recipes/tool_model.py) is warm-started on episodes of these worlds
+The general tiny tool model (tidal/recipes/general_tool_model.py) is warm-started on these worlds
 so that it learns the *format* of tool use, not one tool: read the schemas in the system turn,
 pick the tool the question is about, fill its arguments from the question, call it, answer
 from its result. Each world has 1 to 3 tools with generated names (`verb_topic`, `topic`,
