@@ -1,5 +1,5 @@
 # The two commands of the README: `make train` and `make test`. Each installs what it needs.
-.PHONY: setup setup-vllm train test test-slow lint eval build-default-model
+.PHONY: setup setup-vllm setup-mpi train test test-slow lint eval build-default-model
 
 setup:
 	@bash scripts/setup.sh
@@ -18,9 +18,14 @@ lint: setup
 setup-vllm: setup
 	@bash scripts/setup_vllm.sh
 
+# Open MPI (Debian's openmpi-bin) for the mpirun tests of placement.mode=launcher; exit 3 (not root, no
+# apt-get) leaves those tests to skip, and they fail where it could have been installed.
+setup-mpi:
+	@bash scripts/setup_mpi.sh || [ $$? -eq 3 ]
+
 # TIDAL_REQUIRE_VLLM: the vLLM tests fail, not skip, where vLLM is missing. -v names each test as it starts
 # (the tail of a log cut off mid-test says which one), --durations the slowest at the end.
-test-slow: setup-vllm
+test-slow: setup-vllm setup-mpi
 	TIDAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m "slow" -v --durations=15 $(ARGS)
 
 eval: setup

@@ -69,3 +69,51 @@ def test_vllm_env_stays_on_loopback():
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     server = vllm_env("server", 1.0)
     assert server["VLLM_SERVER_DEV_MODE"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in server
+
+
+# -- engine.tensor_parallel ---------------------------------------------------------------------
+def test_tensor_parallel_is_refused_for_the_torch_engine():
+    with pytest.raises(ConfigError, match="engine.tensor_parallel=2: the torch engine"):
+        load_config(overrides=["engine.tensor_parallel=2"])  # auto on a CPU box: the torch engine
+    with pytest.raises(ConfigError, match="engine.tensor_parallel"):
+        load_config(overrides=["engine.tensor_parallel=0", "engine.kind=vllm"])
+    assert load_config(overrides=["engine.tensor_parallel=2", "engine.kind=vllm"]).engine.tensor_parallel == 2
+
+
+def test_tensor_parallel_must_split_the_model():
+    from tidal.engines.factory import check_engine_tp
+
+    check_engine_tp("default", 2)  # 4 heads, 2 kv heads
+    check_engine_tp("default", 4)  # each kv head kept by 2 ranks
+    with pytest.raises(ConfigError, match=r"engine.tensor_parallel=3 does not divide the model's 4 attention heads"):
+        check_engine_tp("default", 3)
+
+
+def test_cpu_binding_gives_each_rank_its_own_cores():
+    from tidal.engines.vllm_engine import cpu_binding
+
+    assert cpu_binding(2, [0, 1]) == "0|1"
+    assert cpu_binding(2, [3, 0, 1, 2, 4]) == "0,1,2|3,4"
+    assert cpu_binding(4, [0, 1]) == "0|1|0|1"  # fewer cores than ranks: shared in turn
+    env = vllm_env("in_process", 1.0, tensor_parallel=2, device="cpu")
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env("in_process", 1.0)  # TP 1: vLLM's default
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_env("in_process", 1.0, tensor_parallel=2, device="cuda")
+
+
+def test_sglang_gets_tp_size():
+    from tidal.engines.sglang_engine import server_command
+
+    cmd = server_command("m", "127.0.0.1", 1, dtype="bfloat16", seed=0, max_batch_size=8, mem_fraction_static=0.5,
+                         tp_size=4)
+    assert cmd[cmd.index("--tp-size") + 1] == "4"
+
+
+def test_auto_transport_sends_slices_to_tensor_parallel_engines():
+    from tidal.runtime.sync import choose_transport
+
+    assert choose_transport("auto", colocated=False, engine_tp=2) == "slices"
+    assert choose_transport("auto", colocated=False, engine_tp=1) == "broadcast"
+    assert choose_transport("auto", colocated=True, engine_tp=2) == "inprocess"
+    with pytest.raises(ConfigError, match="placement.weight_sync=slices needs placement.mode=ray"):
+        load_config(overrides=["placement.weight_sync=slices"])

@@ -29,8 +29,12 @@ def test_a_product_that_misses_the_ranks_is_refused_with_the_keys():
         ParallelConfig(dp_shard=2, tp=2).degrees(2)
     with pytest.raises(ValueError, match=r"tp=3 .* = 3 does not divide placement.trainer_ranks=4"):
         ParallelConfig(tp=3).degrees(4)
-    with pytest.raises(ValueError, match="ep"):
-        ParallelConfig(ep=2)
+    with pytest.raises(ValueError, match=r"ep=2 with tp=2: expert parallelism composes with dp_shard and dp_replicate"):
+        ParallelConfig(ep=2, tp=2)
+    with pytest.raises(ValueError, match=r"ep=2 with cp=2"):
+        ParallelConfig(ep=2, cp=2)
+    with pytest.raises(ValueError, match=r"dp_shard=3 x .* ep=2 = 6, but placement.trainer_ranks=4"):
+        ParallelConfig(dp_shard=3, ep=2).degrees(4)
     # ... and in the whole config, before anything loads
     with pytest.raises(ValueError, match="placement.trainer_ranks=1"):
         load_config(None, ["train.parallel.tp=2"])
@@ -38,13 +42,15 @@ def test_a_product_that_misses_the_ranks_is_refused_with_the_keys():
 
 
 def test_tensor_parallel_ranks_share_a_data_shard():
-    """Rank order is (dp_replicate, dp_shard, cp, tp), tp innermost: a tp group is consecutive ranks."""
+    """Rank order is (dp_replicate, dp_shard, ep, cp, tp), tp innermost: a tp group is consecutive ranks."""
     dims = ParallelDims.from_config(ParallelConfig(dp_shard=2, tp=2), 4)
     assert [dims.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
     dims = ParallelDims.from_config(ParallelConfig(dp_replicate=2, dp_shard=2), 4)
     assert [dims.dp_index(r) for r in range(4)] == [0, 1, 2, 3]
     dims = ParallelDims.from_config(ParallelConfig(dp_shard=2, cp=2), 4)  # cp ranks: one sequence, split
     assert [dims.dp_index(r) for r in range(4)] == [0, 0, 1, 1]
+    dims = ParallelDims.from_config(ParallelConfig(ep=2), 4)  # ep ranks are data ranks: sequences of their own
+    assert (dims.dp_shard, dims.dp_size, [dims.dp_index(r) for r in range(4)]) == (2, 4, [0, 1, 2, 3])
 
 
 class _Rank:

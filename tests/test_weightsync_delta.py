@@ -47,7 +47,7 @@ def _sync(sender: ShardSender, recv: ShardReceiver, version: int, named) -> tupl
     return sent, got
 
 
-@pytest.mark.slow  # measured below with --durations; 10 steps of the default job
+@pytest.mark.slow  # 82-93 s here under load: 10 steps of the default job
 @pytest.mark.timeout(900)
 def test_delta_equals_full_bit_for_bit_over_ten_steps_of_the_default_job(tmp_path):
     cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", "train.steps=10", "run.progress=false",

@@ -226,7 +226,7 @@ def _proc(i, world, ports, tmp, parallel, steps, bucket, corrupt_at):
         _engine_side(i - world, world, ports, tmp, steps, corrupt_at)
 
 
-@pytest.mark.slow  # 75 s a shape on this shared 2-core machine (4 processes, each loading torch and the model)
+@pytest.mark.slow  # 75-113 s a shape on this shared 2-core machine under load (4 processes, each loading torch)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}], ids=["dp_shard2", "tp2"])
 def test_sharded_trainer_syncs_torch_engines_bit_for_bit(parallel, tmp_path):
@@ -347,3 +347,46 @@ def test_a_hung_shard_sync_times_out_naming_rank_and_version(silent):
         t.join(timeout=60)
         g.close()
         out["group"].close()
+
+
+def _boxes_worker(rank, world, port, tmp, parallel):
+    from torch.distributed.tensor import DTensor
+
+    from tidal.config import AlgorithmConfig, ParallelConfig, TrainConfig
+    from tidal.models import resolve_model_dir
+    from tidal.trainer.distributed import destroy, init_distributed
+    from tidal.trainer.trainer import Trainer
+    from tidal.weightsync.plan import gather_layout, relative
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo0" if sys.platform == "darwin" else "lo"
+    init_distributed(rank, world, "127.0.0.1", port, timeout_s=120)
+    try:
+        tr = Trainer(str(resolve_model_dir("default")), TrainConfig(parallel=ParallelConfig(**parallel)),
+                     AlgorithmConfig(), pad_token_id=0)
+        named = dict(tr.model.named_parameters())
+        layout = gather_layout(named)
+        full = tr.named_weights()
+        strided = 0
+        for name, t in named.items():
+            box = dict(layout[name].owners)[rank]
+            local = t.to_local() if isinstance(t, DTensor) else t
+            assert torch.equal(local.detach(), full[name][relative(box, full_box(t.shape))]), (rank, name, box)
+            strided += isinstance(t, DTensor) and "StridedShard" in str(t.placements)
+        build_plan(layout, full_slices(layout, 1), MB, trainer_ranks=world)  # the boxes tile every tensor
+        if rank == 0:
+            torch.save({"strided": strided, "owners": {n: p.owners for n, p in layout.items()}}, tmp / "boxes.pt")
+    finally:
+        destroy()
+
+
+@pytest.mark.slow  # 57 s here (4 gloo processes loading the trainer)
+@pytest.mark.timeout(600)
+def test_boxes_of_fsdp_over_tensor_parallel_shards_are_the_shards(tmp_path):
+    """At dp_shard 2 x tp 2 FSDP2 shards the tp shards again (strided placements): every rank's box,
+    read from its DTensor, selects exactly its local shard from the gathered tensor."""
+    parallel = {"dp_shard": 2, "tp": 2}
+    mp.spawn(_boxes_worker, args=(4, _free_port(), tmp_path, parallel), nprocs=4, join=True)
+    out = torch.load(tmp_path / "boxes.pt", weights_only=False)
+    assert out["strided"] > 0  # the case the test is for: FSDP2 over tp's dim-0 shards
+    assert max(len({b for _, b in owners}) for owners in out["owners"].values()) == 4

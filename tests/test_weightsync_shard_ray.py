@@ -27,7 +27,7 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.mark.slow  # duration measured with --durations, in the report
+@pytest.mark.slow  # 93 s here under load (Ray, 2 trainer ranks, 2 engine actors)
 @pytest.mark.timeout(900)
 def test_shard_sync_with_deltas_in_a_ray_run(tmp_path, ray_local, caplog):
     caplog.set_level(logging.INFO, logger="tidal")

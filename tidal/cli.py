@@ -14,6 +14,8 @@
     tidal dashboard RUN_DIR [RUN_DIR ...] [--host H] [--port N] [--token-env NAME]
     tidal launch slurm [CONFIG.yaml] [section.key=value ...] [--nodes N] [--gpus-per-node G] [--partition P]
                        [--time T] [--dry-run]
+    tidal launch k8s [CONFIG.yaml] [section.key=value ...] --image IMAGE [--kind RayJob|RayCluster] [--gpus-per-node G]
+                     [--node-selector K=V ...] [--volume-claim PVC] [--run-root DIR] [--out FILE]
     tidal plan SPEC.yaml [--simulate] [--explain] [--out DIR] | tidal plan calibrate RUN_DIR
 
 Errors a person can act on are printed as one message (no traceback) with exit code 2.
@@ -22,7 +24,10 @@ Errors a person can act on are printed as one message (no traceback) with exit c
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import secrets
 import signal
 import sys
 import threading
@@ -30,13 +35,39 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tidal.config import ConfigError, TidalConfig, load_config, load_resume_config, parse_overrides
+from tidal.config_doc import render_markdown, render_text, select
+from tidal.durable import disk_error
 from tidal.envs.dataset import DatasetError
-from tidal.models import ModelLoadError
+from tidal.launch.slurm import (
+    SlurmJob,
+    check_nodes,
+    default_run_dir,
+    node_resources,
+    plan_nodes,
+    prepare,
+    render,
+    submit,
+)
+from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR, ModelLoadError
 from tidal.monitor.run_status import write_exit
+from tidal.net import is_loopback
+from tidal.plan.cli import MissingPlanExtra
+from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
 from tidal.rewards.pool import RewardLoadError
-from tidal.runtime.replay import ReplayError
+from tidal.rewards.rm import RewardModelError, RewardModelPool
+from tidal.rewards.server import RewardServer, ServeError, check_bind
+from tidal.runtime.checkpoints import latest_good
+from tidal.runtime.replay import ReplayError, replay
 from tidal.runtime.sources import use_kept
+
+# Imported inside the commands that use them, to keep `tidal --help`, `tidal config` and the
+# servers' start-up free of them: the runtime (tidal.runtime.controller, assemble, recovery,
+# evaluate: transformers, the engines, Ray; seconds), tidal.runtime.run_dir (pyarrow), the
+# recipes (model building), the dashboard (its optional extra: duckdb, starlette) and the
+# planner's spec (tidal.plan.spec).
 
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError,
                ReplayError)
@@ -88,6 +119,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tidal.runtime.controller import Controller  # transformers, the engines, Ray: only for a command that trains
 
     cfg, record = _train_config(ns)
+    if cfg.placement.mode == "launcher":  # one process per rank: rank 0 goes on as the controller
+        cfg, rank_exit = _launched_rank(cfg)
+        if rank_exit is not None:
+            return rank_exit
     # SIGTERM (a scheduler's stop, `kill`) ends the run as Ctrl-C does, from the start on: the
     # step in flight is abandoned, roles are closed, the last complete checkpoint stays (exit 143).
     previous = _catch_stop_signals()
@@ -95,8 +130,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
         ctl = Controller(cfg, resume=ns.resume, resume_record=record, overwrite=ns.overwrite)
     except KeyboardInterrupt as e:  # the controller closed what it had started
         _restore_signals(previous)
-        from tidal.runtime.checkpoints import latest_good
-
         ckpt = latest_good(Path(cfg.run.dir) / "checkpoints") if cfg.run.dir else None
         print(f"tidal: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'an interrupt'} during start-up, "
               f"before any step; " + (f"the last complete checkpoint is {ckpt}" if ckpt else "nothing was trained"),
@@ -116,8 +149,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _exit_code_of(err: BaseException) -> int:
     """The exit code `main` gives for an error that ends `tidal train`."""
-    from tidal.durable import disk_error
-    from tidal.runtime.run_dir import RunFailed
+    from tidal.runtime.run_dir import RunFailed  # pyarrow
 
     if isinstance(err, KeyboardInterrupt):
         return 130
@@ -167,6 +199,29 @@ def _train_run(ns: argparse.Namespace, cfg: TidalConfig, record: dict | None, ct
     return 0
 
 
+def _launched_rank(cfg: TidalConfig) -> tuple[TidalConfig, int | None]:
+    """placement.mode=launcher: the config fitted to the launcher's world size, and for a rank
+    other than 0 its exit code once it has served rank 0 (tidal/runtime/launcher.py)."""
+    import logging
+    import os
+
+    import torch
+
+    from tidal.runtime.launcher import config_for, serve_rank
+    from tidal.runtime.ranks import detect
+
+    env = detect(os.environ)
+    cfg = config_for(cfg, env)
+    if torch.cuda.is_available():  # one GPU per rank, by its rank on the node
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+    if env.is_controller:
+        return cfg, None
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    logging.basicConfig(level=logging.INFO, format=f"rank {env.rank}: %(levelname)s %(message)s")
+    return cfg, serve_rank(cfg, env)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt."""
 
@@ -201,7 +256,10 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 
 def _config_for_model(model: str, config: list[str], overrides: list[str]) -> TidalConfig:
-    """A checkpoint evaluates on the task of its own run unless a config is given."""
+    """A checkpoint evaluates on the task of its own run unless a config is given (a run's own
+    config.yaml given as the one config counts as the run's)."""
+    if len(config) == 1 and Path(config[0]).name == "config.yaml" and (Path(config[0]).parent / "sources.json").is_file():
+        return use_kept(load_config(config, overrides), Path(config[0]).parent, "eval")
     if config:
         return load_config(config, overrides)
     for parent in [Path(model), *Path(model).parents][:4]:
@@ -247,8 +305,6 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 def cmd_config(ns: argparse.Namespace) -> int:
     """Every config key (or those of the sections named) with its type, default and description."""
-    from tidal.config_doc import render_markdown, render_text, select
-
     if ns.markdown:
         if ns.keys:
             raise ConfigError("tidal config --markdown prints the whole reference (docs/config.md): give no keys")
@@ -264,17 +320,6 @@ def cmd_config(ns: argparse.Namespace) -> int:
 
 def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     """Write an sbatch script that runs a Ray cluster and `tidal train` on it; submit it (tidal/launch/slurm.py)."""
-    from tidal.launch.slurm import (
-        SlurmJob,
-        check_nodes,
-        default_run_dir,
-        node_resources,
-        plan_nodes,
-        prepare,
-        render,
-        submit,
-    )
-
     config, overrides = _split_args(ns.args)
     cfg = load_config(config, [*overrides, "placement.mode=ray"])  # validated before anything is written
     trainer_nodes, engine_nodes = plan_nodes(cfg, ns.gpus_per_node)
@@ -296,10 +341,29 @@ def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch_k8s(ns: argparse.Namespace) -> int:
+    """Print (or write) KubeRay manifests for the run: a ConfigMap and a RayJob or RayCluster (tidal/launch/k8s.py)."""
+    from importlib.metadata import version
+
+    from tidal.launch.k8s import K8sJob, manifests, parse_selector, render
+
+    config, overrides = _split_args(ns.args)
+    cfg = load_config(config, [*overrides, "placement.mode=ray"])
+    job = K8sJob(name=ns.name or f"tidal-{cfg.run.name}", image=ns.image, kind=ns.kind, gpus_per_node=ns.gpus_per_node,
+                 cpus_per_node=ns.cpus_per_node, memory=ns.memory, nodes=ns.nodes, namespace=ns.namespace,
+                 volume_claim=ns.volume_claim, run_root=ns.run_root, node_selector=parse_selector(ns.node_selector),
+                 ray_version=version("ray"))
+    text = render(manifests(cfg, job))
+    if ns.out:
+        Path(ns.out).write_text(text)
+        print(f"tidal: wrote {ns.out}; start it with: kubectl apply -f {ns.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 def cmd_replay(ns: argparse.Namespace) -> int:
     """Run one recorded episode again and say whether it reproduces (tidal/runtime/replay.py)."""
-    from tidal.runtime.replay import replay
-
     res = replay(ns.run_dir, ns.episode_id, ns.checkpoint)
     print(json.dumps(res.to_dict()) if ns.json else res.summary())
     return 0 if res.reproduced else 1
@@ -314,8 +378,6 @@ def cmd_build(ns: argparse.Namespace) -> int:
 
 
 def cmd_build_tool(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.tool_model import build_tool_model
 
     _no_extra_args(ns)
@@ -338,8 +400,6 @@ def cmd_build_general_tool(ns: argparse.Namespace) -> int:
 
 
 def cmd_build_browser(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.browser_model import build_browser_model
 
     _no_extra_args(ns)
@@ -350,8 +410,6 @@ def cmd_build_browser(ns: argparse.Namespace) -> int:
 
 
 def cmd_build_vlm(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.vlm_build import build_default_vlm
 
     _no_extra_args(ns)
@@ -385,11 +443,6 @@ def cmd_train_rm(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve_rm(ns: argparse.Namespace) -> int:
-    import os
-
-    from tidal.rewards.rm import RewardModelError, RewardModelPool
-    from tidal.rewards.server import RewardServer, ServeError, check_bind
-
     _no_extra_args(ns)
     token = ns.token
     if ns.token_env:
@@ -416,11 +469,6 @@ def cmd_serve_rm(ns: argparse.Namespace) -> int:
 
 def cmd_serve_policy(ns: argparse.Namespace) -> int:
     """An OpenAI-compatible server over a model or checkpoint (tidal/runtime/gateway.py)."""
-    import os
-    import threading
-
-    import torch
-
     from tidal.runtime.assemble import build_run
 
     config, overrides = _split_args(ns.args)
@@ -433,8 +481,6 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
             print(f"tidal: error: --token-env {ns.token_env}: the environment variable is not set", file=sys.stderr)
             return 2
         cfg.gateway.token = token
-    from tidal.net import is_loopback
-
     if not is_loopback(cfg.gateway.host) and not cfg.gateway.token:
         print(f"tidal: error: --host {cfg.gateway.host} is not loopback: give the clients' token with --token-env",
               file=sys.stderr)
@@ -461,13 +507,8 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
 
 def cmd_dashboard(ns: argparse.Namespace) -> int:
     """A web page over run directories (tidal/monitor/dashboard): curves, episodes, config diff."""
-    import os
-    import secrets
-
     from tidal.monitor.dashboard.data import DashboardError
     from tidal.monitor.dashboard.server import DashboardServer, MissingDashboardExtra
-    from tidal.net import is_loopback
-
     token = None
     if ns.token_env:
         token = os.environ.get(ns.token_env)
@@ -499,8 +540,6 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
 def _stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's stack on stderr (a run or a server that seems
     stuck says where), and it goes on. Only from the main thread, where signals can be set."""
-    import faulthandler
-
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         try:  # the process's own stderr (a caller may have replaced sys.stderr with one that has no descriptor)
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
@@ -509,8 +548,7 @@ def _stacks_on_sigusr1() -> None:
 
 
 def _plan_errors() -> tuple[type[Exception], ...]:
-    from tidal.plan.cli import MissingPlanExtra
-    from tidal.plan.spec import PlanSpecError
+    from tidal.plan.spec import PlanSpecError  # yaml schemas of the planner: only when an error is met
 
     return MissingPlanExtra, PlanSpecError
 
@@ -522,8 +560,6 @@ def _parser() -> argparse.ArgumentParser:
     _build_commands(sub)
     _serve_commands(sub)
     _launch_commands(sub)
-    from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
-
     add_plan_parser(sub)
     return p
 
@@ -542,6 +578,26 @@ def _launch_commands(sub) -> None:
     s.add_argument("--time", default=None, help="time limit, as sbatch --time takes it (e.g. 04:00:00)")
     s.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
     s.set_defaults(fn=cmd_launch_slurm)
+    k = lsub.add_parser("k8s", help="print KubeRay manifests (a ConfigMap and a RayJob or RayCluster) for "
+                        "`kubectl apply -f`")
+    k.add_argument("args", nargs="*", help="CONFIG.yaml and/or section.key=value overrides (as for `tidal train`)")
+    k.add_argument("--image", required=True, help="the container image with tidal installed (every pod runs it)")
+    k.add_argument("--kind", default="RayJob", choices=["RayJob", "RayCluster"], help="RayJob (default): the cluster "
+                   "lives as long as the run; RayCluster: the cluster alone, the driver started on its head by hand")
+    k.add_argument("--name", default=None, help="the resources' name (default: tidal-<run.name>)")
+    k.add_argument("--namespace", default=None, help="Kubernetes namespace (default: kubectl's)")
+    k.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per worker pod (nvidia.com/gpu); 0: CPU pods")
+    k.add_argument("--cpus-per-node", type=int, default=8, help="CPUs per pod (requests = limits)")
+    k.add_argument("--memory", default="32Gi", help="memory per pod (requests = limits)")
+    k.add_argument("--nodes", type=int, default=None, help="worker pods (default: what the config's roles need)")
+    k.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a node label every worker pod needs (repeatable), e.g. a GPU node pool's")
+    k.add_argument("--volume-claim", default="tidal-runs", help="a ReadWriteMany PersistentVolumeClaim every pod "
+                   "mounts at --run-root (the run directory, checkpoints)")
+    k.add_argument("--run-root", default="/runs", help="where the claim is mounted; run.dir must be under it "
+                   "(default run.dir: RUN_ROOT/<run.name>)")
+    k.add_argument("--out", default=None, help="write the manifests to this file instead of printing them")
+    k.set_defaults(fn=cmd_launch_k8s)
 
 
 def _run_commands(sub) -> None:
@@ -567,8 +623,6 @@ def _run_commands(sub) -> None:
 
 def _build_commands(sub) -> None:
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
-    from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR
-
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
@@ -664,8 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
-        from tidal.durable import disk_error
-        from tidal.runtime.controller import RunFailed
+        from tidal.runtime.run_dir import RunFailed  # pyarrow: only when a run failed
 
         if isinstance(err, RunFailed):
             print(f"tidal: run stopped: {err}", file=sys.stderr)

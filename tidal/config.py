@@ -233,7 +233,17 @@ class ParallelConfig(_Section):
     dp_shard: int = Field(-1, ge=-1, description="Data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2) within a replica; -1: every rank the other dimensions leave (the default: 1-D FSDP over all trainer ranks).")
     tp: int = Field(1, ge=1, description="Tensor parallelism: each layer's attention heads, MLP columns and the vocabulary split over this many ranks (DTensor plans; Qwen2/Qwen2.5/Qwen3/Llama). The heads, the key-value heads, the MLP width and the vocabulary must divide by it; these ranks get the same sequences.")
     cp: int = Field(1, ge=1, description="Context parallelism (Ulysses): each micro-batch's positions split over this many ranks, attention made whole by all-to-alls between the position and the head dimension (tidal/trainer/parallel/context.py); activations ~1/cp per rank. The attention heads of a rank (after tp) must divide by it; these ranks get the same sequences. Text models, without LoRA.")
-    ep: int = Field(1, ge=1, le=1, description="Expert parallelism (reserved for mixture-of-experts models: 1).")
+    ep: int = Field(1, ge=1, description="Expert parallelism (mixture-of-experts models): each rank holds num_experts / ep of every MoE layer's experts, and tokens travel to the rank of their expert and back by all-to-all, dropless (tidal/trainer/parallel/expert.py). Borrowed from the data ranks: these ranks get different sequences, and the parameters outside the experts are FSDP-sharded over dp_shard x ep. The model's num_experts must divide by it; not with tp, cp or LoRA.")
+
+    @model_validator(mode="after")
+    def _ep_alone(self) -> ParallelConfig:
+        # ep is built over data ranks (tidal/trainer/parallel/expert.py): with tp the experts would also
+        # need a plan of their own, and with cp the expert data mesh would not be contiguous; neither is built
+        for key in ("tp", "cp"):
+            if self.ep > 1 and getattr(self, key) > 1:
+                raise ValueError(f"train.parallel.ep={self.ep} with {key}={getattr(self, key)}: expert parallelism "
+                                 "composes with dp_shard and dp_replicate only; set one of them to 1")
+        return self
 
     @property
     def fixed(self) -> int:
@@ -281,6 +291,13 @@ class TrainConfig(_Section):
     epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     max_nonfinite_steps: int = Field(3, ge=1, description="The run stops (exit code 3, its last checkpoint intact) after this many steps in a row with a non-finite gradient (NaN or inf: such an update is skipped, `skipped_step` in the metrics), rather than skipping forever.")
 
+    @model_validator(mode="after")
+    def _ep_without_lora(self) -> TrainConfig:
+        if self.parallel.ep > 1 and self.lora.rank > 0:
+            raise ValueError(f"train.parallel.ep={self.parallel.ep} with train.lora: adapters on expert-parallel experts "
+                             "are not supported; use ep=1 (FSDP) with LoRA")
+        return self
+
 
 class EngineConfig(_Section):
     kind: str = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang); or a dotted or file path to a builder of your own (`my_pkg.engines:build`, called as tidal.engines.factory.build_engine calls the built-in ones).")
@@ -298,6 +315,7 @@ class EngineConfig(_Section):
     kv_cache_gib: float = Field(1.0, gt=0.0, description="vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0, description="vllm on GPU: fraction of GPU memory for weights and KV cache (the rest stays with the trainer when colocated).")
     vllm_start_timeout_s: float = Field(600.0, gt=0.0, description="vllm server mode: most seconds to wait for the server to become healthy.")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel size of one engine replica (vllm: tensor_parallel_size, on CPU too: each rank a worker process bound to its share of the cores; sglang: --tp-size, GPU only). Must divide the model's attention heads; each rank holds the slice of every weight that tidal/weightsync/slices.py names. The torch engine is not tensor-parallel (1 only).")
     replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
     max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
@@ -323,11 +341,11 @@ class WeightSyncDeltaConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    mode: Literal["local", "ray"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors.")
+    mode: Literal["local", "ray", "launcher"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors. launcher: `tidal train` started once per trainer rank by torchrun, mpirun or srun, which give the rank and world size; rank 0 runs the controller and the engines, no Ray (docs/clusters.md).")
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
     host: str = Field("127.0.0.1", description="ray, local instance: the address Ray and every service it starts listen on. 127.0.0.1 keeps everything on loopback.")
     ray_temp_dir: str | None = Field(None, description="ray, local instance: Ray's session directory; None: Ray's default (/tmp/ray).")
-    trainer_ranks: int = Field(1, ge=1, description="Trainer ranks (ray mode only), laid out as train.parallel says: by default FSDP2 over all of them.")
+    trainer_ranks: int = Field(1, ge=1, description="Trainer ranks (ray mode; launcher mode takes the launcher's world size), laid out as train.parallel says: by default FSDP2 over all of them.")
     colocate: bool = Field(False, description="ray: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; weights move in process). False: engines are their own actors (disaggregated).")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
     trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
@@ -337,7 +355,7 @@ class PlacementConfig(_Section):
     env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step/close, tools, sandboxes, per-turn rewards), least-loaded per episode; 0: environments run in the driver's rollout. The task's reward functions score in the reward pool either way.")
     env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
-    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
+    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "slices", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else slices when engine.tensor_parallel > 1, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); slices = trainer rank 0 sends each rank of a tensor-parallel engine only its slices of each weight (tidal/weightsync/sliced.py); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
     weight_sync_bucket_mb: float = Field(256.0, gt=0.0, description="broadcast transport: size of one flat bucket.")
     weight_sync_checksum: bool = Field(False, description="Verify every sync: engines checksum what arrived against the trainer's checksum.")
@@ -476,6 +494,8 @@ class TidalConfig(_Section):
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer={self.algorithm.overlong_buffer} must be below rollout.max_new_tokens={self.rollout.max_new_tokens}")
         pl = self.placement
+        if pl.mode == "launcher":
+            _check_launcher(pl)
         if pl.mode == "local" and pl.trainer_ranks > 1:
             raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
         if pl.mode == "local" and pl.env_workers:
@@ -484,11 +504,14 @@ class TidalConfig(_Section):
             raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:
             raise ValueError("placement.colocate applies to placement.mode=ray (local mode is always colocated)")
-        self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
+        if pl.mode != "launcher" or "trainer_ranks" in pl.model_fields_set:  # launcher: its world size, once known
+            self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
         if pl.colocate and self.engine.replicas != pl.trainer_ranks:
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
-        if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard"):
+        if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard", "slices"):
             raise ValueError(f"placement.weight_sync={pl.weight_sync} needs placement.mode=ray (local mode moves weights in process)")
+        if pl.colocate and pl.weight_sync == "slices":
+            raise ValueError("placement.weight_sync=slices sends to engine actors: it needs placement.colocate=false")
         if pl.weight_sync == "shard" and pl.colocate:
             raise ValueError("placement.weight_sync=shard sends to engine actors of their own; colocated engines "
                              "(placement.colocate) take the weights in process")
@@ -505,10 +528,15 @@ class TidalConfig(_Section):
             raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
         # Engine settings that cannot work are refused here, before anything loads.
-        if pl.mode == "local" and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
+        if pl.mode in ("local", "launcher") and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
                 and self.engine.replicas > 1:
             raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
                              "holds one in-process vLLM engine; use engine.vllm_mode=server (or placement.mode=ray)")
+        if self.engine.tensor_parallel > 1 and (self.engine.kind == "torch" or (
+                self.engine.kind == "auto" and not self.model.resolved_device().startswith("cuda"))):
+            raise ValueError(f"engine.tensor_parallel={self.engine.tensor_parallel}: the torch engine (engine.kind="
+                             f"{self.engine.kind}) runs one process per replica; use engine.kind=vllm (vLLM-CPU runs "
+                             "tensor-parallel on CPU too) or sglang")
         if self.engine.kind == "sglang" and not self.model.resolved_device().startswith("cuda"):
             raise ValueError(f"engine.kind=sglang needs a CUDA GPU (SGLang has no CPU kernels); model.device "
                              f"resolves to {self.model.resolved_device()!r}")
@@ -532,6 +560,18 @@ class TidalConfig(_Section):
     @property
     def mini_batch_size(self) -> int:
         return self.rollout.global_batch // self.train.mini_batches
+
+
+def _check_launcher(pl: PlacementConfig) -> None:
+    """placement.mode=launcher has no Ray: the roles that only Ray places are refused by key."""
+    for key, value in (("reward_workers", pl.reward_workers), ("env_workers", pl.env_workers),
+                       ("address", pl.address), ("colocate", pl.colocate)):
+        if value:
+            raise ValueError(f"placement.{key}={value!r} needs placement.mode=ray (placement.mode=launcher runs no Ray: "
+                             "rank 0 hosts the engines, the rewards and the environments)")
+    if pl.weight_sync not in ("auto", "inprocess"):
+        raise ValueError(f"placement.weight_sync={pl.weight_sync}: placement.mode=launcher moves weights in process "
+                         "into rank 0's engines (auto or inprocess)")
 
 
 class ConfigError(ValueError):

@@ -11,6 +11,7 @@ CPU is there to test the integration (`engine.kind=vllm`). `auto` never picks SG
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from tidal.engines.vllm_engine import VLLMEngine
 from tidal.importing import import_object
 from tidal.models import load_model, load_tokenizer, resolve_model_dir
 from tidal.models.vision import Vision
+from tidal.weightsync.slices import TPLayout, check_tp_size
 
 
 def choose_engine_kind(kind: str, device: str) -> tuple[str, str]:
@@ -35,8 +37,23 @@ def choose_engine_kind(kind: str, device: str) -> tuple[str, str]:
     return "vllm", "engine.kind=auto on a GPU box with vLLM installed"
 
 
+def check_engine_tp(model_dir: str | Path, tp_size: int) -> None:
+    """ConfigError naming engine.tensor_parallel unless the model splits `tp_size` ways (heads,
+    kv heads), checked before an engine process starts."""
+    if tp_size == 1:
+        return
+    try:
+        cfg = json.loads((resolve_model_dir(model_dir) / "config.json").read_text())
+        check_tp_size(TPLayout.from_config(cfg), tp_size)
+    except ValueError as e:
+        raise ConfigError(f"{e} (model {model_dir})") from None
+
+
 def _torch(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int, seed: int,
            log_dir: str | Path | None) -> Engine:
+    if cfg.tensor_parallel != 1:
+        raise ConfigError(f"engine.tensor_parallel={cfg.tensor_parallel}: the torch engine is not tensor-parallel "
+                          "(use engine.kind=vllm or sglang)")
     # The tokenizer lets the engine see text: stop strings (SamplingParams.stop). Vision: a
     # vision-language model's image processor and tokens (None for a text model).
     return TorchEngine(load_model(model_dir, dtype=dtype, device=device), pad_token_id,
@@ -50,6 +67,7 @@ def _vllm(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, 
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("engine.kind=vllm: vLLM is not installed in this environment "
                           "(CPU: `make setup-vllm`; GPU: pip install vllm)")
+    check_engine_tp(model_dir, cfg.tensor_parallel)
     if cfg.vllm_mode == "in_process" and cfg.replicas > 1:
         raise ConfigError(f"engine.replicas={cfg.replicas} with engine.vllm_mode=in_process: one process holds one "
                           "in-process vLLM engine; use engine.vllm_mode=server for several replicas")
@@ -58,11 +76,13 @@ def _vllm(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, 
                       max_batch_size=cfg.max_batch_size, kv_cache_gib=cfg.kv_cache_gib,
                       gpu_memory_utilization=cfg.gpu_memory_utilization,
                       start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
-                      log_dir=log_dir, vision=Vision.load(resolve_model_dir(model_dir)))
+                      log_dir=log_dir, vision=Vision.load(resolve_model_dir(model_dir)),
+                      tensor_parallel=cfg.tensor_parallel)
 
 
 def _sglang(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int, seed: int,
             log_dir: str | Path | None) -> Engine:
+    check_engine_tp(model_dir, cfg.tensor_parallel)
     if not device.startswith("cuda") or not sglang_available():
         raise ConfigError("engine.kind=sglang needs a CUDA GPU and `pip install sglang`: SGLang has no CPU kernels "
                           f"(model.device resolves to {device!r}; sglang installed: "
@@ -70,7 +90,7 @@ def _sglang(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str
     return SGLangEngine(model_dir, dtype=dtype, seed=seed, max_batch_size=cfg.max_batch_size,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
-                        log_dir=log_dir)
+                        log_dir=log_dir, tensor_parallel=cfg.tensor_parallel)
 
 
 # engine.kind → the function that builds one replica. A kind not here is a dotted or file path

@@ -188,13 +188,14 @@ def parse_output(r: GenerationRequest, rid: str, out: dict[str, Any], version: i
 
 
 def server_command(model_dir: str | Path, host: str, port: int, *, dtype: str, seed: int, max_batch_size: int,
-                   mem_fraction_static: float) -> list[str]:
+                   mem_fraction_static: float, tp_size: int = 1) -> list[str]:
     """`python -m sglang.launch_server` with tidal's flags (arg_groups/fields/*.py spell them)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
             "--host", host, "--port", str(port),  # with its tokenizer: stop strings need it
             "--dtype", dtype, "--random-seed", str(seed),
             "--max-running-requests", str(max_batch_size),
             "--mem-fraction-static", f"{mem_fraction_static:g}",
+            "--tp-size", str(tp_size),  # engine.tensor_parallel: SGLang spawns one scheduler per GPU rank
             "--enable-deterministic-inference",  # per-request sampling_seed takes effect only with it
             "--sampling-defaults", "openai",  # no sampling defaults from the model's generation_config.json
             "--weight-version", "0"]
@@ -219,6 +220,7 @@ class SGLangEngine(ServedEngine):
         start_timeout_s: float = 600.0,
         request_timeout_s: float = 600.0,
         log_dir: str | Path | None = None,
+        tensor_parallel: int = 1,
     ):
         self.model_dir = Path(model_dir)
         self.request_timeout_s = request_timeout_s
@@ -234,7 +236,8 @@ class SGLangEngine(ServedEngine):
         self.port, self._tmp, self.weights_dir, self.log_path = server_workspace("sglang", log_dir)
         self.url = f"http://{self.host}:{self.port}"
         cmd = server_command(self.model_dir, self.host, self.port, dtype=dtype, seed=seed,
-                             max_batch_size=max_batch_size, mem_fraction_static=gpu_memory_utilization)
+                             max_batch_size=max_batch_size, mem_fraction_static=gpu_memory_utilization,
+                             tp_size=tensor_parallel)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the server writes to it until close()
         self.proc = subprocess.Popen(cmd, env={**os.environ, **SGLANG_ENV}, stdout=self._log,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)

@@ -23,9 +23,11 @@ the kept tokens, so its values are higher than tidal's by the log of the kept ma
 engine warns once when a request asks for truncation. "raw_logprobs" would ignore the
 temperature instead, which every sampled RL rollout uses.
 
-Weights: the model runner's `reload_weights` (layer-wise, through the model's own weight
-loader, so the CPU backend's repacked linear layers are rebuilt). vLLM 0.32's
-weight-transfer API (`init_weight_transfer_engine`) has NCCL and CUDA-IPC backends only.
+Weights: full tensors through the model runner's `reload_weights` (layer-wise, through the
+model's own weight loader, so the CPU backend's repacked linear layers are rebuilt); slices,
+each worker only its own, through vLLM 0.32's weight-transfer API with tidal's `tidal_gloo`
+backend (`join_weight_group`, `receive_slices`; tidal/engines/vllm_transfer.py), whose
+built-in backends need CUDA. `tensor_parallel` > 1: one worker process per rank.
 Tied embeddings: `lm_head.weight` is always sent (a copy of the input embedding when the
 caller leaves it out) — vLLM keeps a separately packed output layer on CPU that otherwise
 stays stale. Every update ends with a prefix-cache reset.
@@ -52,37 +54,25 @@ cannot be imported, tidal/models/vision_shims.py patches what vLLM's Qwen2-VL co
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import concurrent.futures
-import itertools
 import json
 import logging
 import os
-import random
-import threading
 import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
-import torch
-
 from tidal.engines.served import ServedEngine
 from tidal.engines.stop_strings import check_stop_strings
+from tidal.engines.vllm_inprocess import InProcessVLLM
 from tidal.engines.vllm_requests import (
-    Completion,
     VLLMEngineError,
     banned_words,
-    check_expanded,
-    checked_finish_reason,
-    vllm_prompt,
-    vllm_sampling_fields,
 )
 from tidal.engines.vllm_server import VLLMServer
 from tidal.models import load_tokenizer
 from tidal.models.vision_shims import apply_vllm_shims, plugin_registered, torchvision_usable
 from tidal.types import GenerationRequest
+from tidal.weightsync.base import WeightSyncError
 
 if TYPE_CHECKING:
     from tidal.models.vision import Vision
@@ -93,12 +83,31 @@ Mode = Literal["in_process", "server"]
 LOGPROBS_MODE = "processed_logprobs"
 
 
-def vllm_env(mode: Mode, kv_cache_gib: float) -> dict[str, str]:
+def cpu_binding(tp_size: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp_size` CPU workers: the allowed cores in `tp_size`
+    contiguous groups ("0|1"), or, with fewer cores than ranks, one core each, shared in turn.
+    vLLM's default ("auto") binds rank r to NUMA node r and refuses to start TP 2 on a box
+    with one node ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")."""
+    cpus = sorted(cpus)
+    if len(cpus) < tp_size:
+        return "|".join(str(cpus[r % len(cpus)]) for r in range(tp_size))
+    per, extra = divmod(len(cpus), tp_size)
+    groups, i = [], 0
+    for r in range(tp_size):
+        n = per + (r < extra)
+        groups.append(",".join(map(str, cpus[i:i + n])))
+        i += n
+    return "|".join(groups)
+
+
+def vllm_env(mode: Mode, kv_cache_gib: float, tensor_parallel: int = 1, device: str = "cpu") -> dict[str, str]:
     """Environment vLLM needs on this machine (read by vLLM when it starts)."""
     env = {
         "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own rendezvous stays on loopback
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",  # GiB; without it vLLM-CPU refuses to start on a memory check
     }
+    if tensor_parallel > 1 and not device.startswith("cuda"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(tensor_parallel, sorted(os.sched_getaffinity(0)))
     if mode == "in_process":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
@@ -125,12 +134,15 @@ class VLLMEngine(ServedEngine):
         request_timeout_s: float = 600.0,
         log_dir: str | Path | None = None,
         vision: Vision | None = None,
+        tensor_parallel: int = 1,
     ):
         if mode not in ("in_process", "server"):
             raise ValueError(f"vLLM engine mode must be 'in_process' or 'server', got {mode!r}")
         self.model_dir = Path(model_dir)
         self.mode: Mode = mode
         self.request_timeout_s = request_timeout_s
+        self.tensor_parallel = tensor_parallel
+        self._broken = ""  # why the engine cannot serve any more (a failed slice receive), else ""
         self._start_serving()
         self._warned_truncation = False
         cfg = json.loads((self.model_dir / "config.json").read_text())
@@ -143,6 +155,15 @@ class VLLMEngine(ServedEngine):
             "logprobs_mode": LOGPROBS_MODE, "gpu_memory_utilization": gpu_memory_utilization,
             "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
         }
+        # tidal's backend for vLLM's weight-transfer API (vllm_transfer.py): each worker receives its own
+        # slices. vLLM imports the extension class in every worker, which registers the backend there.
+        engine_args["worker_extension_cls"] = "tidal.engines.vllm_transfer.TidalWorkerExtension"
+        engine_args["weight_transfer_config"] = {"backend": "tidal_gloo"}
+        if tensor_parallel > 1:
+            # One worker process per rank (vLLM's multiprocessing executor), in-process mode too: only
+            # the engine core stays in this process. Ray's executor is not needed on one node.
+            engine_args["tensor_parallel_size"] = tensor_parallel
+            engine_args["distributed_executor_backend"] = "mp"
         if not device.startswith("cuda"):
             # vLLM-CPU 0.32 fails on a seeded request whose prompt is prefilled in chunks (it
             # rewinds the request's generator offset, which CPU generators do not have): whole
@@ -150,9 +171,9 @@ class VLLMEngine(ServedEngine):
             engine_args["enable_chunked_prefill"] = False
         if vision is not None:
             self._banned = self._prepare_vision(engine_args)
-        env = vllm_env(mode, kv_cache_gib)
+        env = vllm_env(mode, kv_cache_gib, tensor_parallel, device)
         if mode == "in_process":
-            self._backend: _InProcess | VLLMServer = _InProcess(self.model_dir, engine_args, env, vision is not None)
+            self._backend: InProcessVLLM | VLLMServer = InProcessVLLM(self.model_dir, engine_args, env, vision is not None)
         else:
             self._backend = VLLMServer(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir,
                                     vision is not None)
@@ -166,7 +187,7 @@ class VLLMEngine(ServedEngine):
         return f"vLLM engine ({self._backend.describe()})"
 
     def dead(self) -> str:
-        return self._backend.dead()
+        return self._broken or self._backend.dead()
 
     async def _generate(self, requests: list[GenerationRequest], what: str,
                         version: int) -> list[tuple[list[int], list[float], str]]:
@@ -182,6 +203,50 @@ class VLLMEngine(ServedEngine):
 
     def _load_weights(self, named: dict, version: int) -> None:
         self._backend.load_weights(named, self.request_timeout_s)
+
+    # -- slices: vLLM's weight-transfer API with tidal's backend (vllm_transfer.py) --------------
+    def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, name: str,
+                          timeout_s: float, role: str, backend: str = "gloo", poison: bool = False) -> None:
+        """Every worker joins tidal's slice group (tidal/weightsync/sliced.py) as rank
+        `rank_offset` + its TP rank; returns once the whole group has joined. `role` names this
+        replica in errors ("engine replica 0"); `poison`: see sliced.expand."""
+        info = {"host": host, "port": port, "world_size": world_size, "rank_offset": rank_offset, "name": name,
+                "timeout_s": timeout_s, "role": role, "backend": backend, "poison": poison}
+        self._check_open("join_weight_group")
+        try:
+            self._backend.transfer([("init_weight_transfer_engine", {"init_info": info})], timeout_s)
+        except Exception as e:
+            raise WeightSyncError(f"{role}: joining weight-sync group {name!r} failed: {e}") from e
+
+    def receive_slices(self, timeout_s: float | None = None) -> dict:
+        """Receive one sync from the slice group (the sender calls `send_slices`), each worker
+        its own slices, through vLLM's start/update/finish_weight_update; like `update_weights`
+        it waits for the calls in flight and holds new ones back. Returns `version`, `bytes`
+        (all ranks), `bytes_per_rank`, `checksum_ok` (None: none was sent), `reports` (per rank)."""
+        timeout_s = timeout_s or self.request_timeout_s
+        what = "receive_slices"
+        self._check_open(what)
+        too_slow = lambda n: self.error(f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} "
+                                        "generate calls in flight to finish")
+        with self._gate.exclusive(self.request_timeout_s, too_slow):
+            try:
+                reports = self._backend.transfer([
+                    ("start_weight_update", {}), ("update_weights", {"update_info": {"timeout_s": timeout_s}}),
+                    ("finish_weight_update", {}), ("tidal_sync_report", {})], timeout_s)
+            except Exception as e:
+                # vLLM's layerwise reload stopped midway: some layers may hold nothing usable. The engine
+                # reports itself dead from now on, so the router takes it out and the run replaces it.
+                self._broken = f"a slice receive failed and left its weights half loaded: {e}"
+                raise WeightSyncError(f"{self.name}: {what} failed (the replica must be restarted: its layers may "
+                                      f"be half reloaded): {e}") from e
+            versions = {r.get("version") for r in reports}
+            if len(versions) != 1 or None in versions:
+                raise WeightSyncError(f"{self.name}: {what}: the ranks received versions {sorted(map(str, versions))}")
+            self._version = int(versions.pop())
+        sums = [r.get("checksum_ok") for r in reports]
+        return {"version": self._version, "bytes": sum(r["bytes"] for r in reports),
+                "bytes_per_rank": [r["bytes"] for r in reports],
+                "checksum_ok": None if None in sums else all(sums), "reports": reports}
 
     # -- helpers ---------------------------------------------------------------------------
     def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:
@@ -235,193 +300,3 @@ class VLLMEngine(ServedEngine):
             log.warning("%s: top_k/top_p truncation: vLLM returns log-probs renormalized over the kept tokens, "
                         "not tidal's untruncated log softmax(logits/T); engine/trainer log-prob mismatch grows "
                         "by log(kept mass) per token (first request %s)", self.name, r.request_id)
-
-
-# -- in-process -----------------------------------------------------------------------------
-class _InProcess:
-    """vLLM's LLMEngine in this process, owned by one worker thread."""
-
-    def __init__(self, model_dir: Path, engine_args: dict[str, Any], env: dict[str, str], multimodal: bool = False):
-        self.multimodal = multimodal
-        os.environ.update(env)  # read by vLLM at import and start
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's INFO lines would bury tidal's progress
-        # vLLM's CPU worker sets torch to 1 thread for serving and replaces torch.set_num_threads
-        # with a stub; in this process the trainer shares torch, so both are put back.
-        # It also seeds the global RNGs (random, numpy, torch) with the engine seed; they are
-        # restored, so the trainer's random state does not depend on the engine kind.
-        set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        rng = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
-        try:
-            from vllm import LLM
-
-            self.llm = LLM(model=str(model_dir), **engine_args)
-        finally:
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
-            random.setstate(rng[0])
-            np.random.set_state(rng[1])
-            torch.random.set_rng_state(rng[2])
-        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
-        self._inbox: collections.deque = collections.deque()  # callables run by the worker thread
-        self._cv = threading.Condition()
-        self._futures: dict[str, concurrent.futures.Future] = {}  # vLLM request id → result (worker thread only)
-        self._ids = itertools.count()
-        self._stop = False
-        self._error: BaseException | None = None
-        self._threads = threads
-        self._thread = threading.Thread(target=self._loop, name="tidal-vllm", daemon=True)
-        self._thread.start()
-
-    def describe(self) -> str:
-        return "in-process"
-
-    def dead(self) -> str:
-        if self._error is not None:
-            return f"Its worker thread failed: {type(self._error).__name__}: {self._error}"
-        return "" if self._thread.is_alive() else "Its worker thread has stopped."
-
-    def _loop(self) -> None:
-        engine = self.llm.llm_engine
-        # OpenMP's thread count is per thread. torch sets this thread's on its first parallel op
-        # (to the last torch.set_num_threads of any thread); vLLM's CPU attention builds its
-        # schedule with the count at build time and refuses a kernel run with another
-        # ("Check failed: input->metadata->thread_num == thread_num"). Measured: with the caller at
-        # 1 thread, the first step built its schedule for 2 (OpenMP's default) and ran on 1.
-        # get_num_threads does torch's one-time set-up now; then the count is fixed here.
-        torch.get_num_threads()
-        torch.set_num_threads(self._threads)
-        try:
-            while True:
-                with self._cv:
-                    while not self._inbox and not self._futures and not self._stop:
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    work, self._inbox = self._inbox, collections.deque()
-                for fn in work:
-                    fn()
-                if engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished:
-                            fut = self._futures.pop(out.request_id, None)
-                            if fut is not None and not fut.done():
-                                fut.set_result(out)
-                elif self._futures:  # never expected; without it this loop would spin
-                    lost = VLLMEngineError(f"vLLM dropped {len(self._futures)} requests without finishing them "
-                                           f"(first {next(iter(self._futures))})")
-                    for fut in self._futures.values():
-                        fut.set_exception(lost)
-                    self._futures.clear()
-        except BaseException as e:  # every waiting caller learns of it
-            self._error = e
-            log.exception("vLLM in-process worker thread failed")
-        finally:
-            err = VLLMEngineError(self.dead() or "the engine was closed")
-            for fut in self._futures.values():
-                if not fut.done():
-                    fut.set_exception(err)
-            self._futures.clear()
-            with self._cv:
-                pending, self._inbox = self._inbox, collections.deque()
-            for fn in pending:  # each queued call fails its own future
-                fn(err)
-
-    def _run(self, fn) -> concurrent.futures.Future:
-        """Run fn() on the worker thread; its return value or exception lands in the future.
-        If the thread is gone before it runs, fn is called with the error instead."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def call(err: BaseException | None = None) -> None:
-            if err is not None:
-                fut.set_exception(err)
-                return
-            try:
-                fut.set_result(fn())
-            except BaseException as e:  # noqa: BLE001
-                fut.set_exception(e)
-
-        with self._cv:
-            if self._stop or not self._thread.is_alive():
-                call(VLLMEngineError(self.dead() or "the engine was closed"))
-                return fut
-            self._inbox.append(call)
-            self._cv.notify()
-        return fut
-
-    async def generate(self, requests: list[GenerationRequest], timeout_s: float, vision: Vision | None = None,
-                       banned: tuple[str, ...] = ()) -> list[Completion]:
-        from vllm import SamplingParams as VParams
-        from vllm.sampling_params import RequestOutputKind
-
-        prompts = [vllm_prompt(r, vision) for r in requests]
-        # Text only where stop strings need it (vLLM matches them in its detokenizer).
-        params = [VParams(**vllm_sampling_fields(r.params, banned), detokenize=bool(r.params.stop),
-                          output_kind=RequestOutputKind.FINAL_ONLY) for r in requests]
-        results = [concurrent.futures.Future() for _ in requests]
-        ids: list[str] = []
-
-        def add() -> None:
-            engine = self.llm.llm_engine
-            try:
-                for r, prompt, p, fut in zip(requests, engine.renderer.render_cmpl(prompts), params, results):
-                    rid = f"{next(self._ids)}:{r.request_id}"  # unique even if a caller reuses a request id
-                    engine.add_request(rid, prompt, p)
-                    ids.append(rid)
-                    self._futures[rid] = fut
-            except BaseException:
-                self._abort(ids)  # all of the call's requests or none
-                raise
-
-        await asyncio.wrap_future(self._run(add))
-        try:
-            outs = await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in results)), timeout_s)
-        except BaseException:
-            if ids:  # timed out or cancelled: the engine drops the requests
-                self._run(lambda: self._abort(ids))
-            raise
-        parsed = []
-        for r, out in zip(requests, outs):
-            if r.images:
-                check_expanded(r, out.prompt_token_ids, vision)
-            c = out.outputs[0]
-            toks = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(toks):
-                raise VLLMEngineError(f"request {r.request_id}: {len(toks)} tokens but "
-                                      f"{len(c.logprobs or ())} log-probs in vLLM's output")
-            lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
-            parsed.append((toks, lps, checked_finish_reason(c.finish_reason, f"request {r.request_id}")))
-        return parsed
-
-    def _abort(self, ids: list[str]) -> None:
-        for i in ids:
-            self._futures.pop(i, None)
-        self.llm.llm_engine.abort_request(ids)
-
-    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
-        weights = [(k, v.detach()) for k, v in named.items()]
-
-        def load() -> None:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            self.llm.reset_prefix_cache()
-            if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
-                self.llm.llm_engine.reset_encoder_cache()
-
-        try:
-            self._run(load).result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise VLLMEngineError(f"reload_weights did not finish within {timeout_s:g} s") from None
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
-        try:  # closing is best effort; the second call frees vLLM's process-wide state so that
-            # another in-process engine can start later
-            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-            self.llm.llm_engine.engine_core.shutdown()
-            cleanup_dist_env_and_memory()
-        except Exception as e:  # noqa: BLE001
-            log.debug("closing the in-process vLLM engine: %s", e)

@@ -149,6 +149,22 @@ class VLLMServer:
         if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
             self._http("POST", "/reset_encoder_cache", {}, 60)
 
+    def transfer(self, calls: list[tuple[str, dict]], timeout_s: float) -> list:
+        """vLLM's weight-transfer routes (served in dev mode), in order; `tidal_sync_report`
+        goes through /collective_rpc. Returns its per-rank results (else [])."""
+        out: list = []
+        for method, body in calls:
+            if method == "tidal_sync_report":
+                rpc = {"method": method, "timeout": timeout_s}
+                out = json.loads(self._http("POST", "/collective_rpc", rpc, timeout_s + 30))["results"]
+            else:
+                self._http("POST", f"/{method}", body, timeout_s + 30)
+        if calls[-1][0] == "tidal_sync_report":
+            self._http("POST", "/reset_prefix_cache", {}, 60)
+            if self.multimodal:
+                self._http("POST", "/reset_encoder_cache", {}, 60)
+        return out
+
     def close(self) -> None:
         stop_process_group(self.proc)
         self._log.close()

@@ -40,13 +40,16 @@ class RoleDied(RuntimeError):
 
 @dataclass
 class Pending:
-    """A submitted call: a Ray object ref, or the outcome of a local call."""
+    """A submitted call: a Ray object ref, a future (a call running on a thread of this process
+    or in another process of a launcher's job: tidal/runtime/launcher.py), or the outcome of a
+    local call."""
 
     handle: Handle
     call: str
     ref: Any = None
     value: Any = None
     error: BaseException | None = None
+    future: Any = None  # concurrent.futures.Future; RoleDied when the process behind it ended
 
 
 class Handle:
@@ -99,6 +102,9 @@ def gather(pendings: Sequence[Pending], *, step: int | None = None, timeout_s: f
     for p in pendings:
         if p.error is not None:
             raise _role_error(p, step, p.error) from p.error
+    futures = [p for p in pendings if p.future is not None]
+    if futures:
+        _wait_futures(futures, step, timeout_s)
     remote = [p for p in pendings if p.ref is not None]
     if remote:
         import ray
@@ -122,7 +128,34 @@ def gather(pendings: Sequence[Pending], *, step: int | None = None, timeout_s: f
     return [p.value for p in pendings]
 
 
+FAILURE_GRACE_S = 2.0  # after a first failure, how long the other calls may take to fail too
+
+
+def _wait_futures(pendings: list[Pending], step: int | None, timeout_s: float) -> None:
+    """Their values, or the first failure. A process that ended is the news over a failure it
+    caused: its peers' collectives fail as well (gloo: the connection closed), so once one call
+    fails the others get FAILURE_GRACE_S to fail, and a died call among them is reported first."""
+    from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, wait
+
+    by_future = {p.future: p for p in pendings}
+    done, waiting = wait(by_future, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    failed = [by_future[f] for f in done if f.exception() is not None]
+    if failed:
+        more, _ = wait(waiting, timeout=FAILURE_GRACE_S, return_when=ALL_COMPLETED)
+        failed += [by_future[f] for f in more if f.exception() is not None]
+        first = next((p for p in failed if isinstance(p.future.exception(), RoleDied)), failed[0])
+        raise _role_error(first, step, first.future.exception()) from first.future.exception()
+    if waiting:
+        slow = next(p for p in pendings if p.future in waiting)
+        raise RoleError(slow.handle.role, slow.call, step, "timeout", f"{timeout_s:g} s "
+                        f"({len(waiting)} of {len(pendings)} calls still running)")
+    for p in pendings:
+        p.value = p.future.result()
+
+
 def _role_error(p: Pending, step: int | None, e: BaseException) -> RoleError:
+    if isinstance(e, RoleDied):  # a launcher's process that ended (tidal/runtime/launcher.py)
+        return RoleError(p.handle.role, p.call, step, "died", str(e))
     try:
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
     except ImportError:  # local mode without Ray installed

@@ -1,4 +1,5 @@
-"""Placement: build the roles of a run in the driver (local) or as Ray actors (ray).
+"""Placement: build the roles of a run in the driver (local), as Ray actors (ray), or over
+the processes of a launcher (launcher: tidal/runtime/launcher.py).
 
 local: one `TrainerWorker` in this process and the engine replicas beside it; weights
 move in process. ray: Ray is started on loopback (or joins `placement.address`), one
@@ -22,7 +23,7 @@ from pathlib import Path
 from tidal.config import TidalConfig
 from tidal.engines.router import Router
 from tidal.net import is_loopback
-from tidal.runtime import ray_watchdog
+from tidal.runtime import launcher, ranks, ray_watchdog, topology
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.sync import WeightPusher, choose_transport
 from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
@@ -128,6 +129,8 @@ class Roles:
     env_handles: list[Handle] = field(default_factory=list)
     envs: object = None  # RemoteEnvs: environments on the env workers; None: in the driver
     watchdog: object = None  # the local Ray instance's watchdog (tidal/runtime/ray_watchdog.py), if started
+    node_groups: list = field(default_factory=list)  # Ray: the trainer ranks' STRICT_PACK groups (topology.py)
+    launched: object = None  # placement.mode=launcher: the job's ranks (tidal/runtime/launcher.py)
 
     def close(self) -> None:
         try:
@@ -144,8 +147,12 @@ class Roles:
             if self.started_ray:
                 ray_shutdown_quietly()
             return
-        for engine in self.engine.replicas if isinstance(self.engine, Router) else [self.engine]:
-            engine.close()
+        try:
+            for engine in self.engine.replicas if isinstance(self.engine, Router) else [self.engine]:
+                engine.close()
+        finally:
+            if self.launched is not None:  # the other ranks leave their loops
+                self.launched.close()
         if self.placement_group is None:
             return
         import ray
@@ -155,7 +162,8 @@ class Roles:
                 ray.kill(h.target, no_restart=True)
         if self.reward_handles is not None:
             self.reward_handles.kill_all()
-        ray.util.remove_placement_group(self.placement_group)
+        for group in [*self.node_groups, self.placement_group]:
+            ray.util.remove_placement_group(group)
         if self.started_ray:
             ray.shutdown()
 
@@ -183,6 +191,8 @@ def ray_shutdown_quietly() -> None:
 def build_roles(cfg: TidalConfig, model_dir: Path, pad_token_id: int, engine_kind: str, run_dir: Path) -> Roles:
     if cfg.placement.mode == "local":
         return _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
+    if cfg.placement.mode == "launcher":
+        return _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
     return _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir)
 
 
@@ -201,6 +211,25 @@ def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     return Roles(trainer, engine, WeightPusher.in_driver(trainer, engine))
 
 
+def _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
+    """Rank 0 of a launcher's job: a TrainerGroup over every rank, the engines in this process
+    (as local mode), weights gathered on every rank and loaded here (tidal/runtime/launcher.py)."""
+    env = ranks.detect(os.environ)
+    trainer, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env)
+    try:
+        engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
+                   for _ in range(cfg.engine.replicas)]
+    except BaseException:
+        job.close()
+        raise
+    engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
+    pusher = WeightPusher(launcher.push_in_process(trainer, engine, cfg.placement.call_timeout_s),
+                          f"in process (rank 0 of {env.launcher})")
+    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d hosts %d engine replica(s)",
+             env.launcher, env.world_size, env.master_addr, env.master_port, len(engines))
+    return Roles(trainer, engine, pusher, launched=job)
+
+
 def _bundle(res, gpus_extra: float = 0.0) -> dict[str, float]:
     b = {"CPU": res.num_cpus, **res.resources}
     if res.num_gpus + gpus_extra:
@@ -210,49 +239,47 @@ def _bundle(res, gpus_extra: float = 0.0) -> dict[str, float]:
 
 def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     import ray
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pl = cfg.placement
     n_train, n_eng = pl.trainer_ranks, cfg.engine.replicas
     colocated = pl.colocate
-    bundles = [_bundle(pl.trainer, pl.engine.num_gpus if colocated else 0.0) for _ in range(n_train)]
-    if not colocated:
-        bundles += [_bundle(pl.engine) for _ in range(n_eng)]
-    first_reward = len(bundles)
-    bundles += [_bundle(pl.reward) for _ in range(pl.reward_workers)]
-    first_env = len(bundles)
-    bundles += [_bundle(pl.env) for _ in range(pl.env_workers)]
-    started, watchdog = start_ray(cfg, sum(b.get("CPU", 0.0) for b in bundles))
-    pg = placement_group(bundles, strategy=pl.strategy, name="")
-    ready, _ = ray.wait([pg.ready()], timeout=pl.start_timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(pg)
-        raise RoleError("placement", "placement_group", None, "timeout",
-                        f"{pl.start_timeout_s:g} s: the cluster cannot hold the bundles {bundles} "
-                        f"(it offers {ray.cluster_resources()})")
+    others = [] if colocated else [_bundle(pl.engine) for _ in range(n_eng)]
+    first_reward = len(others)
+    others += [_bundle(pl.reward) for _ in range(pl.reward_workers)]
+    first_env = len(others)
+    others += [_bundle(pl.env) for _ in range(pl.env_workers)]
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
+    trainer_bundle = _bundle(pl.trainer, pl.engine.num_gpus if colocated else 0.0)
+    strict, rest, slots = topology.bundle_layout(n_train, topology.group_size(dims.tp, dims.cp, dims.ep),
+                                                 trainer_bundle, others)
+    started, watchdog = start_ray(cfg, sum(b.get("CPU", 0.0) for b in [*(b for g in strict for b in g), *rest]))
+    groups = _placement_groups(pl, strict, rest)
+    pg, offset = groups[-1], 0 if strict else n_train  # the other roles' group (if any); where they start in it
 
-    def actor(cls, index: int, res, **opts):
+    def actor(cls, index: int, res, **opts):  # the other roles' bundle `index`
+        group = opts.pop("group", pg)
         return ray.remote(cls).options(
             num_cpus=res.num_cpus, num_gpus=res.num_gpus + opts.pop("gpus_extra", 0.0), max_concurrency=64,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index), **opts)
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index), **opts)
 
     engine_log = str(run_dir / "engine")
     ranks = []
     for r in range(n_train):
-        cls = actor(TrainerWorker, r, pl.trainer, gpus_extra=pl.engine.num_gpus if colocated else 0.0)
+        group, index = slots[r]
+        cls = actor(TrainerWorker, index, pl.trainer, gpus_extra=pl.engine.num_gpus if colocated else 0.0,
+                    group=groups[group])
         ranks.append(Handle(f"trainer rank {r}", cls.remote(
             cfg, str(model_dir), pad_token_id, rank=r, world_size=n_train,
             engine_kind=engine_kind if colocated else None, log_dir=engine_log, num_cpus=pl.trainer.num_cpus), remote=True))
     addr, port = ranks[0].call("where", timeout_s=pl.start_timeout_s)
     gather([h.submit("setup", addr, port) for h in ranks], timeout_s=pl.start_timeout_s)
-    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
     trainer = TrainerGroup(ranks, timeout_s=pl.call_timeout_s, dp_index=[dims.dp_index(r) for r in range(n_train)])
 
     def spawn_engine(i: int) -> Handle:
         if colocated:
             return ranks[i]
-        cls = actor(EngineWorker, n_train + i, pl.engine)
+        cls = actor(EngineWorker, offset + i, pl.engine)
         h = Handle(f"engine replica{i}", cls.remote(cfg, engine_kind, str(model_dir), pad_token_id,
                                                      log_dir=engine_log, num_cpus=pl.engine.num_cpus), remote=True)
         h.call("pid", timeout_s=pl.start_timeout_s)  # constructed: the model is loaded
@@ -264,13 +291,13 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
 
     def start_reward_actor(i: int, specs: list, timeout_s: float):  # the scorer starts them (it knows the rewards)
-        return actor(RewardWorker, first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus,
+        return actor(RewardWorker, offset + first_reward + i, pl.reward).remote(specs, timeout_s, num_cpus=pl.reward.num_cpus,
                                                                       reward_cfg=cfg.reward.model_dump(mode="json"))
 
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
-    envs, remote_envs = _env_workers(cfg, lambda i: actor(EnvWorker, first_env + i, pl.env))
+    envs, remote_envs = _env_workers(cfg, lambda i: actor(EnvWorker, offset + first_env + i, pl.env))
 
-    transport = choose_transport(pl.weight_sync, colocated)
+    transport = choose_transport(pl.weight_sync, colocated, cfg.engine.tensor_parallel)
     sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
     pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)
@@ -278,7 +305,36 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
              n_train, n_eng, "colocated" if colocated else "disaggregated", transport)
     pusher.prepare()  # weight_sync=shard: the group forms and the transfer plan is logged now
     return Roles(trainer, engine, pusher, started_ray=started, watchdog=watchdog, placement_group=pg,
+                 node_groups=groups[:-1],
                  reward_handles=rewards, env_handles=envs, envs=remote_envs)
+
+
+def _placement_groups(pl, strict: list[list[dict]], rest: list[dict]) -> list:
+    """One STRICT_PACK placement group per group of trainer ranks that must share a node
+    (tidal/runtime/topology.py), then the group of the other bundles (`placement.strategy`),
+    all ready within placement.start_timeout_s, or every one removed again and the start
+    failed, naming what could not be placed and what a node must offer for it."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    groups = [placement_group(b, strategy="STRICT_PACK", name="") for b in strict]
+    if rest:  # absent where every bundle is a grouped trainer rank's (colocated, no workers)
+        groups.append(placement_group(rest, strategy=pl.strategy, name=""))
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=pl.start_timeout_s)
+    if len(ready) == len(groups):
+        return groups
+    waiting = [i for i, g in enumerate(groups) if g.ready() not in ready]
+    for g in groups:
+        ray.util.remove_placement_group(g)
+    first = waiting[0]
+    if first < len(strict):
+        size = len(strict[first])
+        what = (f"trainer ranks {first * size}-{first * size + size - 1} (one tp × cp × ep group, kept on one node) "
+                f"need one node offering {topology.total(strict[first])}")
+    else:
+        what = f"the cluster cannot hold the bundles {rest}"
+    raise RoleError("placement", "placement_group", None, "timeout",
+                    f"{pl.start_timeout_s:g} s: {what} (the cluster offers {ray.cluster_resources()} in all)")
 
 
 def _env_workers(cfg: TidalConfig, actor_of) -> tuple[list[Handle], RemoteEnvs | None]:

@@ -75,11 +75,13 @@ class Recovering:
                 lost = recoverable(e, ctl)
                 limit = ctl.cfg.run.max_restarts
                 ckpt = ctl.paths.latest_checkpoint()
-                if lost is None or self.restarts >= limit or ckpt is None:
+                launched = ctl.cfg.placement.mode == "launcher"
+                if lost is None or launched or self.restarts >= limit or ckpt is None:
                     if lost is None:
                         raise
-                    why = (f"run.max_restarts={limit} restarts were used" if self.restarts >= limit else
-                           "the run has no checkpoint to restart from yet (run.save_every)")
+                    why = ("placement.mode=launcher: the launcher started the ranks and only it can start them "
+                           "again" if launched else f"run.max_restarts={limit} restarts were used"
+                           if self.restarts >= limit else "the run has no checkpoint to restart from yet (run.save_every)")
                     log.error("not restarting after losing %s: %s", lost, why)
                     # One message a person can act on (the CLI's exit 3), not the actor's traceback.
                     raise RunFailed(f"{e}; not restarted: {why}. " + (

@@ -11,6 +11,7 @@ each transport a class with one `deliver` in TRANSPORTS),
   shard      no gather: every trainer rank sends its own shards' pieces to the engine actors
              by a transfer plan (tidal/weightsync/plan.py), made when the group forms; with
              placement.weight_sync_delta, only the compressed XOR against what each engine holds;
+  slices     rank 0 sends each rank of a tensor-parallel engine only its slices;
   disk       rank 0 writes safetensors to a shared directory and every engine loads it.
 Each engine answers with the version it now holds; the router's view is set from that.
 
@@ -22,6 +23,7 @@ the current weights with the others, and only then takes requests again.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -43,7 +45,6 @@ class WeightPusher:
 
     @classmethod
     def in_driver(cls, trainer, engine) -> WeightPusher:
-
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
@@ -74,11 +75,13 @@ class WeightPusher:
             self._state.prepare()
 
 
-def choose_transport(weight_sync: str, colocated: bool) -> str:
+def choose_transport(weight_sync: str, colocated: bool, engine_tp: int = 1) -> str:
     """The one place a transport is chosen (placement.weight_sync): `auto` moves weights in
-    process where each trainer rank hosts its engine, and broadcasts them otherwise."""
+    process where each trainer rank hosts its engine; otherwise it sends each rank of a
+    tensor-parallel engine only its slices, and broadcasts to one-rank engines (each of
+    which holds the whole model anyway)."""
     if weight_sync == "auto":
-        return "inprocess" if colocated else "broadcast"
+        return "inprocess" if colocated else "slices" if engine_tp > 1 else "broadcast"
     return weight_sync
 
 
@@ -88,6 +91,7 @@ class _InProcess:
     def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
         out = gather([h.submit("push_weights", "inprocess") for h in sync.trainer.ranks], step=step,
                      timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": max(float(o.get("bytes", 0.0)) for o in out)}  # each engine's copy
         return {i: out[i]["version"] for i in targets}
 
 
@@ -119,6 +123,44 @@ class _Broadcast:
         gather([rank0.submit("sync_join", addr, port, 0, world, name, **args)]
                + [h.submit("sync_join", addr, port, r, world, name, **args) for r, h in enumerate(live, start=1)],
                timeout_s=sync.timeout_s)
+        self.members = live
+
+
+class _Slices:
+    """Rank 0 sends each engine rank only its slices (tidal/weightsync/sliced.py) over a group
+    of itself and every rank of every live replica (engine.tensor_parallel ranks each, which
+    join themselves), formed again whenever the set of live engines changed."""
+
+    def __init__(self):
+        self.epoch = 0
+        self.members: list[Handle] | None = None
+        self.metrics: dict[str, float] = {}
+
+    def deliver(self, sync: _RemoteSync, targets: list[int], step: int | None) -> dict[int, int]:
+        live = [sync.handles[i] for i in targets]
+        self._ensure_group(sync, live, [sync.router.names[i] for i in targets])
+        options = {**sync.options, "step": step, "replicas": [sync.router.names[i] for i in targets],
+                   "served": sync.cfg.engine.kind in ("vllm", "sglang")}
+        ranks = sync.trainer.ranks
+        subs = [h.submit("push_weights", "slices", options) for h in ranks]
+        subs += [h.submit("slices_recv") for h in live]
+        out = gather(subs, step=step, timeout_s=sync.timeout_s)
+        per_rank = out[0].get("bytes_per_rank") or [0.0]  # what each engine rank received
+        self.metrics = {"weight_sync/bytes": max(per_rank), "weight_sync/bytes_total": float(sum(per_rank))}
+        return {i: o["version"] for i, o in zip(targets, out[len(ranks):])}
+
+    def _ensure_group(self, sync: _RemoteSync, live: list[Handle], names: list[str]) -> None:
+        if self.members is not None and [id(h) for h in live] == [id(h) for h in self.members]:
+            return
+        self.epoch += 1
+        tp = sync.cfg.engine.tensor_parallel
+        rank0 = sync.trainer.ranks[0]
+        addr, port = rank0.call("where", timeout_s=sync.timeout_s)
+        world, name = 1 + tp * len(live), f"tidal-slices-{self.epoch}"
+        backend, timeout = sync.backend(), sync.cfg.placement.collective_timeout_s
+        gather([rank0.submit("sync_join", addr, port, 0, world, name, backend, timeout)]
+               + [h.submit("slices_join", addr, port, 1 + tp * k, world, name, backend, timeout, names[k])
+                  for k, h in enumerate(live)], timeout_s=sync.timeout_s)
         self.members = live
 
 
@@ -171,10 +213,11 @@ class _Disk:
                      timeout_s=sync.timeout_s)
         got = gather([sync.handles[i].submit("load_weights_file", out[0]["path"]) for i in targets], step=step,
                      timeout_s=sync.timeout_s)
+        self.metrics = {"weight_sync/bytes": float(out[0].get("bytes", 0.0))}  # the file every engine reads
         return dict(zip(targets, got))
 
 
-TRANSPORTS = {"inprocess": _InProcess, "broadcast": _Broadcast, "shard": _Shard, "disk": _Disk}
+TRANSPORTS = {"inprocess": _InProcess, "broadcast": _Broadcast, "shard": _Shard, "slices": _Slices, "disk": _Disk}
 
 
 class _RemoteSync:
@@ -236,12 +279,36 @@ class _RemoteSync:
                 else:
                     raise
 
+    def _blame(self, e: RoleError, targets: list[int]) -> list[int]:
+        """The engine replicas a failed delivery names: the role that failed, or those a
+        trainer's error names (the sender's WeightSyncError names the receiver it waited on)."""
+        text = f"{e.role}: {e}"
+        return [i for i in targets if re.search(rf"\b{re.escape(self.router.names[i])}\b", text)]
+
+    def _deliver(self, targets: list[int], step: int | None) -> dict[int, int]:
+        """Deliver; when it fails naming engine replicas (a sync that hung or broke), those are
+        marked down, replaced (placement.restart_engines) and the sync runs again, once."""
+        try:
+            return self.transport.deliver(self, targets, step)
+        except RoleError as e:
+            blamed = self._blame(e, targets)
+            if self.respawn is None or not blamed:
+                raise
+            for i in blamed:
+                self.router.mark_down(i, f"the weight sync of step {step} failed: {e}")
+            log.warning("step %s: the weight sync failed (%s); replacing %s and syncing again", step, e,
+                        ", ".join(self.router.names[i] for i in blamed))
+            self._pending_up.update({i: True for i in self._replace_dead(step)})
+            if hasattr(self.transport, "members"):
+                self.transport.members = None  # a group that timed out is broken: form a new one
+            return self.transport.deliver(self, targets, step)
+
     def push(self, step: int | None) -> dict[str, float]:
         t0 = time.perf_counter()
         self._check_alive(step)
         self._pending_up = {i: True for i in self._replace_dead(step)}
         targets = [i for i, up in enumerate(self.router.up) if up or self._pending_up.get(i)]
-        versions = self.transport.deliver(self, targets, step)
+        versions = self._deliver(targets, step)
         want = self.trainer.version
         for i, v in versions.items():
             if v != want:

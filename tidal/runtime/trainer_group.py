@@ -17,6 +17,7 @@ order. Every call is bounded by `timeout_s` and fails with the role, call and st
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import threading
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tidal.config import TidalConfig
-from tidal.models import load_tokenizer
+from tidal.models import load_tokenizer, resolve_model_dir
 from tidal.monitor import trace
 from tidal.net import is_loopback
 from tidal.runtime.handles import Handle, gather
@@ -33,6 +34,7 @@ from tidal.trainer.distributed import balanced_shards as split
 from tidal.trainer.distributed import init_distributed
 from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.weightsync import DiskSync, send_weights
+from tidal.weightsync.sliced import replica_targets, send_slices
 
 
 def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
@@ -99,7 +101,6 @@ def on_own_thread(fn, *args, **kwargs):
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
-
     return Trainer(str(model_dir), cfg.train, cfg.algorithm, dtype=cfg.model.dtype,
                    temperature=cfg.rollout.temperature, pad_token_id=pad_token_id,
                    device=cfg.model.resolved_device(), norm_len=cfg.loss_norm_len)
@@ -118,6 +119,7 @@ class TrainerWorker(SyncReceiver):
         self.rank, self.world_size = rank, world_size
         self.engine_kind, self.log_dir = engine_kind, log_dir
         self.trainer = None
+        self.store = None  # placement.mode=launcher: the store the launcher's ranks met on (tidal/runtime/launcher.py)
         if cfg.run.trace and not trace.enabled():  # in its own process (Ray); in the driver it is on already
             trace.enable(f"trainer rank {rank}")
         # Colocated and synchronous: the engine sleeps while this rank trains (memory back
@@ -145,13 +147,12 @@ class TrainerWorker(SyncReceiver):
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:
         torch.manual_seed(self.cfg.run.seed)
         if self.world_size > 1:
-
             if is_loopback(master_addr):  # gloo would otherwise pick the interface of the host name
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
             init_distributed(self.rank, self.world_size, master_addr, master_port, backend=self.cfg.placement.backend
                              if self.cfg.placement.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo"),
-                             timeout_s=self.cfg.placement.collective_timeout_s)
+                             timeout_s=self.cfg.placement.collective_timeout_s, store=self.store)
         self.trainer = make_trainer(self.cfg, self.model_dir, self.pad_token_id)
         if self.engine_kind is not None:  # colocated: this rank's engine replica
             self.engine = make_engine(self.cfg, self.engine_kind, self.model_dir, self.pad_token_id, self.log_dir)
@@ -191,7 +192,6 @@ class TrainerWorker(SyncReceiver):
     def save(self, path: str, with_tokenizer: bool = True) -> None:
         tokenizer = None
         if with_tokenizer and self.rank == 0:
-
             tokenizer = load_tokenizer(self.model_dir)
         self.trainer.save(path, tokenizer=tokenizer)
 
@@ -201,6 +201,12 @@ class TrainerWorker(SyncReceiver):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.trainer.named_weights()
+
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Collective: every rank gathers the full weights; rank 0 returns them (to the engines
+        in its own process, placement.mode=launcher), the others nothing."""
+        named = self.trainer.named_weights()
+        return named if self.rank == 0 else None
 
     def shards(self) -> dict[str, torch.Tensor]:
         """The policy's parameters as this rank holds them (DTensor shards under a mesh)."""
@@ -245,18 +251,25 @@ class TrainerWorker(SyncReceiver):
                 raise RuntimeError(f"trainer rank {self.rank} holds no engine: weight_sync=inprocess needs placement.colocate")
             self.engine.update_weights(version, named)
             self._wake()
-            return {"version": version}
+            return {"version": version, "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
         if self.rank != 0:
             return {"version": version}
         if transport == "broadcast":
-
             out = send_weights(self._group, version, named, bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
                                with_checksum=bool(options.get("checksum", False)))
             return {"version": version, **out}
+        if transport == "slices":  # each engine rank gets only its slices (tidal/weightsync/sliced.py)
+            hf_config = json.loads((resolve_model_dir(self.model_dir) / "config.json").read_text())
+            tensors, targets, roles = replica_targets(hf_config, named, self.cfg.engine.tensor_parallel,
+                                                      options["replicas"], options.get("served", False))
+            out = send_slices(self._group, version, tensors, targets, step=options.get("step"), roles=roles,
+                              bucket_bytes=int(options.get("bucket_mb", 256) * 2**20),
+                              with_checksum=bool(options.get("checksum", False)))
+            return {"version": version, **out}
         if transport == "disk":
-
             path = DiskSync(options["dir"]).write(version, named, with_checksum=bool(options.get("checksum", False)))
-            return {"version": version, "path": str(path)}
+            return {"version": version, "path": str(path),
+                    "bytes": float(sum(t.numel() * t.element_size() for t in named.values()))}
         raise ValueError(f"unknown weight transport {transport!r}")
 
     def pid(self) -> int:

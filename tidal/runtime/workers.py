@@ -35,6 +35,7 @@ from tidal.runtime.handles import RoleDied
 from tidal.runtime.tasks import build_task
 from tidal.types import GenerationRequest, GenerationResult
 from tidal.weightsync import BroadcastGroup, DiskSync, receive_into
+from tidal.weightsync.sliced import receive_into_engine
 
 log = logging.getLogger("tidal")
 
@@ -63,7 +64,6 @@ def set_threads(num_cpus: float) -> None:
 
 
 def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id: int, log_dir: str | Path | None):
-
     return build_engine(kind, cfg.engine, model_dir, dtype=cfg.engine_dtype(), device=cfg.model.resolved_device(),
                         pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
 
@@ -83,8 +83,24 @@ class SyncReceiver:
         self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
 
     def sync_recv(self) -> dict:
-
         return receive_into(self.engine, self._group)
+
+    def slices_join(self, host: str, port: int, rank_offset: int, world_size: int, name: str, backend: str,
+                    timeout_s: float, role: str) -> None:
+        """Join the slice group (placement.weight_sync=slices) as ranks rank_offset.. of this
+        replica: a tensor-parallel vLLM engine's workers join themselves, one per rank
+        (vllm_transfer.py); any other engine joins here as one rank."""
+        self._role = role
+        if hasattr(self.engine, "join_weight_group"):
+            self.engine.join_weight_group(host, port, world_size, rank_offset, name, timeout_s, role, backend)
+            return
+        self.sync_join(host, port, rank_offset, world_size, name, backend, timeout_s)
+
+    def slices_recv(self) -> dict:
+        if hasattr(self.engine, "receive_slices"):
+            return self.engine.receive_slices()
+        out = receive_into_engine(self.engine, self._group, self._role)
+        return {k: out[k] for k in ("version", "bytes", "checksum_ok")}
 
     def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
                    **_) -> None:
@@ -102,7 +118,6 @@ class SyncReceiver:
         return self._shard.recv(self.engine)
 
     def load_weights_file(self, path: str) -> int:
-
         return DiskSync(Path(path).parent).load_into(self.engine, path)["version"]
 
     def update_weights(self, version: int, tensors) -> int:
@@ -287,7 +302,6 @@ class EnvWorker:
     worker; the task's reward functions still score in the driver's reward pool."""
 
     def __init__(self, cfg: TidalConfig, num_cpus: float = 0.0):
-
         if num_cpus:
             set_threads(num_cpus)
         self.task = build_task(cfg.task)
@@ -360,7 +374,6 @@ class RemoteEnvs:
         return RemoteEnv(self, row, seed)
 
     async def call(self, i: int, method: str, *args):
-
         handle = self.handles[i]
         try:
             return await self._watched(i, handle, handle.acall(method, *args, timeout_s=self.timeout_s))

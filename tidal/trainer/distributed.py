@@ -20,13 +20,16 @@ import torch.distributed as dist
 from torch import nn
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str = "gloo",
-                     timeout_s: float = 600) -> None:
-    """Join the trainer group. Every collective of the group then fails after `timeout_s`
-    instead of waiting forever. With NCCL, the current CUDA device must be this rank's
-    before the call (a Ray actor given one GPU sees it as cuda:0, the default)."""
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+def init_distributed(rank: int, world_size: int, master_addr: str | None, master_port: int | None,
+                     backend: str = "gloo", timeout_s: float = 600, store=None) -> None:
+    """Join the trainer group, through `store` (a torch.distributed Store the caller met on
+    already: placement.mode=launcher) or at tcp://master_addr:master_port. Every collective of
+    the group then fails after `timeout_s` instead of waiting forever. With NCCL, the current
+    CUDA device must be this rank's before the call (a Ray actor given one GPU sees it as
+    cuda:0, the default)."""
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{master_addr}:{master_port}"}
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s),
+                            **where)
 
 
 def destroy() -> None:

@@ -40,15 +40,30 @@ def xor_(out: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_xor(out, other, out=out)
 
 
+BLOCK = 1 << 16  # elements per step of the byte-plane transposes: a block's rows stay in cache
+
+
 def shuffle(b: torch.Tensor, itemsize: int) -> np.ndarray:
-    """Byte planes [itemsize, n]: element i's byte j goes to row j (numpy's transpose copy is ~3x
-    torch's for uint8 here)."""
+    """Byte planes [itemsize, n]: element i's byte j goes to row j. Transposed block by block:
+    a whole-array numpy transpose of uint8 strides through memory (35-190 MB/s here), the
+    blocked one ~2-5x faster."""
     a = b.numpy()
-    return a.reshape(1, -1) if itemsize == 1 else np.ascontiguousarray(a.reshape(-1, itemsize).T)
+    if itemsize == 1:
+        return a.reshape(1, -1)
+    rows = a.reshape(-1, itemsize)
+    out = np.empty((itemsize, rows.shape[0]), dtype=np.uint8)
+    for i in range(0, rows.shape[0], BLOCK):
+        out[:, i:i + BLOCK] = rows[i:i + BLOCK].T
+    return out
 
 
 def unshuffle(planes: np.ndarray, itemsize: int) -> torch.Tensor:
-    return torch.from_numpy(planes.reshape(-1) if itemsize == 1 else np.ascontiguousarray(planes.T).reshape(-1))
+    if itemsize == 1:
+        return torch.from_numpy(planes.reshape(-1))
+    out = np.empty((planes.shape[1], itemsize), dtype=np.uint8)
+    for i in range(0, planes.shape[1], BLOCK):
+        out[i:i + BLOCK] = planes[:, i:i + BLOCK].T
+    return torch.from_numpy(out.reshape(-1))
 
 
 def compress(data, codec: str, level: int) -> bytes:
@@ -83,7 +98,7 @@ def digest(b: torch.Tensor) -> int:
     """xxh3-64 of a uint8 tensor's bytes, as a signed int64 (it travels in an int64 tensor)."""
     import xxhash
 
-    v = xxhash.xxh3_64_intdigest(b.numpy().data)
+    v = xxhash.xxh3_64_intdigest(b.cpu().numpy().data)
     return v - (1 << 64) if v >= 1 << 63 else v
 
 

@@ -26,6 +26,7 @@ bucket and the version when it expires (`WeightSyncError`, the group then broken
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from datetime import timedelta
 
@@ -79,6 +80,15 @@ def _bucket_name(plan: TransferPlan, m: Message, version: int) -> str:
     return f"bucket {m.bucket + 1}/{plan.buckets_of(m.dst)} for engine rank {m.dst} of v{version}"
 
 
+def _as_tensor(data: bytes) -> torch.Tensor:
+    """The payload's bytes as a uint8 tensor without a copy (read only: it is only sent)."""
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # torch warns that `bytes` are not writable; nothing writes them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 class ShardSender:
     """A trainer rank's side. `named`: the policy's parameters as it holds them (DTensor shards
     or plain tensors), by the plan's names."""
@@ -96,7 +106,7 @@ class ShardSender:
         self.last_full: list[int | None] = [None] * plan.engine_ranks
         self.base: dict[str, torch.Tensor] = {}  # delta: this rank's shards at base_version
         self.base_version: int | None = None
-        self._staging = torch.empty(plan.peak_staging_bytes(self.rank), dtype=torch.uint8)
+        self._staging = torch.empty(plan.peak_staging_bytes(self.rank), dtype=torch.uint8, device=group.device)
         self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def send(self, version: int, named: Mapping[str, torch.Tensor]) -> dict:
@@ -172,13 +182,16 @@ class ShardSender:
         views = [local_piece(named[p.name], self.own[p.name], p.box) for p in m.pieces]
         where = _bucket_name(self.plan, m, version)
         if mode == FULL:
-            payload = self._pack(views)
+            payload = self._pack([v.to(self.group.device) for v in views])
             digests, at = [], 0
             for p in m.pieces:
                 digests.append(digest(payload[at:at + p.nbytes]) if check else 0)
                 at += p.nbytes
         else:
             key = tuple((p.name, p.box) for p in m.pieces)  # engines holding the same slice get the same bytes
+            if cache.get("bucket") != m.bucket:  # only the current bucket's payloads are kept: memory stays bounded
+                cache.clear()
+                cache["bucket"] = m.bucket
             if key not in cache:
                 new = [tensor_bytes(v) for v in views]
                 old = [tensor_bytes(local_piece(self.base[p.name], self.own[p.name], p.box)) for p in m.pieces]
@@ -186,8 +199,7 @@ class ShardSender:
                     self._scratch = torch.empty(m.nbytes, dtype=torch.uint8)
                 sizes = [torch_dtype(self.plan.params[p.name].dtype).itemsize for p in m.pieces]
                 data = encode(new, old, sizes, self.delta.codec, self.delta.level, self._scratch)
-                cache[key] = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
-                              torch.empty(0, dtype=torch.uint8), [digest(n) for n in new])
+                cache[key] = (_as_tensor(data), [digest(n) for n in new])
             payload, digests = cache[key]
         dst = self.plan.trainer_ranks + m.dst
         meta = torch.tensor([payload.numel(), *digests], dtype=torch.int64, device=self.group.device)
@@ -304,6 +316,10 @@ class ShardReceiver:
         return length, bad
 
     def _install(self, engine, version: int) -> None:
+        if not self.whole and not hasattr(engine, "update_weight_slices"):
+            raise WeightSyncError(f"weight sync v{version}: engine rank {self.dst} holds slices of the weights, and "
+                                  f"{type(engine).__name__} has no update_weight_slices(version, tensors, boxes) to "
+                                  "install them")
         try:
             if self.whole:
                 engine.update_weights(version, self.held)

@@ -1,0 +1,182 @@
+"""placement.mode=launcher, the fast parts: which launcher started us and where the ranks meet
+(a pure function of the environment), the config it refuses, and rank 0's handle of another
+rank over a real control connection (a rank that ends is named with the call and the step).
+The runs under torchrun, mpirun and srun are in tests/test_launcher_runs.py (slow)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing import Pipe
+
+import pytest
+
+from tidal.config import ConfigError, load_config
+from tidal.runtime import handles
+from tidal.runtime.handles import Handle, Pending, RoleError, gather
+from tidal.runtime.launcher import LocalRank, RemoteRank, config_for
+from tidal.runtime.ranks import LOOPBACK, PORT_BASE, PORT_SPAN, detect
+
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "x"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "569114625"}
+SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0",
+         "SLURM_STEP_NUM_NODES": "1"}
+
+
+def no_scontrol(nodelist: str) -> str:
+    raise AssertionError(f"one node needs no node list, got {nodelist}")
+
+
+def test_torchrun_gives_everything_and_its_agent_hosts_the_store():
+    env = detect(TORCHRUN, no_scontrol)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank) == ("torchrun", 1, 2, 1)
+    assert (env.master_addr, env.master_port, env.agent_store) == ("127.0.0.1", 29500, True)
+    assert not env.is_controller
+
+
+def test_openmpi_on_one_node_meets_on_loopback_at_a_port_of_its_job():
+    env = detect(OPENMPI, no_scontrol)
+    assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("openmpi", 0, 2, LOOPBACK)
+    assert PORT_BASE <= env.master_port < PORT_BASE + PORT_SPAN and not env.agent_store
+    other_job = detect({**OPENMPI, "OMPI_MCA_ess_base_jobid": "569114626"}, no_scontrol)
+    assert other_job.master_port != env.master_port  # two jobs on one node do not meet
+    assert detect({**OPENMPI, "MASTER_PORT": "31234"}, no_scontrol).master_port == 31234
+
+
+def test_openmpi_on_several_nodes_needs_master_addr():
+    several = {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+    with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):
+        detect(several, no_scontrol)
+    assert detect({**several, "MASTER_ADDR": "10.0.0.5"}, no_scontrol).master_addr == "10.0.0.5"
+
+
+def test_srun_on_several_nodes_meets_on_the_first_host():
+    env = detect({**SLURM, "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[3-4]"},
+                 lambda nodelist: {"gpu[3-4]": "gpu3"}[nodelist])
+    assert (env.launcher, env.rank, env.world_size, env.master_addr) == ("slurm", 1, 4, "gpu3")
+    assert detect(SLURM, no_scontrol).master_addr == LOOPBACK
+
+
+def test_torchrun_inside_a_slurm_allocation_is_torchrun():
+    assert detect({**SLURM, **TORCHRUN}, no_scontrol).launcher == "torchrun"
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({}, "no launcher's rank variable is set"),
+    ({k: v for k, v in OPENMPI.items() if k != "OMPI_COMM_WORLD_SIZE"}, "not OMPI_COMM_WORLD_SIZE"),
+    ({**SLURM, "SLURM_PROCID": "4"}, "SLURM_PROCID=4 is not a rank of SLURM_NTASKS=4"),
+    ({**SLURM, "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' is not an integer"),
+    ({k: v for k, v in TORCHRUN.items() if k != "MASTER_PORT"}, "MASTER_ADDR / MASTER_PORT"),
+    ({**OPENMPI, "MASTER_PORT": "70000"}, "MASTER_PORT=70000 is not a port"),
+])
+def test_a_partial_or_wrong_environment_is_named(environ, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        detect(environ, no_scontrol)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("placement.reward_workers=1", "placement.reward_workers"),
+    ("placement.env_workers=1", "placement.env_workers"),
+    ("placement.colocate=true", "placement.colocate"),
+    ("placement.address=127.0.0.1:6379", "placement.address"),
+    ("placement.weight_sync=broadcast", "placement.weight_sync"),
+])
+def test_what_needs_ray_is_refused_by_key(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(overrides=["placement.mode=launcher", override])
+
+
+def test_the_launcher_decides_the_number_of_ranks():
+    env = detect({**SLURM, "SLURM_NTASKS": "2"}, no_scontrol)
+    assert config_for(load_config(overrides=["placement.mode=launcher"]), env).placement.trainer_ranks == 2
+    assert config_for(load_config(overrides=["placement.mode=launcher", "placement.trainer_ranks=2"]),
+                      env).placement.trainer_ranks == 2
+    with pytest.raises(ConfigError, match="trainer_ranks=3, but slurm started 2"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.trainer_ranks=3"]), env)
+    with pytest.raises(ConfigError, match="with 2 ranks"):  # the mesh must fit the world size
+        config_for(load_config(overrides=["placement.mode=launcher", "train.parallel.tp=4"]), env)
+
+
+# -- rank 0's handle of another rank, over a real connection -------------------------------------------
+def serve(conn, answers: dict) -> None:
+    """A stand-in for serve_rank's loop: answers calls from `answers` (a value, or an exception
+    to send back), and on "die" closes its end as an ended process does."""
+    while True:
+        kind, call, _args, _kwargs = conn.recv()
+        if kind == "exit" or call in ("die", "die_later"):
+            time.sleep(0.3 if call == "die_later" else 0.0)
+            conn.close()
+            return
+        value = answers[call]
+        conn.send(("err", value) if isinstance(value, BaseException) else ("ok", value))
+
+
+def remote_rank(answers: dict) -> RemoteRank:
+    ours, theirs = Pipe()
+    threading.Thread(target=serve, args=(theirs, answers), daemon=True).start()
+    return RemoteRank(1, ours, pid=1234)
+
+
+def test_a_remote_rank_answers_in_order_and_its_errors_keep_their_type():
+    h = remote_rank({"version": 7, "pid": 1234, "bad": ValueError("shard 3 is empty")})
+    assert gather([h.submit("version"), h.submit("pid")], timeout_s=10) == [7, 1234]
+    with pytest.raises(RoleError, match=r"trainer rank 1: `bad` at step 5 raised ValueError: shard 3 is empty"):
+        gather([h.submit("bad")], step=5, timeout_s=10)
+    h.stop()
+
+
+def test_a_rank_that_ends_is_named_with_the_call_and_step_at_once():
+    h = remote_rank({"version": 7})
+    t0 = time.monotonic()
+    with pytest.raises(RoleError, match=r"trainer rank 1 died during `die` at step 3: its process \(pid 1234\) ended"):
+        gather([h.submit("die")], step=3, timeout_s=60)
+    assert time.monotonic() - t0 < 10  # the closed connection, not the 60 s bound
+    with pytest.raises(RoleError, match=r"trainer rank 1 died during `version`"):  # and every later call
+        gather([h.submit("version")], timeout_s=60)
+
+
+class Collective:
+    """Rank 0's worker in a collective whose peer is going: gloo fails it first."""
+
+    def forward_backward(self):
+        raise RuntimeError("gloo: Connection closed by peer")
+
+
+@pytest.mark.parametrize("grace", [2.0, 0.0])
+def test_the_dead_rank_is_reported_over_the_failure_it_caused_in_its_peer(monkeypatch, grace):
+    monkeypatch.setattr(handles, "FAILURE_GRACE_S", grace)
+    rank0, rank1 = LocalRank(Collective()), remote_rank({})
+    # rank 1's process ends 0.3 s into the call; rank 0's collective fails at once because of it
+    calls = [rank0.submit("forward_backward"), rank1.submit("die_later")]
+    if grace:
+        with pytest.raises(RoleError, match="trainer rank 1 died during `die_later` at step 2"):
+            gather(calls, step=2, timeout_s=30)
+    else:  # the control: without the grace, the peer's failure is what is reported
+        with pytest.raises(RoleError, match="trainer rank 0: `forward_backward` at step 2 raised RuntimeError: gloo"):
+            gather(calls, step=2, timeout_s=30)
+
+
+def test_a_hung_rank_is_a_timeout_naming_it():
+    ours, _theirs = Pipe()  # nobody answers
+    h = RemoteRank(1, ours, pid=99)
+    with pytest.raises(RoleError, match=r"trainer rank 1: `version` at step 4 did not answer within 0.5 s"):
+        gather([h.submit("version")], step=4, timeout_s=0.5)
+
+
+def test_local_handles_still_raise_at_once():
+    p = Handle("trainer", object()).submit("missing")
+    assert isinstance(p, Pending) and p.error is not None
+
+
+def test_train_without_a_launcher_says_so_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    from tidal.cli import main
+    from tidal.runtime.ranks import LAUNCHERS
+
+    for rank_var, size_var, local_var, *_ in LAUNCHERS.values():
+        for var in (rank_var, size_var, local_var):
+            monkeypatch.delenv(var, raising=False)
+    assert main(["train", "placement.mode=launcher", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert "no launcher's rank variable is set" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,141 @@
+"""tidal's backend for vLLM's native weight-transfer API: each worker (tensor-parallel rank)
+receives only its own slices over gloo and loads them through vLLM's own weight loaders.
+
+vLLM 0.32 drives weight updates through a per-worker `WeightTransferEngine`
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`: the worker methods that vLLM's RL endpoints and `AsyncLLM` call).
+Its built-in backends (nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n) need CUDA, and
+`WeightTransferEngineFactory.register_engine` takes more. This module registers one,
+`tidal_gloo`, when it is imported; vLLM imports it in every worker process because the
+engine starts with `worker_extension_cls` naming `TidalWorkerExtension` below (vLLM resolves
+that class in each worker before it loads the model, so the backend is registered before
+the worker builds its transfer engine from `weight_transfer_config`). No entry point, no
+fork-time state.
+
+One update, per worker: `init_transfer_engine` joins tidal's slice group (rank =
+`rank_offset` + this worker's tensor-parallel rank; tidal/weightsync/sliced.py) once;
+`start_weight_update` begins vLLM's layerwise reload (the model's layers are restored to
+their checkpoint shapes and repacked once all of a layer's weights arrived, which is how
+the CPU backend's packed linear layers are rebuilt); `receive_weights` receives this rank's
+slices bucket by bucket, checks each slice's checksum, and hands each bucket to
+`model.load_weights` as full-shaped tensors that hold only the slice (`sliced.expand`: the
+loaders cut out this rank's part); `finish_weight_update` finalizes the reload.
+`tidal_sync_report` (an extension method, called through `collective_rpc`) returns what the
+last receive did: version, bytes, buckets, checksum result, per rank.
+
+A receive that fails (timeout, checksum) leaves the worker's layers half reloaded: the
+replica must be restarted, which the run does (docs/weightsync.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from tidal.weightsync.broadcast import BroadcastGroup
+from tidal.weightsync.sliced import expand, recv_slices
+
+BACKEND = "tidal_gloo"
+log = logging.getLogger("tidal")
+
+
+@dataclass
+class TidalInitInfo(WeightTransferInitInfo):
+    """Where the slice group is and who this worker is in it."""
+
+    host: str
+    port: int
+    world_size: int
+    rank_offset: int  # group rank of this replica's TP rank 0
+    name: str
+    timeout_s: float
+    role: str  # e.g. "engine replica 0"; the worker adds "TP rank r/T"
+    backend: str = "gloo"
+    poison: bool = False  # fill what is outside a slice with ones (tests: a loader reading there loads them)
+
+
+@dataclass
+class TidalUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the receive's timeout may change between syncs."""
+
+    timeout_s: float | None = None
+
+
+class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInfo]):
+    """Receives this worker's slices from tidal's slice group (see the module docstring)."""
+
+    init_info_cls = TidalInitInfo
+    update_info_cls = TidalUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+        self.role = ""
+        self.poison = False
+        self.report: dict = {}
+
+    def init_transfer_engine(self, init_info: TidalInitInfo) -> None:
+        if self.group is not None:
+            self.group.close()
+        tp_rank, tp = get_tensor_model_parallel_rank(), self.parallel_config.tensor_parallel_size
+        self.role = f"{init_info.role} TP rank {tp_rank}/{tp}"
+        self.poison = init_info.poison
+        self.group = BroadcastGroup.join(init_info.host, init_info.port, init_info.rank_offset + tp_rank,
+                                         init_info.world_size, backend=init_info.backend,
+                                         timeout_s=init_info.timeout_s, name=init_info.name)
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def update_weights(self, update_info: dict) -> None:
+        # The base class synchronizes the accelerator afterwards, which raises where there is
+        # none ("Cannot access accelerator device when none is available"): CPU workers skip it.
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: TidalUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError(f"{BACKEND}: update_weights before init_weight_transfer_engine")
+        if update_info.timeout_s is not None:
+            self.group.timeout_s = update_info.timeout_s
+
+        def load(header, parts) -> None:
+            self.model.load_weights([(n, expand(p, header.full_shapes[n], header.slices[n], self.poison))
+                                     for n, p in parts.items()])
+
+        self.report = recv_slices(self.group, load, self.role)
+        self.report["role"] = self.role
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class TidalWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); importing this module in the
+    worker registers the `tidal_gloo` backend."""
+
+    def tidal_sync_report(self) -> dict:
+        """What this worker's last slice receive did (empty before the first)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        return dict(engine.report) if isinstance(engine, TidalGlooTransferEngine) else {}
+
+
+if BACKEND not in WeightTransferEngineFactory._registry:  # importing twice must not raise
+    WeightTransferEngineFactory.register_engine(BACKEND, TidalGlooTransferEngine)
