@@ -5,6 +5,7 @@
     tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
+    tidal build-general-tool-model --out DIR [--seed N] [--steps N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
     tidal build-default-vlm [--out DIR] [--seed N] [--threads N]
     tidal build-moe [--out DIR] [--seed N] [--threads N]
@@ -394,6 +395,18 @@ def cmd_build_tool(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_build_general_tool(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tidal.recipes.general_tool_model import build_general_tool_model
+
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build_general_tool_model(ns.out, seed=ns.seed, steps=ns.steps)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "losses")}))
+    return 0
+
+
 def cmd_build_browser(ns: argparse.Namespace) -> int:
     from tidal.recipes.browser_model import build_browser_model
 
@@ -638,6 +651,13 @@ def _build_commands(sub) -> None:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     bt.set_defaults(fn=cmd_build_tool, args=[])
+    bg = sub.add_parser("build-general-tool-model",
+                        help="build a tiny tool model warm-started on generated tools (not shipped: docs/agents.md)")
+    bg.add_argument("--out", required=True)
+    bg.add_argument("--seed", type=int, default=0)
+    bg.add_argument("--steps", type=int, default=400, help="SFT steps (copying emerges late: see docs/agents.md)")
+    bg.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
+    bg.set_defaults(fn=cmd_build_general_tool, args=[])
     bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")
     bb.add_argument("--out", default=str(BROWSER_MODEL_DIR))
     bb.add_argument("--seed", type=int, default=0)
