@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from tidal.runtime.handles import Handle, RoleError, gather
-from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
+from tidal.trainer.threads import on_own_thread
 from tidal.weightsync import InProcessSync
 
 log = logging.getLogger("tidal")
@@ -48,7 +48,7 @@ class WeightPusher:
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
-            # On a thread that ends with it, as the trainer's calls (trainer_group.on_own_thread): copying the
+            # On a thread that ends with it, as the trainer's calls (tidal/trainer/threads.py): copying the
             # weights into the engine is a parallel op whose OpenMP team must not stay on the loop's thread.
             out = on_own_thread(lambda: sync.push(trainer.version, trainer.named_weights()))
             return {"time/weight_sync_s": out["seconds"], "weight_sync/bytes": out["bytes"]}

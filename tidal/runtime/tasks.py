@@ -30,6 +30,10 @@ def load_env_class(cfg: TaskConfig):
         from tidal.envs.adapters.textarena import env_class as game_class  # the extra: imported only when named
 
         return game_class(cfg.env.removeprefix("textarena:"))
+    if adapter_of(cfg.env) == "openenv:":
+        from tidal.envs.adapters.openenv import env_class as server_class  # the extra: imported only when named
+
+        return server_class(cfg.env.removeprefix("openenv:"))
     if cfg.env == "single_turn" and cfg.dataset is None:
         path = GENERATED_TASK  # the generated default task
     else:
