@@ -164,21 +164,30 @@ class TrainerWorker(SyncReceiver):
         return {n: p.detach() for n, p in self.trainer.model.named_parameters()}
 
     def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
-                   engine_ranks: int = 1, bucket_mb: float = 256.0) -> str:
+                   engine_ranks: int = 1, bucket_mb: float = 256.0, engine_tp: int = 1) -> str:
         """Collective over the trainer ranks (weight_sync=shard): join the group of every trainer
         rank and `engine_ranks` engine ranks, and agree the transfer plan: every rank's shard
-        boxes are exchanged, rank 0 builds the plan and sends it to the engine ranks. Returns the
-        plan's summary (tidal/weightsync/plan.py)."""
+        boxes are exchanged, rank 0 builds the plan and sends it to the engine ranks. `engine_tp`
+        > 1: the engine ranks are the TP ranks of engine_ranks / engine_tp replicas, each holding
+        its slices (plan.tp_engine_boxes); else each holds whole tensors. Returns the plan's
+        summary (tidal/weightsync/plan.py)."""
         from tidal.weightsync import BroadcastGroup
-        from tidal.weightsync.plan import build_plan, full_slices, gather_layout
+        from tidal.weightsync.plan import build_plan, full_slices, gather_layout, tp_engine_boxes
         from tidal.weightsync.shard import ShardSender, share_plan
 
         if self._group is not None:
             self._group.close()
         self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
         layout = gather_layout(self.shards())
-        plan = build_plan(layout, full_slices(layout, engine_ranks), int(bucket_mb * 2**20), self.world_size) \
-            if self.rank == 0 else None
+        plan = None
+        if self.rank == 0:
+            if engine_tp > 1:
+                hf_config = json.loads((resolve_model_dir(self.model_dir) / "config.json").read_text())
+                boxes = tp_engine_boxes(hf_config, {n: p.shape for n, p in layout.items()}, engine_tp,
+                                        engine_ranks // engine_tp)
+            else:
+                boxes = full_slices(layout, engine_ranks)
+            plan = build_plan(layout, boxes, int(bucket_mb * 2**20), self.world_size)
         plan = share_plan(self._group, plan)
         pl = self.cfg.placement
         self._shard = ShardSender(self._group, plan, delta=pl.weight_sync_delta, verify=pl.weight_sync_checksum)
