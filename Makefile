@@ -1,5 +1,5 @@
 # The two commands of the README: `make train` and `make test`. Each installs what it needs.
-.PHONY: setup setup-vllm setup-mpi train test test-slow lint eval build-default-model
+.PHONY: setup setup-vllm setup-mpi setup-openenv train test test-slow lint eval build-default-model
 
 setup:
 	@bash scripts/setup.sh
@@ -23,10 +23,15 @@ setup-vllm: setup
 setup-mpi:
 	@bash scripts/setup_mpi.sh || [ $$? -eq 3 ]
 
+# OpenEnv (openenv 0.10.0) in a venv of its own, .venv-openenv: the Python of the OpenEnv servers the
+# adapter starts (its dependencies conflict with .venv's; docs/envhub.md).
+setup-openenv:
+	@bash scripts/setup_openenv.sh
+
 # TIDAL_REQUIRE_VLLM: the vLLM tests fail, not skip, where vLLM is missing. -v names each test as it starts
 # (the tail of a log cut off mid-test says which one), --durations the slowest at the end.
-test-slow: setup-vllm setup-mpi
-	TIDAL_REQUIRE_VLLM=1 .venv/bin/python -m pytest -m "slow" -v --durations=15 $(ARGS)
+test-slow: setup-vllm setup-mpi setup-openenv
+	TIDAL_REQUIRE_VLLM=1 TIDAL_REQUIRE_OPENENV=1 .venv/bin/python -m pytest -m "slow" -v --durations=15 $(ARGS)
 
 eval: setup
 	.venv/bin/tidal eval $(or $(MODEL),default) $(ARGS)

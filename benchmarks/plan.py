@@ -11,6 +11,10 @@
    engines): calibrated on the local run, the simulator predicts the Ray run's mean step time; calibrated
    on the async k=0 run (another model, another batch), it predicts the local default job's step time.
 Every run is on this machine one after another, so ratios are compared, not seconds across machines.
+A calibration carries each role's torch threads (from the run's config: Ray actors round(num_cpus), a local
+run the machine's cores) and a prediction scales them to the predicted run's by the law of
+tidal/plan/threads.py (measured by benchmarks/plan_threads.py): the async actors compute on one thread, the
+default job's driver on two.
 """
 
 from __future__ import annotations
@@ -56,13 +60,14 @@ def measured(run_dir: Path, warmup: int) -> dict:
             "sync_s": statistics.fmean(m["time/weight_sync_s"] for m in window)}
 
 
-def predict(calib: dict, cfg: dict, devices: dict, steps: int, workload_run: Path | None = None) -> dict:
+def predict(calib: dict, cfg: dict, devices: dict, steps: int, workload_run: Path | None = None,
+            cores: int | None = None) -> dict:
     from tidal.plan.calibrate import spec_for_run
     from tidal.plan.loop import simulate
     from tidal.plan.report import summarize
     from tidal.plan.spec import load_spec
 
-    s = summarize(simulate(load_spec(data=spec_for_run(calib, cfg, devices, steps, workload_run))))
+    s = summarize(simulate(load_spec(data=spec_for_run(calib, cfg, devices, steps, workload_run, cores=cores))))
     return {"samples_per_s": s.samples_per_s, "step_s": s.step_s, "rollout_s": s.rollout_s, "train_s": s.train_s,
             "sync_s": s.sync_s}
 
@@ -148,7 +153,9 @@ def recorded(path: Path, tmp: Path, out: dict) -> None:
         model = tmp / "model"
         if not model.is_dir():
             ab.build_long_tail_model(model)
+        # benchmarks/async.py's placement: trainer and engine Ray actors of one CPU (one torch thread) each
         cfg = {"model": {"path": str(model)}, "engine": {"replicas": 1},
+               "placement": {"mode": "ray", "trainer": {"num_cpus": 1}, "engine": {"num_cpus": 1}},
                "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 256}}
         (d / "config.yaml").write_text(yaml.safe_dump(cfg))
         lines = []
@@ -159,17 +166,20 @@ def recorded(path: Path, tmp: Path, out: dict) -> None:
             lines.append(json.dumps({"step": int(step), "time/rollout_s": k0["rollout_s"],
                                      "time/train_s": k0["train_s"], "time/weight_sync_s": k0["weight_sync_s"]}))
         (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-        calib = calibrate(d, skip_steps=0)
+        calib = calibrate(d, skip_steps=0, cores=RECORDED_CORES)
         pred = {}
         for k in (0, 1, 2):
             dev = {"trainer_gpus": 1, "engine_gpus": 1, "colocate": False, "max_staleness": k, "sync": "broadcast"}
-            pred[k] = predict(calib, cfg, dev, 40)["samples_per_s"]
+            pred[k] = predict(calib, cfg, dev, 40, cores=RECORDED_CORES)["samples_per_s"]
         for k in (1, 2):
             rows.append({"round": rnd, "k": k,
                          "measured_ratio": runs[f"k={k}"]["samples_per_s"] / k0["samples_per_s"],
                          "predicted_ratio": pred[k] / pred[0]})
     out["recorded_async"] = rows
 
+
+# the recorded runs' machine (benchmarks/results/async.json: "x86_64, 2 cores"): a local run's torch threads
+RECORDED_CORES = 2
 
 # BENCHMARKS.md, "Ray placement: the default job" (a quiet machine): mean step, train, rollout, sync (s)
 RAY_PLACEMENT = {"local": {"step_s": 1.99, "train_s": 1.05, "rollout_s": 0.94, "sync_s": 0.001},
@@ -186,6 +196,7 @@ def recorded_default(episodes_run: Path, tmp: Path, out: dict) -> None:
     import yaml
 
     from tidal.plan.calibrate import calibrate
+    from tidal.plan.threads import run_threads
 
     d = tmp / "recorded-default-local"
     shutil.copytree(episodes_run / "episodes", d / "episodes")
@@ -197,15 +208,18 @@ def recorded_default(episodes_run: Path, tmp: Path, out: dict) -> None:
                                              for s in steps))
     cfg = yaml.safe_load((episodes_run / "config.yaml").read_text())
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    calib_local = calibrate(d, skip_steps=0)
-    ray_cfg = {**cfg, "engine": {**cfg["engine"], "replicas": 2}}
+    calib_local = calibrate(d, skip_steps=0, cores=RECORDED_CORES)
+    ray_yaml = yaml.safe_load((HERE.parent / "examples" / "ray" / "local_fsdp.yaml").read_text())
+    ray_cfg = {**cfg, "engine": {**cfg["engine"], **ray_yaml["engine"]},
+               "placement": {**cfg["placement"], **ray_yaml["placement"]}}
     ray_dev = {"trainer_gpus": 1, "engine_gpus": 2, "colocate": False, "max_staleness": 0, "sync": "broadcast"}
     rows = [{"run": "ray", "calibrated_on": "default job, local (recorded)", "measured_step_s":
-             RAY_PLACEMENT["ray"]["step_s"], "predicted": predict(calib_local, ray_cfg, ray_dev, 20, d)}]
-    calib_async = calibrate(tmp / "recorded-round1", skip_steps=0)
+             RAY_PLACEMENT["ray"]["step_s"], "predicted": predict(calib_local, ray_cfg, ray_dev, 20, d, RECORDED_CORES)}]
+    calib_async = calibrate(tmp / "recorded-round1", skip_steps=0, cores=RECORDED_CORES)
     local_dev = {"trainer_gpus": 1, "engine_gpus": 1, "colocate": True, "max_staleness": 0, "sync": "inprocess"}
     rows.append({"run": "local", "calibrated_on": "async benchmark k=0 (recorded, round 1)",
-                 "measured_step_s": loc["step_s"], "predicted": predict(calib_async, cfg, local_dev, 20, d)})
+                 "measured_step_s": loc["step_s"], "predicted": predict(calib_async, cfg, local_dev, 20, d, RECORDED_CORES),
+                 "threads": {"calibration": calib_async["threads"], "predicted": run_threads(cfg, RECORDED_CORES)}})
     out["recorded_default"] = rows
 
 

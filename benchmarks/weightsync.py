@@ -3,10 +3,15 @@
     python benchmarks/weightsync.py [--reps 5] [--receivers 1,2] [--models tiny,100m]
                                     [--out benchmarks/results/weightsync.json]
     python benchmarks/weightsync.py --scale [--reps 5] [--delta-job 10] [--out ...]
+    python benchmarks/weightsync.py --tp [--reps 5] [--out ...]
 
 `--scale`: full broadcast, shard-to-shard and delta sync of the 100M model from 2 trainer ranks
 to 2 engine ranks, and (`--delta-job STEPS`) the delta's share of the bytes on the default job
 in float32 and bfloat16 (benchmarks/_weightsync_scale.py says how each is timed).
+
+`--tp`: the 100M model from 2 trainer ranks into one engine replica of TP 2, by `slices`
+(gather, rank 0 sends each TP rank its slices) and by the shard transport planned with each TP
+rank's slices (benchmarks/_weightsync_tp.py).
 
 Models: `tiny`, the shipped 1M default; `100m`, a ~100M-parameter Qwen2 (hidden 768,
 12 layers, vocabulary 32000, tied embeddings) built from its config with random weights.
@@ -188,12 +193,15 @@ def main() -> None:
     p.add_argument("--models", default="tiny,100m")
     p.add_argument("--out", default="benchmarks/results/weightsync.json")
     p.add_argument("--scale", action="store_true", help="2 trainer ranks x 2 engine ranks: broadcast, shard, delta")
+    p.add_argument("--tp", action="store_true", help="2 trainer ranks x one TP 2 engine replica: slices vs shard")
     p.add_argument("--delta-job", type=int, default=10, help="with --scale: steps of the default job to measure deltas on")
     p.add_argument("--bucket-mb", type=float, default=128.0, help="with --scale: bucket size of every transport")
     ns = p.parse_args()
     torch.set_num_threads(1)
     if ns.scale:
         return main_scale(ns)
+    if ns.tp:
+        return main_tp(ns)
     t_start, load_start = time.perf_counter(), os.getloadavg()
     results = []
     for kind in ns.models.split(","):
@@ -236,6 +244,22 @@ def main_scale(ns) -> None:
     if deltas:
         print()
         print(delta_table(deltas))
+    say(f"wrote {ns.out} in {out['seconds']:.0f} s")
+
+
+def main_tp(ns) -> None:
+    from _weightsync_tp import bench_tp, tp_table
+
+    t_start, load_start = time.perf_counter(), os.getloadavg()
+    say("[tp] 100m, 2 trainer ranks x one engine replica of TP 2")
+    r = bench_tp(ns.reps, int(ns.bucket_mb * 2**20))
+    say(r["plan"])
+    out = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+           "load_average": {"start": load_start, "end": os.getloadavg()}, "torch": torch.__version__, "reps": ns.reps,
+           "seconds": time.perf_counter() - t_start, "tp": r}
+    Path(ns.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(ns.out).write_text(json.dumps(out, indent=1))
+    print(tp_table(r))
     say(f"wrote {ns.out} in {out['seconds']:.0f} s")
 
 

@@ -20,6 +20,7 @@ from dashboard_vlm_run import make_vlm_run
 from tidal.models.vision import image_runs
 from tidal.monitor.dashboard.server import DashboardServer
 from tidal.monitor.episodes import EpisodeWriter, iter_episodes
+from tidal.monitor.run_status import write_exit
 from tidal.types import Episode, Status, ToolCallRecord, Turn
 
 pytest.importorskip("duckdb", reason="the dashboard extra (duckdb, plotly) is in the dev extra")
@@ -308,17 +309,24 @@ def test_model_output_is_shown_as_text_never_run(browser, tmp_path):
                             reward_parts={PAYLOAD: 0.0}, prompt_len=1, step=1,
                             turns=[Turn(0, 1, 3, 3, PAYLOAD, "stop", 0.0, [
                                 ToolCallRecord(PAYLOAD, "<b onmouseover=window.__pwned=3>x</b>", "c", "args",
-                                               PAYLOAD)], 0)])])
+                                               PAYLOAD, output="<img src=x onerror=window.__pwned=5>")], 0)],
+                            reference=json.dumps({"answer": "<img src=x onerror=window.__pwned=6>"}))])
+    write_exit(run, 3, "RunFailed: <script>window.__pwned=7</script>")
     with DashboardServer([run]) as srv:
         ctx = browser.new_context()
         page = ctx.new_page()
         load(page, srv.url)
         assert page.locator("#metric-list label", has_text=PAYLOAD).count() == 1
+        badge = page.locator("#runs .run-status")  # how the run ended, from its exit.json
+        assert badge.text_content() == "failed (exit 3)" and "<script>" in badge.get_attribute("title")
         page.click("button[data-tab=episodes]")
         page.locator("tr.episode-row").first.click()
         page.wait_for_selector("#episode-detail pre.error")
         assert page.text_content("#episode-detail pre.error") == "<script>window.__pwned=2</script>"
         assert PAYLOAD in page.text_content("#episode-detail")
+        # the tool's answer under its call, and the reference answer: shown as text
+        assert page.text_content("#episode-detail li.call pre.tool-output") == "<img src=x onerror=window.__pwned=5>"
+        assert "<img src=x onerror=window.__pwned=6>" in page.text_content("#episode-detail div.reference")
         page.hover("li.call")
         assert page.evaluate("window.__pwned") is None
         assert page.locator("#episode-detail img, #episode-detail script, #episode-detail b[onmouseover]").count() == 0

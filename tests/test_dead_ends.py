@@ -95,3 +95,20 @@ def test_several_config_files_merge_in_order(tmp_path, capsys):
 def test_what_is_neither_a_file_nor_an_override_is_named(capsys):
     assert main(["train", "notes.txt"]) == 2
     assert "unexpected argument `notes.txt`: expected YAML config files or `section.key=value`" in capsys.readouterr().err
+
+
+def test_overwrite_never_clears_a_live_runs_directory(tiny_model_dir, tmp_path, capsys):
+    from tidal.runtime.run_lock import RunLock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("train:\n  steps: 9\n")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    live = RunLock(run)
+    live.acquire()  # as a running run holds it
+    try:
+        assert _train(tiny_model_dir, run, "train.steps=1", "--overwrite") == 2
+    finally:
+        live.release()
+    assert "is in use by another run" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n' and (run / "config.yaml").is_file()

@@ -113,6 +113,9 @@ def test_auto_transport_sends_slices_to_tensor_parallel_engines():
     from tidal.runtime.sync import choose_transport
 
     assert choose_transport("auto", colocated=False, engine_tp=2) == "slices"
+    assert choose_transport("auto", colocated=False, engine_tp=2, engine_kind="vllm") == "shard"  # no gather
+    assert choose_transport("auto", colocated=False, engine_tp=2, engine_kind="vllm", lora=True) == "slices"
+    assert choose_transport("auto", colocated=False, engine_tp=2, engine_kind="sglang") == "slices"
     assert choose_transport("auto", colocated=False, engine_tp=1) == "broadcast"
     assert choose_transport("auto", colocated=True, engine_tp=2) == "inprocess"
     with pytest.raises(ConfigError, match="placement.weight_sync=slices needs placement.mode=ray"):

@@ -14,6 +14,7 @@ from tidal.config import ConfigError, load_config
     ("task.dataset=reasoning_gym:chain_sum", "reasoning_gym", "reasoning-gym"),
     ("task.env=verifiers:my_env", "verifiers", "verifiers"),
     ("task.env=textarena:GuessTheNumber-v0", "textarena", "textarena"),
+    ("task.env=openenv:http://127.0.0.1:8000", "websockets", "openenv"),
 ])
 def test_a_missing_extra_is_named_with_its_pip_command(monkeypatch, override, module, extra):
     real = importlib.util.find_spec

@@ -23,6 +23,8 @@ REWARDS = textwrap.dedent('''
             raise ConnectionError("the grading service went away")
         if completion == "bad":
             return {"x": 1}["answer"]
+        if completion.startswith("parse"):  # a message that names the episode's data: the same error
+            raise ValueError(f"cannot parse {completion!r}")
         return 1.0
 ''')
 
@@ -58,6 +60,8 @@ def test_a_traceback_per_distinct_error_and_step(rewards_file, caplog, isolation
             assert len(tracebacks(caplog)) == 2 and "KeyError" in tracebacks(caplog)[1]
             asyncio.run(scorer.score(inputs(2, ["down"] * 5)))  # the next step: its own, once
             assert len(tracebacks(caplog)) == 3
+            asyncio.run(scorer.score(inputs(2, [f"parse {i}" for i in range(6)])))  # one error, 6 messages
+            assert len(tracebacks(caplog)) == 4 and "cannot parse 'parse 0'" in tracebacks(caplog)[3]
     finally:
         asyncio.run(scorer.close())
 

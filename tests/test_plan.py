@@ -163,20 +163,104 @@ def test_calibration_recovers_a_known_cost_law(tmp_path):
     assert f["train_token_s"] == pytest.approx(t1, rel=1e-6) and f["train_fixed_s"] == pytest.approx(t0, rel=1e-6)
 
 
+def _one_thread_run(run_dir, t1: float):
+    """A run of the default model on one-thread Ray actors whose training costs t1 s per token (prompts and
+    responses) and whose rollout costs 2 ms per decode iteration."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import yaml
+
+    rng = np.random.default_rng(1)
+    (run_dir / "episodes").mkdir()
+    metrics = []
+    for step in range(1, 7):
+        lengths = rng.geometric(1 / 30, 64).clip(1, 128)
+        masks = [[False] * 10 + [True] * int(n) for n in lengths]
+        pq.write_table(pa.table({"loss_mask": masks, "prompt_len": [10] * 64}),
+                       run_dir / "episodes" / f"step_{step:06d}.parquet")
+        metrics.append({"step": step, "time/rollout_s": 0.002 * lengths.max() + 640 * t1 / 3,
+                        "time/train_s": t1 * (lengths.sum() + 640), "time/weight_sync_s": 0.01})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    cfg = {"model": {"path": "default"}, "engine": {"replicas": 1},
+           "rollout": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 128},
+           "placement": {"mode": "ray", "trainer": {"num_cpus": 1}, "engine": {"num_cpus": 1}}}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return cfg
+
+
+def test_thread_counts_come_from_the_run_config():
+    from tidal.plan.threads import run_threads
+
+    ray = {"placement": {"mode": "ray", "trainer_ranks": 2, "trainer": {"num_cpus": 0.5}, "engine": {"num_cpus": 3}}}
+    assert run_threads(ray, cores=16) == {"trainer": 2.0, "engine": 3.0}  # actors: round(num_cpus), at least 1
+    assert run_threads({"placement": {"mode": "local"}, "run": {"threads": 0}}, cores=2) == {"trainer": 2.0, "engine": 2.0}
+    assert run_threads({"run": {"threads": 3}}, cores=2) == {"trainer": 3.0, "engine": 3.0}
+
+
+@pytest.mark.parametrize("p", [0.5, 0.72])
+def test_calibration_carries_to_other_thread_counts_by_the_law(tmp_path, p):
+    """Calibrated on one-thread actors, a two-thread local run of the same shape trains faster by exactly
+    Amdahl's speed-up 1/((1-p) + p/2); the one-thread run itself is predicted unchanged."""
+    from tidal.plan.calibrate import calibrate, spec_for_run
+    from tidal.plan.threads import speedup
+
+    t1 = 4e-4
+    cfg = _one_thread_run(tmp_path, t1)
+    cal = calibrate(tmp_path, skip_steps=0, cores=2)
+    assert cal["threads"] == {"trainer": 1.0, "engine": 1.0}
+    dev = {"trainer_gpus": 1, "engine_gpus": 1, "colocate": False, "max_staleness": 0, "sync": "broadcast"}
+    law = {"train": p, "decode": 0.0}
+    same = summarize(simulate(load_spec(data=spec_for_run(cal, cfg, dev, 8, cores=2, law=law))))
+    local = {**cfg, "placement": {"mode": "local"}, "run": {"threads": 0}}
+    two = summarize(simulate(load_spec(data=spec_for_run(cal, local, dev, 8, cores=2, law=law))))
+    # the calibration reproduces its own run: t1 per trained token; 10% for the simulator's resampled
+    # lengths (8 steps drawn from 6) and the causal attention FLOPs it adds (about 1%)
+    per_step = [json.loads(x)["time/train_s"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert same.train_s == pytest.approx(np.mean(per_step), rel=0.1)
+    # the law, to rounding: a broken scaling (none, or the wrong direction) is off by 1.33x or more
+    assert same.train_s / two.train_s == pytest.approx(speedup(2, p), rel=1e-4)
+    assert speedup(2, p) >= 1.33
+    # the rollout changes by its prefill alone (64 prompts of 10 tokens at a third of t1, on the engine at
+    # the training law): decode, at p = 0, does not change with the engine's threads
+    assert same.rollout_s - two.rollout_s == pytest.approx(640 * t1 / 3 * (1 - 1 / speedup(2, p)), rel=1e-3)
+
+
 def test_plan_config_loads_in_tidal(tmp_path):
     from tidal.config import load_config
     from tidal.plan.output import write_config
     from tidal.plan.search import search
 
     s = spec(search={"max_staleness": [0, 1], "trainer_fractions": [0.25, 0.5], "colocate": [False, True],
-                     "engine_tp": [1, 2], "train_tp": [1], "sync": ["broadcast", "shard"], "steps": 6})
+                     "engine_tp": [1, 2], "train_tp": [1, 2], "sync": ["broadcast", "shard"], "steps": 6})
     plans, _ = search(s, progress=False)
     assert len(plans) >= 8 and plans[0].summary.samples_per_s >= plans[-1].summary.samples_per_s
-    for plan in plans[:4]:
+    for plan in plans[:4] + [x for x in plans if x.placement.train_tp == 2 and not x.placement.colocate][:1]:
+        p = plan.placement
         path = write_config(s, plan, tmp_path / "plan.yaml")
         cfg = load_config(str(path))
-        assert cfg.rollout.max_staleness == plan.placement.max_staleness
-        assert cfg.placement.colocate == plan.placement.colocate
+        assert cfg.rollout.max_staleness == p.max_staleness
+        assert cfg.placement.colocate == p.colocate
+        # the trainer's mesh and the engines' tensor parallelism are tidal settings, not header notes
+        assert cfg.placement.trainer_ranks == p.trainer_gpus and cfg.train.parallel.tp == p.train_tp
+        assert cfg.engine.tensor_parallel == p.engine_tp
+        if not p.colocate:
+            want = {"shard": "shard", "broadcast": "slices" if p.engine_tp > 1 else "broadcast"}[p.sync]
+            assert cfg.placement.weight_sync == want
+
+
+def test_slices_sync_sends_each_engine_rank_its_share_from_rank_0():
+    """tidal's `slices` transport: every engine rank of a TP g replica receives 1/g of the weights, trainer
+    rank 0 sends the whole model to each replica (no relay): slower than shard-to-shard as replicas grow."""
+    from tidal.plan.sync_model import expected_bytes
+
+    b = expected_bytes(800.0, 4, 8, "slices")
+    assert (b.per_engine_rank, b.per_trainer_rank, b.gathered) == (100.0, 800.0, 600.0)
+    one = spec(placement={"engine_gpus": 8, "engine_tp": 8, "sync": "slices"})
+    four = spec(placement={"engine_gpus": 32, "engine_tp": 8, "sync": "slices"})
+    t = lambda x, tr=None: sync_cost(x.model, accelerator(x.cluster.gpu), x.efficiency, x.cluster, x.placement,
+                                     tr).transfer_s
+    assert t(four) == pytest.approx(4 * t(one))  # rank 0's link carries every replica's model
+    assert t(four, "shard") < t(four)
 
 
 def test_errors_name_the_key_and_the_missing_extra(tmp_path, monkeypatch, capsys):

@@ -1,6 +1,6 @@
 """Rewards run concurrently and each step is bounded: hung synchronous calls time out
 together, not one after another (sync lanes, reward.sync_concurrency), and a step whose
-rewards fail past reward.failure_budget stops waiting for the rest (tidal/runtime/step_budget.py).
+rewards fail past reward.failure_budget stops waiting for the rest (tidal/rewards/step_budget.py).
 Real worker processes; the GIL-holding and crashing cases keep their exact charging with
 several lanes running."""
 

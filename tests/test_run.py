@@ -185,7 +185,7 @@ def test_failure_budget_stops_the_run_with_exit_3_and_the_checkpoint_intact(tiny
 
 def test_each_update_runs_on_a_thread_that_ends_with_it(tiny_model_dir, tmp_path):
     """libgomp keeps an OpenMP team per thread that ran a parallel op, for the thread's life; the
-    learner's must not outlive its update (`on_own_thread` in tidal/runtime/trainer_group.py): the engine's decode steps
+    learner's must not outlive its update (`on_own_thread` in tidal/trainer/threads.py): the engine's decode steps
     would then run throttled beside it. Each update's thread is a new one, and gone by the next."""
     import threading
 
@@ -230,7 +230,7 @@ def test_an_interrupt_while_an_update_runs_stops_the_update_too():
     import threading
     import time
 
-    from tidal.runtime.trainer_group import on_own_thread
+    from tidal.trainer.threads import on_own_thread
 
     progress = []
 

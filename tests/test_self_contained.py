@@ -92,6 +92,16 @@ def test_a_run_is_evaluated_and_replayed_from_elsewhere_with_its_own_code(projec
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["n"] == 4 and res["accuracy"] is not None
     assert "eval: task.reward:" in caplog.text and "has changed since the run copied it" in caplog.text
+    caplog.clear()  # the run's config.yaml given by name counts as the run's own
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        assert main(["eval", str(run / "checkpoints" / "step_000001"), str(run / "config.yaml"), "eval.n=2",
+                     "eval.k=1", "--json"]) == 0
+    assert "eval: task.reward:" in caplog.text
+    caplog.clear()  # a resume goes on with the file as it is now (how a fix reaches a run), and says so
+    with caplog.at_level(logging.WARNING, logger="tidal"):
+        assert main(["train", "--resume", f"run.dir={run}", "train.steps=2"]) == 0
+    assert "--resume: task.reward:" in caplog.text and "goes on with the file as it is now" in caplog.text
+    assert json.loads((run / "sources.json").read_text()) == kept  # the run's record of what it started with
 
 
 def test_the_config_diff_shows_other_code_under_one_path(project):

@@ -71,17 +71,21 @@ def test_a_replica_whose_sync_hangs_is_replaced_and_resynced(tmp_path, ray_local
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_tp2_engine_actor_gets_its_slices(tmp_path, ray_local):
-    """A vLLM-CPU replica of TP 2 in an engine actor (its two workers are the actor's children):
-    `auto` sends it slices, checksummed, and its log-probs agree with the trainer's."""
+@pytest.mark.parametrize("sync", ["auto", "slices"])
+def test_vllm_tp2_engine_actor_gets_its_slices(tmp_path, ray_local, sync):
+    """A vLLM-CPU replica of TP 2 in an engine actor (its two workers are the actor's children)
+    gets its slices, checksummed, from a dp_shard 2 trainer: by `auto`, the shard transport (each
+    worker an engine rank, pieces from both trainer ranks, no gather); by `slices`, from trainer
+    rank 0. Its log-probs agree with the trainer's at every step."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIRE_VLLM"):
         pytest.skip("vLLM is not installed (`make setup-vllm`)")
     ctl = Controller(config(tmp_path, "placement.mode=ray", "engine.kind=vllm", "engine.tensor_parallel=2",
+                            "placement.trainer_ranks=2", f"placement.weight_sync={sync}",
                             "placement.weight_sync_checksum=true"))
     try:
-        assert ctl.pusher.describe == "slices"
+        assert ctl.pusher.describe == ("shard" if sync == "auto" else "slices")
         ctl.train()
         assert ctl.pusher.engine_handles[0].call("engine_version") == 2
     finally:

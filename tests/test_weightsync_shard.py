@@ -306,6 +306,29 @@ def test_tensor_parallel_engine_slices_become_boxes():
     assert plan.bytes_to(1) == (32 * 64 * 2 + 64 + 21) * 4  # q and o halves, norm, odd: no embedding
 
 
+def test_tp_engine_boxes_of_the_default_model_are_its_vllm_slices():
+    """`tp_engine_boxes` (the shard plan's engines at TP 2) gives each rank exactly its
+    `engine_slices`, and `box_slice` turns a box back into that slice (what a vLLM worker hands
+    its loaders); the tied head is not planned (a vLLM rank loads it from its embedding slice)."""
+    import json
+
+    from tidal.models import DEFAULT_MODEL_DIR, load_model
+    from tidal.weightsync.plan import box_slice, tp_engine_boxes
+    from tidal.weightsync.slices import engine_slices
+
+    cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    shapes = {n: tuple(p.shape) for n, p in load_model(DEFAULT_MODEL_DIR).named_parameters()}
+    boxes = tp_engine_boxes(cfg, shapes, 2, replicas=2)
+    want = engine_slices(cfg, shapes, 2)
+    assert len(boxes) == 4 and boxes[2] == boxes[0] and "lm_head.weight" not in boxes[0]
+    for r in range(2):
+        for n, b in boxes[r].items():
+            assert box_slice(b, shapes[n]) == want[r][n], (r, n)
+    assert any(s is not None for s in want[0].values())  # the check compares real cuts, not only whole tensors
+    with pytest.raises(ValueError, match="not one slice"):
+        box_slice(((0, 2), (1, 3)), (4, 4))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("silent", ["engine", "trainer"])
 def test_a_hung_shard_sync_times_out_naming_rank_and_version(silent):

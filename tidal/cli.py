@@ -5,6 +5,7 @@
     tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
+    tidal build-general-tool-model --out DIR [--seed N] [--steps N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
     tidal build-default-vlm [--out DIR] [--seed N] [--threads N]
     tidal train-rm [--out DIR] [--pairs N] [--steps N] [--seed N]
@@ -23,7 +24,10 @@ Errors a person can act on are printed as one message (no traceback) with exit c
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import secrets
 import signal
 import sys
 import threading
@@ -31,13 +35,39 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tidal.config import ConfigError, TidalConfig, load_config, load_resume_config, parse_overrides
+from tidal.config_doc import render_markdown, render_text, select
+from tidal.durable import disk_error
 from tidal.envs.dataset import DatasetError
-from tidal.models import ModelLoadError
+from tidal.launch.slurm import (
+    SlurmJob,
+    check_nodes,
+    default_run_dir,
+    node_resources,
+    plan_nodes,
+    prepare,
+    render,
+    submit,
+)
+from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR, ModelLoadError
 from tidal.monitor.run_status import write_exit
+from tidal.net import is_loopback
+from tidal.plan.cli import MissingPlanExtra
+from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
 from tidal.rewards.pool import RewardLoadError
-from tidal.runtime.replay import ReplayError
+from tidal.rewards.rm import RewardModelError, RewardModelPool
+from tidal.rewards.server import RewardServer, ServeError, check_bind
+from tidal.runtime.checkpoints import latest_good
+from tidal.runtime.replay import ReplayError, replay
 from tidal.runtime.sources import use_kept
+
+# Imported inside the commands that use them, to keep `tidal --help`, `tidal config` and the
+# servers' start-up free of them: the runtime (tidal.runtime.controller, assemble, recovery,
+# evaluate: transformers, the engines, Ray; seconds), tidal.runtime.run_dir (pyarrow), the
+# recipes (model building), the dashboard (its optional extra: duckdb, starlette) and the
+# planner's spec (tidal.plan.spec).
 
 USER_ERRORS = (ConfigError, ModelLoadError, DatasetError, RewardLoadError, FileExistsError, FileNotFoundError,
                ReplayError)
@@ -100,8 +130,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
         ctl = Controller(cfg, resume=ns.resume, resume_record=record, overwrite=ns.overwrite)
     except KeyboardInterrupt as e:  # the controller closed what it had started
         _restore_signals(previous)
-        from tidal.runtime.checkpoints import latest_good
-
         ckpt = latest_good(Path(cfg.run.dir) / "checkpoints") if cfg.run.dir else None
         print(f"tidal: stopped by {'SIGTERM' if isinstance(e, Terminated) else 'an interrupt'} during start-up, "
               f"before any step; " + (f"the last complete checkpoint is {ckpt}" if ckpt else "nothing was trained"),
@@ -121,8 +149,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _exit_code_of(err: BaseException) -> int:
     """The exit code `main` gives for an error that ends `tidal train`."""
-    from tidal.durable import disk_error
-    from tidal.runtime.run_dir import RunFailed
+    from tidal.runtime.run_dir import RunFailed  # pyarrow
 
     if isinstance(err, KeyboardInterrupt):
         return 130
@@ -229,7 +256,10 @@ def _restore_signals(previous: dict[int, Any]) -> None:
 
 
 def _config_for_model(model: str, config: list[str], overrides: list[str]) -> TidalConfig:
-    """A checkpoint evaluates on the task of its own run unless a config is given."""
+    """A checkpoint evaluates on the task of its own run unless a config is given (a run's own
+    config.yaml given as the one config counts as the run's)."""
+    if len(config) == 1 and Path(config[0]).name == "config.yaml" and (Path(config[0]).parent / "sources.json").is_file():
+        return use_kept(load_config(config, overrides), Path(config[0]).parent, "eval")
     if config:
         return load_config(config, overrides)
     for parent in [Path(model), *Path(model).parents][:4]:
@@ -275,8 +305,6 @@ def cmd_eval(ns: argparse.Namespace) -> int:
 
 def cmd_config(ns: argparse.Namespace) -> int:
     """Every config key (or those of the sections named) with its type, default and description."""
-    from tidal.config_doc import render_markdown, render_text, select
-
     if ns.markdown:
         if ns.keys:
             raise ConfigError("tidal config --markdown prints the whole reference (docs/config.md): give no keys")
@@ -292,17 +320,6 @@ def cmd_config(ns: argparse.Namespace) -> int:
 
 def cmd_launch_slurm(ns: argparse.Namespace) -> int:
     """Write an sbatch script that runs a Ray cluster and `tidal train` on it; submit it (tidal/launch/slurm.py)."""
-    from tidal.launch.slurm import (
-        SlurmJob,
-        check_nodes,
-        default_run_dir,
-        node_resources,
-        plan_nodes,
-        prepare,
-        render,
-        submit,
-    )
-
     config, overrides = _split_args(ns.args)
     cfg = load_config(config, [*overrides, "placement.mode=ray"])  # validated before anything is written
     trainer_nodes, engine_nodes = plan_nodes(cfg, ns.gpus_per_node)
@@ -347,8 +364,6 @@ def cmd_launch_k8s(ns: argparse.Namespace) -> int:
 
 def cmd_replay(ns: argparse.Namespace) -> int:
     """Run one recorded episode again and say whether it reproduces (tidal/runtime/replay.py)."""
-    from tidal.runtime.replay import replay
-
     res = replay(ns.run_dir, ns.episode_id, ns.checkpoint)
     print(json.dumps(res.to_dict()) if ns.json else res.summary())
     return 0 if res.reproduced else 1
@@ -363,8 +378,6 @@ def cmd_build(ns: argparse.Namespace) -> int:
 
 
 def cmd_build_tool(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.tool_model import build_tool_model
 
     _no_extra_args(ns)
@@ -374,9 +387,19 @@ def cmd_build_tool(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_build_browser(ns: argparse.Namespace) -> int:
+def cmd_build_general_tool(ns: argparse.Namespace) -> int:
     import torch
 
+    from tidal.recipes.general_tool_model import build_general_tool_model
+
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build_general_tool_model(ns.out, seed=ns.seed, steps=ns.steps)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "losses")}))
+    return 0
+
+
+def cmd_build_browser(ns: argparse.Namespace) -> int:
     from tidal.recipes.browser_model import build_browser_model
 
     _no_extra_args(ns)
@@ -387,8 +410,6 @@ def cmd_build_browser(ns: argparse.Namespace) -> int:
 
 
 def cmd_build_vlm(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.vlm_build import build_default_vlm
 
     _no_extra_args(ns)
@@ -422,11 +443,6 @@ def cmd_train_rm(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve_rm(ns: argparse.Namespace) -> int:
-    import os
-
-    from tidal.rewards.rm import RewardModelError, RewardModelPool
-    from tidal.rewards.server import RewardServer, ServeError, check_bind
-
     _no_extra_args(ns)
     token = ns.token
     if ns.token_env:
@@ -453,11 +469,6 @@ def cmd_serve_rm(ns: argparse.Namespace) -> int:
 
 def cmd_serve_policy(ns: argparse.Namespace) -> int:
     """An OpenAI-compatible server over a model or checkpoint (tidal/runtime/gateway.py)."""
-    import os
-    import threading
-
-    import torch
-
     from tidal.runtime.assemble import build_run
 
     config, overrides = _split_args(ns.args)
@@ -470,8 +481,6 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
             print(f"tidal: error: --token-env {ns.token_env}: the environment variable is not set", file=sys.stderr)
             return 2
         cfg.gateway.token = token
-    from tidal.net import is_loopback
-
     if not is_loopback(cfg.gateway.host) and not cfg.gateway.token:
         print(f"tidal: error: --host {cfg.gateway.host} is not loopback: give the clients' token with --token-env",
               file=sys.stderr)
@@ -498,13 +507,8 @@ def cmd_serve_policy(ns: argparse.Namespace) -> int:
 
 def cmd_dashboard(ns: argparse.Namespace) -> int:
     """A web page over run directories (tidal/monitor/dashboard): curves, episodes, config diff."""
-    import os
-    import secrets
-
     from tidal.monitor.dashboard.data import DashboardError
     from tidal.monitor.dashboard.server import DashboardServer, MissingDashboardExtra
-    from tidal.net import is_loopback
-
     token = None
     if ns.token_env:
         token = os.environ.get(ns.token_env)
@@ -536,8 +540,6 @@ def cmd_dashboard(ns: argparse.Namespace) -> int:
 def _stacks_on_sigusr1() -> None:
     """`kill -USR1 PID` prints every thread's stack on stderr (a run or a server that seems
     stuck says where), and it goes on. Only from the main thread, where signals can be set."""
-    import faulthandler
-
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGUSR1"):
         try:  # the process's own stderr (a caller may have replaced sys.stderr with one that has no descriptor)
             faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
@@ -546,8 +548,7 @@ def _stacks_on_sigusr1() -> None:
 
 
 def _plan_errors() -> tuple[type[Exception], ...]:
-    from tidal.plan.cli import MissingPlanExtra
-    from tidal.plan.spec import PlanSpecError
+    from tidal.plan.spec import PlanSpecError  # yaml schemas of the planner: only when an error is met
 
     return MissingPlanExtra, PlanSpecError
 
@@ -559,8 +560,6 @@ def _parser() -> argparse.ArgumentParser:
     _build_commands(sub)
     _serve_commands(sub)
     _launch_commands(sub)
-    from tidal.plan.cli import add_parser as add_plan_parser  # imports neither SimPy nor the runtime
-
     add_plan_parser(sub)
     return p
 
@@ -624,8 +623,6 @@ def _run_commands(sub) -> None:
 
 def _build_commands(sub) -> None:
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
-    from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, TOOL_MODEL_DIR
-
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
@@ -634,6 +631,13 @@ def _build_commands(sub) -> None:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     bt.set_defaults(fn=cmd_build_tool, args=[])
+    bg = sub.add_parser("build-general-tool-model",
+                        help="build a tiny tool model warm-started on generated tools (not shipped: docs/agents.md)")
+    bg.add_argument("--out", required=True)
+    bg.add_argument("--seed", type=int, default=0)
+    bg.add_argument("--steps", type=int, default=400, help="SFT steps (copying emerges late: see docs/agents.md)")
+    bg.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
+    bg.set_defaults(fn=cmd_build_general_tool, args=[])
     bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")
     bb.add_argument("--out", default=str(BROWSER_MODEL_DIR))
     bb.add_argument("--seed", type=int, default=0)
@@ -714,8 +718,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tidal: error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
-        from tidal.durable import disk_error
-        from tidal.runtime.controller import RunFailed
+        from tidal.runtime.run_dir import RunFailed  # pyarrow: only when a run failed
 
         if isinstance(err, RunFailed):
             print(f"tidal: run stopped: {err}", file=sys.stderr)

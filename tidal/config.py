@@ -36,7 +36,7 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str = Field("default", description="Local HF model directory or tidal checkpoint; 'default' is the embedded tiny model.")
+    path: str = Field("default", description="Local HF model directory, tidal checkpoint, LoRA adapter directory, or a Hugging Face Hub id (`Qwen/Qwen3-0.6B`: downloaded into the Hub cache with a network, read from it offline, as transformers does); 'default' is the embedded tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of trainer and engine.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto: cuda when a GPU is present, else cpu.")
 
@@ -62,7 +62,7 @@ AGENT_ENVS = ("openai_agent", "tidal.envs.openai_agent", "tidal.envs.openai_agen
 class TaskConfig(_Section):
     name: str | None = Field(None, description="Task name recorded on every episode (Episode.env); None: the environment's name (arithmetic for the default task).")
     env: str = Field("single_turn", description="Environment class: a built-in name (single_turn, tool_arith, code, shell) or a dotted path `my_pkg.envs:MyEnv` or a file path `path/to/envs.py:MyEnv`; built as `Env(row, seed=..., **env_args)`.")
-    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class (and of its row generator `Env.rows` when there is no dataset); for the generated arithmetic task, its problem distribution: min_digits, max_digits, ops (tidal/envs/arithmetic.py).")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class and of its row generator `Env.rows` (when there is no dataset), split by their signatures: rows() gets the keys it names, the class the keys it names and, if it takes **kwargs, the rest (docs/agents.md); for the generated arithmetic task, its problem distribution: min_digits, max_digits, ops (tidal/envs/arithmetic.py).")
     agent: str | None = Field(None, description="With task.env=openai_agent: the agent, `solve(row, client)` (sync or async) as a dotted path `my_pkg.agents:solve` or a file path; `client` is an `openai.OpenAI` (sync) or `openai.AsyncOpenAI` (async) client pointed at the gateway's session of the episode.")
     agent_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments passed to the agent: `solve(row, client, **agent_args)`.")
     dataset: str | None = Field(None, description="Prompt dataset (JSONL, Parquet or HF datasets dir) with a `prompt` column, or `reasoning_gym:TASK` (a reasoning-gym task: train_size rows from `seed`, eval_size held-out rows from a distinct seed, its score_answer the default reward; docs/envhub.md). None: the environment's own generated task (the arithmetic task for single_turn).")
@@ -355,7 +355,7 @@ class PlacementConfig(_Section):
     env_workers: int = Field(0, ge=0, description="ray: Ray actors that host the environments (reset/step/close, tools, sandboxes, per-turn rewards), least-loaded per episode; 0: environments run in the driver's rollout. The task's reward functions score in the reward pool either way.")
     env: RoleResources = Field(default_factory=RoleResources, description="Resources of one env worker.")
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="torch.distributed backend of trainer ranks and weight broadcast: auto = nccl on GPU, gloo on CPU.")
-    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "slices", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else slices when engine.tensor_parallel > 1, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather); slices = trainer rank 0 sends each rank of a tensor-parallel engine only its slices of each weight (tidal/weightsync/sliced.py); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
+    weight_sync: Literal["auto", "inprocess", "broadcast", "shard", "slices", "disk"] = Field("auto", description="How new weights reach engines: auto = inprocess when local or colocated, else (engine.tensor_parallel > 1) shard for vLLM without LoRA and slices otherwise, else broadcast; shard = every trainer rank sends its own shards' pieces straight to the engine ranks by a transfer plan (no gather; each worker of a tensor-parallel vLLM engine is an engine rank receiving only its slices); slices = trainer rank 0 sends each rank of a tensor-parallel engine only its slices of each weight (tidal/weightsync/sliced.py); disk = safetensors under weight_sync_dir (a filesystem every node sees).")
     weight_sync_dir: str | None = Field(None, description="disk transport: directory shared by trainer and engines; None: <run dir>/weights.")
     weight_sync_bucket_mb: float = Field(256.0, gt=0.0, description="broadcast transport: size of one flat bucket.")
     weight_sync_checksum: bool = Field(False, description="Verify every sync: engines checksum what arrived against the trainer's checksum.")

@@ -20,6 +20,7 @@ EXTRAS = {
     "reasoning_gym:": ("task.dataset", "reasoning_gym", "reasoning-gym"),
     "verifiers:": ("task.env", "verifiers", "verifiers"),
     "textarena:": ("task.env", "textarena", "textarena"),
+    "openenv:": ("task.env", "websockets", "openenv"),  # tidal speaks its protocol; the server has openenv
 }
 
 

@@ -206,12 +206,15 @@ class VLLMEngine(ServedEngine):
 
     # -- slices: vLLM's weight-transfer API with tidal's backend (vllm_transfer.py) --------------
     def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, name: str,
-                          timeout_s: float, role: str, backend: str = "gloo", poison: bool = False) -> None:
+                          timeout_s: float, role: str, backend: str = "gloo", poison: bool = False,
+                          shard: bool = False) -> None:
         """Every worker joins tidal's slice group (tidal/weightsync/sliced.py) as rank
         `rank_offset` + its TP rank; returns once the whole group has joined. `role` names this
-        replica in errors ("engine replica 0"); `poison`: see sliced.expand."""
+        replica in errors ("engine replica 0"); `poison`: see sliced.expand. `shard`: the group is
+        the shard transport's (tidal/weightsync/shard.py; every trainer rank sends, the plan arrives
+        at the join), and `receive_slices` then receives by its plan."""
         info = {"host": host, "port": port, "world_size": world_size, "rank_offset": rank_offset, "name": name,
-                "timeout_s": timeout_s, "role": role, "backend": backend, "poison": poison}
+                "timeout_s": timeout_s, "role": role, "backend": backend, "poison": poison, "shard": shard}
         self._check_open("join_weight_group")
         try:
             self._backend.transfer([("init_weight_transfer_engine", {"init_info": info})], timeout_s)

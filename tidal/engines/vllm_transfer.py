@@ -23,6 +23,14 @@ loaders cut out this rank's part); `finish_weight_update` finalizes the reload.
 `tidal_sync_report` (an extension method, called through `collective_rpc`) returns what the
 last receive did: version, bytes, buckets, checksum result, per rank.
 
+With `shard` set in the init info the worker joins the shard transport's group instead
+(tidal/weightsync/shard.py: trainer ranks 0..T-1, engine ranks after them): the transfer plan
+arrives from trainer rank 0 at the join, built with this rank's box of every parameter
+(`plan.tp_engine_boxes`), and each update receives this rank's pieces straight from the trainer
+ranks that own them (`ShardReceiver`: no gather anywhere, per-piece checksums, deltas against the
+slices it keeps), then loads them as above; a tied `lm_head.weight` is loaded from the
+embedding's slice (vLLM-CPU packs the output layer apart and it would go stale).
+
 A receive that fails (timeout, checksum) leaves the worker's layers half reloaded: the
 replica must be restarted, which the run does (docs/weightsync.md).
 """
@@ -43,7 +51,9 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from tidal.weightsync.broadcast import BroadcastGroup
+from tidal.weightsync.plan import box_slice
 from tidal.weightsync.sliced import expand, recv_slices
+from tidal.weightsync.slices import slice_checksum
 
 BACKEND = "tidal_gloo"
 log = logging.getLogger("tidal")
@@ -62,6 +72,7 @@ class TidalInitInfo(WeightTransferInitInfo):
     role: str  # e.g. "engine replica 0"; the worker adds "TP rank r/T"
     backend: str = "gloo"
     poison: bool = False  # fill what is outside a slice with ones (tests: a loader reading there loads them)
+    shard: bool = False  # join the shard transport's group (its plan arrives at the join) instead of the slice group
 
 
 @dataclass
@@ -84,6 +95,7 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         self.role = ""
         self.poison = False
         self.report: dict = {}
+        self.receiver = None  # the shard transport's ShardReceiver (init info `shard`)
 
     def init_transfer_engine(self, init_info: TidalInitInfo) -> None:
         if self.group is not None:
@@ -94,6 +106,11 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         self.group = BroadcastGroup.join(init_info.host, init_info.port, init_info.rank_offset + tp_rank,
                                          init_info.world_size, backend=init_info.backend,
                                          timeout_s=init_info.timeout_s, name=init_info.name)
+        self.receiver = None
+        if init_info.shard:
+            from tidal.weightsync.shard import ShardReceiver, share_plan
+
+            self.receiver = ShardReceiver(self.group, share_plan(self.group, None))
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -111,12 +128,27 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         if update_info.timeout_s is not None:
             self.group.timeout_s = update_info.timeout_s
 
+        if self.receiver is not None:
+            self.report = self._receive_shard()
+            self.report["role"] = self.role
+            return
+
         def load(header, parts) -> None:
             self.model.load_weights([(n, expand(p, header.full_shapes[n], header.slices[n], self.poison))
                                      for n, p in parts.items()])
 
         self.report = recv_slices(self.group, load, self.role)
         self.report["role"] = self.role
+
+    def _receive_shard(self) -> dict:
+        """One sync of the shard transport into this rank: its pieces, then its slices loaded."""
+        rank = _SliceLoader(self)
+        out = self.receiver.recv(rank)
+        checked = out.pop("checked")
+        # recv raises when a full round fails its checksums; a delta that failed was repaired by one
+        out["checksum_ok"] = (rank.version is not None) if checked else None
+        out["checksums"] = {n: slice_checksum(n, t) for n, t in self.receiver.held.items()} if rank.version else {}
+        return out
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
@@ -125,6 +157,33 @@ class TidalGlooTransferEngine(WeightTransferEngine[TidalInitInfo, TidalUpdateInf
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+class _SliceLoader:
+    """What `ShardReceiver` installs into: this worker's model, through vLLM's loaders (each
+    slice inside a full-shaped tensor, as `sliced.expand`), one tensor expanded at a time."""
+
+    def __init__(self, eng: TidalGlooTransferEngine):
+        self.eng, self.version = eng, None
+
+    def update_weights(self, version: int, tensors: dict) -> None:
+        self.update_weight_slices(version, tensors, None)
+
+    def update_weight_slices(self, version: int, tensors: dict, boxes: dict | None) -> None:
+        plan, hf = self.eng.receiver.plan, self.eng.model_config.hf_config
+        text = getattr(hf, "text_config", None) or hf
+        tied = bool(getattr(hf, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+        def items():
+            for n, t in tensors.items():
+                shape = plan.params[n].shape
+                full = expand(t, shape, None if boxes is None else box_slice(boxes[n], shape), self.eng.poison)
+                yield n, full
+                if tied and n.endswith("embed_tokens.weight") and "lm_head.weight" not in tensors:
+                    yield "lm_head.weight", full
+
+        self.eng.model.load_weights(items())
+        self.version = version
 
 
 class TidalWorkerExtension:

@@ -156,10 +156,7 @@ class ToolArithEnv(ToolEnv):
     default_reward: ClassVar[str] = "tidal.envs.tool_arith:score"
 
     @classmethod
-    def rows(cls, split: str, n: int, seed: int, kinds: list[str] | tuple[str, ...] = KINDS,
-             **env_args: Any) -> list[dict[str, Any]]:
-        """The built-in task's rows (`kinds` picks problem kinds; other env_args configure the env)."""
+    def rows(cls, split: str, n: int, seed: int, kinds: list[str] | tuple[str, ...] = KINDS) -> list[dict[str, Any]]:
+        """The built-in task's rows (`env_args.kinds` picks problem kinds; the other env_args are
+        ToolEnv's, given to the constructor: tidal/runtime/tasks.py splits them)."""
         return make_rows(split, n, seed, tuple(kinds))
-
-    def __init__(self, row: dict[str, Any], seed: int = 0, kinds: Any = None, **env_args: Any):
-        super().__init__(row, seed, **env_args)  # `kinds` belongs to rows(), not to an episode

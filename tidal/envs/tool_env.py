@@ -9,9 +9,13 @@ none), its `ToolCallRecord`s, and the turn in OpenAI shape (`assistant_message`,
 `tool_calls`), which is how the rewards see the conversation (the chat template renders the
 turn as generated).
 
-Subclass it and list the tools (`tools = [fn, ...]` as a class attribute, or pass `tools=` to
-the constructor); `env_args` configure it: `tool_timeout_s`, `max_tool_output_chars`,
-`max_calls_per_turn`, `system_prompt`.
+Subclass it and list the tools as a class attribute, `tool_functions = (fn, ...)` (functions or
+`Tool`s), or pass `tools=` to the constructor. `tools = [fn, ...]` as a class attribute is taken
+as the tool functions too (it is what people write); on an instance `tools` is the list of OpenAI
+schemas the chat template renders, derived from the functions. A class that sets both, or sets
+`tools` to anything but functions and `Tool`s (schemas without functions, say), is refused when
+it is defined. `env_args` configure it: `tool_timeout_s`, `max_tool_output_chars`,
+`max_calls_per_turn`, `system_prompt` (examples/envs/unit_convert.py is a complete one).
 """
 
 from __future__ import annotations
@@ -28,6 +32,21 @@ class ToolEnv:
     name: ClassVar[str] = "tool_env"
     tool_functions: ClassVar[Sequence[Tool | Callable[..., Any]]] = ()  # the env's tools
     default_system_prompt: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        listed = cls.__dict__.get("tools")
+        if listed is None:
+            return
+        where = f"{cls.__module__}.{cls.__qualname__}"
+        if "tool_functions" in cls.__dict__:
+            raise TypeError(f"{where} sets both `tools` and `tool_functions`: list the tool functions once")
+        if isinstance(listed, (str, bytes, dict)) or not isinstance(listed, Sequence) or not all(
+                isinstance(t, Tool) or (callable(t) and not isinstance(t, type)) for t in listed):
+            raise TypeError(f"{where}.tools must list the tool functions (or `Tool`s), got {listed!r}: the schemas "
+                            "are derived from the functions' signatures and docstrings (tidal/envs/tools.py)")
+        cls.tool_functions = tuple(listed)
+        del cls.tools  # on an instance, `tools` is the schemas (set in __init__)
 
     def __init__(self, row: dict[str, Any], seed: int = 0, *, tools: Sequence[Tool | Callable[..., Any]] | None = None,
                  system_prompt: str | None = None, tool_timeout_s: float = 10.0, max_tool_output_chars: int = 2000,

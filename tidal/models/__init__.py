@@ -1,7 +1,10 @@
-"""Load Hugging Face causal LMs and their tokenizers from local directories.
+"""Load Hugging Face causal LMs and their tokenizers.
 
-Any local HF causal-LM directory works (the tiny default, SmolLM2, Qwen2.5-0.5B on a GPU
-box). Nothing is fetched from a hub: a path that is not a directory is an error.
+`model.path` is a local HF model directory (the tiny default, SmolLM2, Qwen2.5-0.5B on a GPU
+box), a tidal checkpoint, a peft adapter directory, a name of an embedded model, or a Hugging
+Face Hub id (`Qwen/Qwen3-0.6B`): an id is resolved as transformers resolves it, downloaded
+into the Hub cache with a network and read from that cache offline (tidal/models/hub.py). A
+local directory of that name wins over the id, as in transformers.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tidal import cache_root
+from tidal.models.hub import HubModelError, looks_like_hub_id, snapshot_dir
 from tidal.models.vision import is_vision_config, read_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -29,15 +33,23 @@ class ModelLoadError(ValueError):
 
 def resolve_model_dir(path: str | Path) -> Path:
     """A model directory, or the `model/` folder inside a tidal checkpoint directory, or a peft
-    LoRA adapter directory (`merged_adapter_dir`). `default` names the embedded text model,
-    `default-vlm` the embedded vision-language model."""
+    LoRA adapter directory (`merged_adapter_dir`), or a Hugging Face Hub id (its snapshot in the
+    Hub cache: tidal/models/hub.py). `default` names the embedded text model, `default-vlm` the
+    embedded vision-language model."""
     p = Path(path)
     if str(path) in NAMED_MODELS:
         p = NAMED_MODELS[str(path)]
+    elif isinstance(path, str) and looks_like_hub_id(path):
+        try:
+            p = snapshot_dir(path)
+        except HubModelError as e:
+            raise ModelLoadError(str(e)) from None
     if (p / "model" / "config.json").is_file():
         p = p / "model"
     if not p.is_dir():
-        raise ModelLoadError(f"model directory `{path}` does not exist (models are loaded from local directories only)")
+        raise ModelLoadError(f"model directory `{path}` does not exist (model.path takes a local directory, a "
+                             "tidal checkpoint, `default`, `default-vlm` or a Hugging Face Hub id such as "
+                             "Qwen/Qwen3-0.6B)")
     if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
         p = merged_adapter_dir(p)
     if not (p / "config.json").is_file():

@@ -11,7 +11,10 @@ iterations and tokens of each step) and its model directory (parameter count and
 
 The choice: the result is an accelerator (peak FLOP/s: the faster of the rates a decode token and a
 trained token reached; the other as its efficiency) plus efficiency overrides, the same form as a GPU's table entry and
-stated factors, so one simulator serves both. The run's trace.json, when present, only adds a check,
+stated factors, so one simulator serves both. A CPU device is a number of torch threads: the calibration
+records each role's (tidal/plan/threads.py, from the run's config), and `spec_for_run` scales each role's
+rates to the predicted run's threads by the measured law there, so a one-thread actor's calibration
+predicts a two-thread process. The run's trace.json, when present, only adds a check,
 reported and not fitted: how far its `train` and `sync` spans are from the metrics' times (the train
 span covers the forward and backward passes; time/train_s also counts building the batch).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 
@@ -28,7 +32,9 @@ import yaml
 
 from tidal.models import resolve_model_dir
 from tidal.monitor.episodes import episode_files, file_step
+from tidal.plan.threads import AMDAHL_P, rate_scale, run_threads
 
+FREE = 1e6  # how much faster than the measured rate a cost the fit found no trace of runs (see `device`)
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "U8": 1, "I8": 1, "BOOL": 1}
 
 
@@ -115,14 +121,26 @@ def trace_check(run_dir: Path, steps: list[dict]) -> dict | None:
     return {"spans": len(spans), "max_rel_diff": worst}
 
 
-def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
+def device(decode_rate: float, train_rate: float) -> tuple[float, float, float]:
+    """(peak FLOP/s, mfu_decode, mfu_train) of a device whose decode and trained tokens reach these rates:
+    the peak is the faster, each an efficiency of it. A rate the fit found no trace of (inf) is free: the
+    peak is then FREE times the other rate, so that work costs a millionth of the other's per FLOP."""
+    finite = [r for r in (decode_rate, train_rate) if math.isfinite(r)]
+    if not finite:
+        return 1e30, 1.0, 1.0
+    flops = max(finite) * (FREE if len(finite) < 2 else 1.0)
+    eff = lambda r: r / flops if math.isfinite(r) else 1.0
+    return flops, eff(decode_rate), eff(train_rate)
+
+
+def calibrate(run_dir: str | Path, skip_steps: int = 1, cores: int | None = None) -> dict:
     """Fit the constants; returns a dict with `accelerator` and `efficiency` overrides for a spec, the
-    fitted coefficients, the residuals, and the run's shape (model, batch)."""
+    fitted coefficients, the residuals, the run's shape (model, batch) and its roles' torch threads
+    (`cores`: of the machine that ran it, for a local run on torch's default; default: this machine's)."""
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a tidal run directory?)")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-
     shape = model_shape(resolve_model_dir(cfg["model"]["path"]))
     steps = run_steps(run_dir)[skip_steps:] or run_steps(run_dir)
     replicas = int(cfg["engine"]["replicas"])
@@ -148,10 +166,7 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
     # fixed terms, e.g. a run whose times do not vary with its tokens) is free
     decode_rate = 2.0 * P / gen[1] if gen[1] > 1e-12 else math.inf
     train_rate = 6.0 * P / tr[0] if tr[0] > 1e-12 else math.inf
-    finite = [r for r in (decode_rate, train_rate) if math.isfinite(r)]
-    flops = max(finite) if finite else 1e30  # the device's peak: the faster of the two, each an efficiency of it
-    mfu_decode = decode_rate / flops if math.isfinite(decode_rate) else 1.0
-    mfu_train = train_rate / flops if math.isfinite(train_rate) else 1.0
+    flops, mfu_decode, mfu_train = device(decode_rate, train_rate)
     sync_bw = shape["bytes"] / sync if sync > 0 else 1e12
     predicted = gen[0] * iters + gen[1] * tokens + gen[2] + prefill
     return {
@@ -171,15 +186,42 @@ def calibrate(run_dir: str | Path, skip_steps: int = 1) -> dict:
                        "decode_overhead_s": gen[0], "train_overhead_s": tr[1], "sync_overhead_s": 0.0,
                        "comm_overlap": 0.0},
         "rollout_fixed_s": gen[2],
+        "rates": {"decode_flops": decode_rate, "train_flops": train_rate},
+        "threads": run_threads(cfg, cores or os.cpu_count() or 1),
         "prompt_tokens": float(np.mean([np.mean(s["prompts"]) for s in steps])),
         "trace_check": trace_check(run_dir, steps),
     }
 
 
-def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40, workload_run: str | Path | None = None) -> dict:
+def scaled_device(calib: dict, trainer_threads: float, engine_threads: float,
+                  law: dict[str, float] | None = None) -> tuple[dict, dict]:
+    """The calibrated accelerator and efficiencies carried to a device of other torch thread counts (per
+    modelled trainer device and per engine replica): each role's rates times the law's speed-up ratio
+    (tidal/plan/threads.py). The law was measured on whole step and rollout times, so it scales a role's
+    fixed per-iteration and per-step costs with its rates; the rollout's fixed part (the driver's scoring)
+    is not scaled. Prefill runs on the engine at the training law (a batched forward)."""
+    p = {**AMDAHL_P, **(law or {})}
+    cal = calib["threads"]
+    s_train = rate_scale(cal["trainer"], trainer_threads, p["train"])
+    s_decode = rate_scale(cal["engine"], engine_threads, p["decode"])
+    s_prefill = rate_scale(cal["trainer"], engine_threads, p["train"])
+    rates = calib["rates"]
+    flops, mfu_decode, mfu_train = device(rates["decode_flops"] * s_decode, rates["train_flops"] * s_train)
+    prefill = rates["train_flops"] * s_prefill
+    mfu_prefill = min(1.0, prefill / flops) if math.isfinite(prefill) else 1.0
+    eff = {**calib["efficiency"], "mfu_decode": mfu_decode, "mfu_train": mfu_train, "mfu_prefill": mfu_prefill,
+           "decode_overhead_s": calib["efficiency"]["decode_overhead_s"] / s_decode,
+           "train_overhead_s": calib["efficiency"]["train_overhead_s"] / s_train}
+    return {**calib["accelerator"], "bf16_flops": flops}, eff
+
+
+def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40, workload_run: str | Path | None = None,
+                 cores: int | None = None, law: dict[str, float] | None = None) -> dict:
     """A spec (as a dict for `load_spec`) of a run shaped like `cfg` (a tidal config as a dict: its model,
-    its batch) on the calibrated device: `devices` gives the placement in devices (trainer_gpus,
-    engine_gpus, colocate, max_staleness, sync). The workload's lengths (what the task makes the model
+    its batch, its placement's torch threads) on the calibrated device: `devices` gives the placement in
+    devices (trainer_gpus, engine_gpus, colocate, max_staleness, sync). The device's rates follow the
+    run's threads (`cores`: its machine's, for a local run; default this machine's) by `law` (default the
+    measured one, tidal.plan.threads.AMDAHL_P). The workload's lengths (what the task makes the model
     generate, not a timing) are resampled from `workload_run`'s episode store (default: the calibration
     run's)."""
 
@@ -187,18 +229,21 @@ def spec_for_run(calib: dict, cfg: dict, devices: dict, steps: int = 40, workloa
     m = model_shape(resolve_model_dir(cfg["model"]["path"]))
     source = Path(workload_run or calib["run"])
     prompt = max(1, round(float(np.mean([np.mean(s["prompts"]) for s in run_steps(source)]))))
+    threads = run_threads(cfg, cores or os.cpu_count() or 1)
+    accelerator, efficiency = scaled_device(calib, threads["trainer"] / devices["trainer_gpus"],
+                                            threads["engine"], law)
     return {
         "model": {"params_b": m["params"] / 1e9, "layers": m["layers"], "hidden": m["hidden"],
                   "kv_heads": m["kv_heads"], "head_dim": m["head_dim"],
                   "dtype_bytes": max(1, round(m["bytes"] / m["params"]))},
         "cluster": {"gpu": "H100", "gpus": devices["trainer_gpus"] + devices.get("engine_gpus", 0),
-                    "gpus_per_node": 64, "accelerator": calib["accelerator"]},
+                    "gpus_per_node": 64, "accelerator": accelerator},
         "workload": {"prompts_per_step": r["prompts_per_step"], "samples_per_prompt": r["samples_per_prompt"],
                      "prompt_tokens": prompt, "prefix_sharing": False,
                      "lengths": {"kind": "parquet", "path": str(source / "episodes"),
                                  "max": r["max_new_tokens"]}},
         "placement": {"engine_tp": 1, **devices},
-        "efficiency": {**calib["efficiency"], "rollout_overhead_s": calib["rollout_fixed_s"]},
+        "efficiency": {**efficiency, "rollout_overhead_s": calib["rollout_fixed_s"]},
         "failures": {"checkpoint_s": 0.0, "save_every": 10_000},
         "sim": {"steps": steps, "warmup_steps": 2, "chunks": 256},
     }

@@ -118,7 +118,8 @@ def _calibrate(ns) -> int:
     c = calibrate(ns.run_dir)
     text = yaml.safe_dump({"cluster": {"accelerator": c["accelerator"]},
                            "efficiency": {**c["efficiency"], "rollout_overhead_s": c["rollout_fixed_s"]},
-                           "fit": c["fit"], "model": c["model"], "trace_check": c["trace_check"]},
+                           "fit": c["fit"], "model": c["model"], "threads": c["threads"],
+                           "trace_check": c["trace_check"]},
                           sort_keys=False)
     if ns.out:
         Path(ns.out).write_text(text)

@@ -92,7 +92,11 @@ def train_step_cost(tokens: float, mean_ctx: float, m: ModelSpec, hw: Accelerato
 
     FLOPs: 6·N_active per token plus causal attention 6·layers·heads·head_dim·ctx per token; the
     data-parallel group all-gathers the parameters twice (forward, backward) and reduce-scatters the
-    gradients once per optimizer update (FSDP), 1 - comm_overlap of it exposed."""
+    gradients once per optimizer update (FSDP), 1 - comm_overlap of it exposed. The mesh is tidal's
+    (docs/parallel.md): tp's two all-reduces of the hidden states per layer forward and two backward (no
+    sequence parallelism), cp as Ulysses all-to-alls, ep's dispatch and combine all-to-alls forward and
+    backward (ep borrowed from the data ranks; tidal's does not combine with tp or cp, a spec may, to model
+    other trainers)."""
     dp = max(1, n_gpus // (tp * cp))
     P = m.params_b * 1e9
     attn = 6.0 * m.layers * m.kv_heads * m.head_dim * 4 * mean_ctx / 2  # q heads ~ 4x kv heads (GQA)
@@ -103,7 +107,10 @@ def train_step_cost(tokens: float, mean_ctx: float, m: ModelSpec, hw: Accelerato
     local_tokens = tokens / (dp * cp)
     tp_comm = (m.layers * 4 * 2 * (tp - 1) / tp * local_tokens * m.hidden * 2 / (hw.nvlink_bw * eff.link)
                if tp > 1 else 0.0)
-    cp_comm = (m.layers * 3 * (cp - 1) / cp * local_tokens * cp * m.kv_heads * m.head_dim * 2 * 2
+    # Ulysses (tidal/trainer/parallel/context.py): per layer four all-to-alls forward (q, k, v with the kv
+    # heads repeated to the query heads, the output) and four backward, each of a rank's positions x its
+    # tp share of the hidden size, (cp - 1)/cp of it leaving the rank
+    cp_comm = (m.layers * 8 * (cp - 1) / cp * local_tokens * m.hidden / tp * 2
                / (group_bw(hw, cluster, tp * cp) * eff.link) if cp > 1 else 0.0)
     ep_comm = (m.layers * 4 * (ep - 1) / ep * local_tokens * m.top_k * m.hidden * 2
                / (group_bw(hw, cluster, tp * cp * ep) * eff.link) if ep > 1 and m.experts else 0.0)

@@ -1,7 +1,8 @@
 """What `tidal plan` writes: the chosen plan as a tidal config (`plan.yaml`, loadable by `tidal train`),
 a plot of throughput against k and against the trainer/engine split (`plan.png`), and every simulated
-plan as JSON. The choice: the config carries only settings tidal has; what the plan assumes beyond them
-(trainer and engine tensor parallelism, a sync transport tidal does not ship yet) is written as the
+plan as JSON. The choice: the config carries only settings tidal has (the trainer's mesh as
+train.parallel, the engines' tensor parallelism, every sync transport); what the plan assumes beyond them
+(engine expert parallelism, a trainer mesh tidal does not build, the stream what-if) is written as the
 config's header comment, never as a key tidal would refuse.
 """
 
@@ -15,7 +16,8 @@ import yaml
 from tidal.plan.search import Plan
 from tidal.plan.spec import PlacementSpec, PlanSpec
 
-TIDAL_TRANSPORTS = {"broadcast": "broadcast", "disk": "disk", "inprocess": "inprocess"}
+TIDAL_TRANSPORTS = {"broadcast": "broadcast", "slices": "slices", "shard": "shard", "delta": "shard",
+                    "disk": "disk", "inprocess": "inprocess"}
 
 
 def tidal_config(spec: PlanSpec, p: PlacementSpec) -> tuple[dict, list[str]]:
@@ -23,32 +25,39 @@ def tidal_config(spec: PlanSpec, p: PlacementSpec) -> tuple[dict, list[str]]:
     w = spec.workload
     notes = []
     replicas = (p.trainer_gpus if p.colocate else p.engine_gpus) // p.engine_gpus_per_replica
-    ranks = p.trainer_gpus // (p.train_tp * p.train_cp)
+    ranks = p.trainer_gpus  # every trainer GPU is a rank of tidal's mesh (train.parallel, docs/parallel.md)
     if p.colocate and replicas != ranks:
         notes.append(f"colocated engines of TP{p.engine_tp}: tidal colocates one replica per trainer rank, so the "
                      f"config runs {ranks} replicas")
         replicas = ranks
-    if p.engine_gpus_per_replica > 1:
-        notes.append(f"engine replicas of TP{p.engine_tp} x EP{p.engine_ep}: set the engine's own parallelism "
-                     f"(vLLM tensor_parallel_size); each replica reserves {p.engine_gpus_per_replica} GPUs")
-    if p.train_tp * p.train_cp * p.train_ep > 1:
-        notes.append(f"trainer mesh TP{p.train_tp} CP{p.train_cp} EP{p.train_ep} over {p.trainer_gpus} GPUs: "
-                     f"trainer_ranks counts data-parallel ranks only")
-    transport = TIDAL_TRANSPORTS.get(p.sync)
-    if transport is None:
-        notes.append(f"sync `{p.sync}` is not a tidal transport yet: the config uses broadcast")
-        transport = "broadcast"
+    if p.engine_ep > 1:
+        notes.append(f"engine replicas of TP{p.engine_tp} x EP{p.engine_ep}: set the engine's expert parallelism "
+                     f"(vLLM enable_expert_parallel); each replica reserves {p.engine_gpus_per_replica} GPUs")
+    parallel = {"tp": p.train_tp, "cp": p.train_cp}
+    if p.train_ep > 1 and p.train_tp * p.train_cp > 1:
+        notes.append(f"trainer EP{p.train_ep} with TP{p.train_tp} CP{p.train_cp}: tidal's expert parallelism does not "
+                     f"combine with tp or cp (docs/parallel.md); the config keeps tp and cp")
+    elif p.train_ep > 1:
+        parallel["ep"] = p.train_ep
+    transport = TIDAL_TRANSPORTS[p.sync]
+    if transport == "broadcast" and p.engine_tp > 1:
+        transport = "slices"  # tidal's auto for tensor-parallel engines; the plan's broadcast sends every rank all
+        notes.append("sync `broadcast` to tensor-parallel engines: the config uses tidal's `slices` (each engine "
+                     "rank receives its slices only), which the plan did not time")
     if p.rollout_mode == "stream":
         notes.append("rollout_mode=stream (engines never wait for a step's tail) is a what-if tidal does not run")
     cfg = {
         "rollout": {"prompts_per_step": w.prompts_per_step, "samples_per_prompt": w.samples_per_prompt,
                     "max_new_tokens": w.lengths.max, "max_turns": w.turns, "max_staleness": p.max_staleness},
-        "engine": {"kind": "vllm", "replicas": replicas},
+        "engine": {"kind": "vllm", "replicas": replicas, "tensor_parallel": p.engine_tp},
+        "train": {"parallel": parallel},
         "placement": {"mode": "ray", "trainer_ranks": ranks, "colocate": p.colocate,
                       "trainer": {"num_gpus": 1.0}, "engine": {"num_gpus": float(p.engine_gpus_per_replica)},
                       "reward_workers": p.reward_workers, "env_workers": p.env_workers,
                       "weight_sync": "inprocess" if p.colocate else transport},
     }
+    if p.sync == "delta" and not p.colocate:
+        cfg["placement"]["weight_sync_delta"] = {"enabled": True}
     return cfg, notes
 
 

@@ -85,13 +85,13 @@ class PlacementSpec(_S):
     engine_ep: int = Field(1, ge=1, description="Expert-parallel degree of one engine replica (its GPUs = tp x ep).")
     train_tp: int = Field(1, ge=1, description="Trainer tensor-parallel degree.")
     train_cp: int = Field(1, ge=1, description="Trainer context-parallel degree.")
-    train_ep: int = Field(1, ge=1, description="Trainer expert-parallel degree (within the data-parallel ranks).")
+    train_ep: int = Field(1, ge=1, description="Trainer expert-parallel degree, borrowed from the data-parallel ranks (tidal's train.parallel.ep; tidal's does not combine with tp or cp, a spec may, to model another trainer).")
     colocate: bool = Field(False, description="Trainer and engines share the GPUs and take turns (sleep/wake).")
     max_staleness: int = Field(0, ge=0, description="rollout.max_staleness k: step s starts once the engines hold version s-1-k.")
     rollout_mode: Literal["step", "stream"] = Field("step", description="step: tidal's loop, a step's rollout lasts until its longest response and the next step's requests join after it; stream: engines never wait for a step's tail (AReaL-style), a what-if tidal does not run.")
     env_workers: int = Field(0, ge=0, description="Env workers (0: environments in the driver, one worker's worth).")
     reward_workers: int = Field(0, ge=0, description="Reward workers (0: rewards in the driver, one worker's worth).")
-    sync: Literal["broadcast", "shard", "delta", "disk", "inprocess"] = Field("broadcast", description="Weight-sync transport (tidal.plan.sync_model): broadcast (tidal's gather + rank-0 broadcast), shard (shard-to-shard), delta (changed bytes only), disk, inprocess (colocated).")
+    sync: Literal["broadcast", "slices", "shard", "delta", "disk", "inprocess"] = Field("broadcast", description="Weight-sync transport (tidal.plan.sync_model), each one of tidal's placement.weight_sync: broadcast (gather + rank-0 broadcast of the whole model), slices (gather, then rank 0 sends each tensor-parallel engine rank only its slices), shard (the transfer plan: no gather), delta (shard with placement.weight_sync_delta: changed bytes only), disk, inprocess (colocated).")
 
     delta_fraction: float = Field(0.25, gt=0, le=1, description="sync=delta: the delta's bytes as a share of the full bytes (tidal's XOR + zstd per byte plane: 0.27 in bfloat16 and 0.63 in float32 on the default job, BENCHMARKS.md; an RL step of a large model at a small learning rate leaves more bf16 values unchanged).")
 

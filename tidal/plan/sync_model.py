@@ -6,6 +6,9 @@ Transports (every time is one sync; `engine pause` is what the engines stop gene
 - broadcast: tidal's today (`tidal/weightsync/broadcast.py`): the trainer ranks gather the full weights,
   rank 0 broadcasts them to every engine GPU. A pipelined broadcast runs at the rate of its slowest
   link, whatever the number of receivers; the trainer-side gather is an all-gather.
+- slices: `placement.weight_sync=slices` (`tidal/weightsync/sliced.py`, auto for tensor-parallel engines):
+  gathered like broadcast, then trainer rank 0 sends each engine rank only its 1/g slices, point to
+  point: every engine GPU receives 1/g of the bytes, rank 0 sends the whole model to every replica.
 - shard: each trainer GPU sends only the slices an engine GPU needs; every engine GPU receives its
   1/g of the bytes, and replicas relay to each other (a pipelined chain, as checkpoint-engine does).
 - delta: the shard path carrying `placement.delta_fraction` of its bytes (the compressed XOR).
@@ -25,7 +28,7 @@ from tidal.plan.cost import group_bw, node_link_bw, replicas
 from tidal.plan.hardware import Accelerator
 from tidal.plan.spec import ClusterSpec, Efficiency, ModelSpec, PlacementSpec
 
-TRANSPORTS = ("broadcast", "shard", "delta", "disk", "inprocess")
+TRANSPORTS = ("broadcast", "slices", "shard", "delta", "disk", "inprocess")
 BUCKET_BYTES = 256e6  # placement.weight_sync_bucket_mb's default: a pipelined broadcast's unit
 
 
@@ -47,10 +50,12 @@ def expected_bytes(model_bytes: float, trainer_ranks: int, engine_tp: int, trans
     `delta_fraction` of their bytes: the compressed XOR's share, BENCHMARKS.md)."""
     if transport == "broadcast":
         return SyncBytes(model_bytes, model_bytes, model_bytes * (trainer_ranks - 1) / trainer_ranks)
+    if transport == "slices":  # rank 0 sends one replica's g ranks their slices: the whole model, once
+        return SyncBytes(model_bytes / engine_tp, model_bytes, model_bytes * (trainer_ranks - 1) / trainer_ranks)
     if transport in ("shard", "delta"):
         f = delta_fraction if transport == "delta" else 1.0
         return SyncBytes(model_bytes / engine_tp * f, model_bytes / trainer_ranks * f, 0.0)
-    raise ValueError(f"expected_bytes: unknown transport {transport!r} (broadcast, shard, delta)")
+    raise ValueError(f"expected_bytes: unknown transport {transport!r} (broadcast, slices, shard, delta)")
 
 
 def sync_bytes(m: ModelSpec, transport: str, delta_fraction: float = 0.25) -> float:
@@ -92,6 +97,9 @@ def sync_cost(m: ModelSpec, hw: Accelerator, eff: Efficiency, cluster: ClusterSp
         # one pipelined broadcast tree to every engine GPU, fed by trainer rank 0's NIC
         fill = min(BUCKET_BYTES, nbytes) / cross * max(0, receivers.bit_length() - 1)
         return SyncCost(nbytes, gather, nbytes / cross + fill, eff.sync_overhead_s)
+    if t == "slices":  # point to point from rank 0: its link carries every replica's whole model
+        reps = max(1, replicas(p, cluster))
+        return SyncCost(nbytes, gather, nbytes * reps / cross, eff.sync_overhead_s)
     if t == "disk":
         storage = cluster.storage_bw_gbs * 1e9
         nodes = max(1, -(-(replicas(p, cluster) * g) // cluster.gpus_per_node))

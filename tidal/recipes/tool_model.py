@@ -210,16 +210,17 @@ async def _render_all(rows, rng: random.Random, tokenizer=None) -> list[str]:
 # evaluation and the build
 
 
-def held_out_success(model, tokenizer, rows, k: int = 4, max_turns: int = 4, max_new_tokens: int = 48) -> dict:
-    """Greedy success and pass@k on `rows` through the same rollout, env and verifier as
-    `tidal eval` (also the tool-call error rate of the greedy episodes)."""
+def held_out_success(model, tokenizer, rows, k: int = 4, max_turns: int = 4, max_new_tokens: int = 48,
+                     env=ToolArithEnv) -> dict:
+    """Greedy success and pass@k on `rows` of `env` (its `default_reward` scores) through the
+    same rollout, env and verifier as `tidal eval` (also the tool-call error rate of the greedy
+    episodes)."""
     model.eval()
     engine = TorchEngine(model, tokenizer.pad_token_id)
     params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    scorer = build_scorer([RewardSpec(fn=ToolArithEnv.default_reward)], RewardConfig(isolation="inline"))
+    scorer = build_scorer([RewardSpec(fn=env.default_reward)], RewardConfig(isolation="inline"))
     try:
-        res = evaluate_engine(engine, Rollout(tokenizer, params, max_turns=max_turns, scorer=scorer), rows,
-                              ToolArithEnv, k=k)
+        res = evaluate_engine(engine, Rollout(tokenizer, params, max_turns=max_turns, scorer=scorer), rows, env, k=k)
     finally:
         asyncio.run(scorer.close())
         engine.close()
@@ -247,13 +248,24 @@ def sft_batch(examples, pad_id: int):
     return ids, attn, labels
 
 
-def sft_loss(model, examples, prefix_len: int, pad_id: int) -> torch.Tensor:
+def sft_loss(model, examples, prefix_len: int, pad_id: int, micro: int = 8) -> torch.Tensor:
     """Token-mean cross-entropy of `examples` (token ids, loss mask), whose first `prefix_len`
     tokens are the same and carry no loss: the prefix goes through the model once and its keys
     and values are shared by the batch (the same loss and gradients as whole sequences, at a
-    fraction of the cost: the tools' system turn is most of each sequence)."""
+    fraction of the cost: the tools' system turn is most of each sequence). `prefix_len` 0:
+    whole sequences, sorted by length into micro-batches of `micro` that pad little."""
     from transformers import DynamicCache
 
+    if prefix_len == 0:
+        ordered = sorted(examples, key=lambda e: len(e[0]))
+        total, n = torch.zeros(()), sum(sum(m[1:]) for _, m in examples)
+        for i in range(0, len(ordered), micro):
+            ids, attn, labels = sft_batch(ordered[i : i + micro], pad_id)
+            logits = model(input_ids=ids, attention_mask=attn).logits
+            total = total + torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100,
+                reduction="sum")
+        return total / max(n, 1)
     B = len(examples)
     prefix = torch.tensor([examples[0][0][:prefix_len]])
     cache = DynamicCache()
@@ -321,10 +333,13 @@ def build_tool_model(
 
 
 def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: random.Random, *, steps: int,
-              batch_size: int, lr: float, warmup: int, eval_every: int, label: str) -> list[dict]:
+              batch_size: int, lr: float, warmup: int, eval_every: int, label: str,
+              log_every: int = 0, losses: list | None = None, stop_after: int | None = None) -> list[dict]:
     """The warm start's SFT loop (AdamW, linear warm-up then cosine, batches drawn with `rng`):
     `evaluate(model, tokenizer, val)` every `eval_every` steps (0: never) and at the end; the
-    history of those evaluations. Shared by the tiny models built from demonstrations."""
+    history of those evaluations. Shared by the tiny models built from demonstrations.
+    `log_every`: print the loss (and append `[step, loss]` to `losses`) that often;
+    `stop_after`: end early, on the schedule of `steps`."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0)))
@@ -332,7 +347,8 @@ def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: r
     model.train()
     t0 = time.time()
     history = []
-    for step in range(1, steps + 1):
+    last = min(steps, stop_after or steps)
+    for step in range(1, last + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         loss = sft_loss(model, batch, prefix_len, tokenizer.pad_token_id)
         opt.zero_grad()
@@ -340,7 +356,11 @@ def sft_train(model, tokenizer, examples, prefix_len: int, val, evaluate, rng: r
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if (eval_every and step % eval_every == 0) or step == steps:
+        if log_every and step % log_every == 0:
+            if losses is not None:
+                losses.append([step, round(loss.item(), 4)])
+            print(f"{label} warm-start step {step}: loss {loss.item():.3f} ({time.time() - t0:.0f}s)", flush=True)
+        if (eval_every and step % eval_every == 0) or step == last:
             t1 = time.time()
             res = evaluate(model, tokenizer, val)
             history.append({"step": step, "loss": round(loss.item(), 4), "train_s": round(t1 - t0, 1), **res})

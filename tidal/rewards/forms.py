@@ -22,6 +22,7 @@ import inspect
 import logging
 import math
 import numbers
+import re
 import threading
 import traceback as tb_module
 from dataclasses import dataclass, field
@@ -347,10 +348,25 @@ class OncePerStep:
             return True
 
 
+_RAISED = re.compile(r"raised (\w+)\(")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def failure_key(r: LoadedReward, res: Failed) -> tuple[str, str, str]:
+    """What makes two failures the same error: the function, the status, and for a raise the
+    exception's class and where it was raised (its message may name the episode's data), else
+    what happened."""
+    raised_as = _RAISED.match(res.what)
+    if raised_as is None:
+        return r.label, res.status, res.what
+    frames = _FRAME.findall(res.traceback)
+    return r.label, res.status, f"{raised_as.group(1)} at {':'.join(frames[-1]) if frames else '?'}"
+
+
 def log_failure(r: LoadedReward, res: Failed, inp: RewardInput, text: str, logged: OncePerStep | None) -> None:
     """Its traceback the first time `logged` (the scorer's) sees this error in the step; later
     ones a line in train.log. `logged` None: every traceback."""
-    if logged is not None and not logged.first(inp.step, (r.label, res.status, res.what)):
+    if logged is not None and not logged.first(inp.step, failure_key(r, res)):
         log.info("%s (the same error as logged above for this step)", text)
     elif res.traceback:
         log.warning("%s\n%s", text, res.traceback.rstrip())

@@ -17,8 +17,8 @@ and runs synchronous ones in `reward.sync_concurrency` sync lanes, each a thread
 calls one at a time, in order (the driver picks the lane and holds at most LANE_DEPTH calls
 on one). Every call in flight has a deadline `reward.timeout_s + GRACE_S`, counted from when
 it starts (a synchronous call starts when the one before it in its lane answers). A worker
-that reports a hung call has a stuck lane: the call ends `timeout`, the call queued behind it
-is sent elsewhere, a replacement starts, and the worker, serving on its other lanes until the
+that reports a hung call has a stuck lane: the call ends `timeout`, the calls queued behind it
+are sent elsewhere, a replacement starts, and the worker, serving on its other lanes until the
 replacement is ready, is killed (SIGKILL to its process group, so a subprocess the reward
 started dies with it) once its other calls are answered; hung calls thus time out together.
 A worker that misses a deadline (a hang holding the GIL) is killed at once and replaced; the

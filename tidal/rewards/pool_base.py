@@ -25,10 +25,13 @@ log = logging.getLogger("tidal.rewards")
 GRACE_S = 0.5  # the driver's deadline past reward.timeout_s: the worker's own answer normally comes first
 START_TIMEOUT_S = 120.0  # a worker imports the rewards (torch, math-verify, a model) before it is ready
 SYNC_DEPTH = 32  # synchronous calls queued on one process worker: amortizes IPC, keeps load balanced
-# Synchronous calls held by one sync lane of a worker: the one running and one more, so that the
-# next starts without waiting for the driver, and a hang strands at most one call behind it
-# (sent elsewhere when the hang is seen: a deeper lane would chain hangs one after another).
-LANE_DEPTH = 2
+# Synchronous calls held by one sync lane of a worker: the one running and those queued behind
+# it, so that the next starts without waiting for the driver (a lane of 2 took twice the time
+# of the single lane of 32 before it on 256 trivial calls, in round trips; 4 took half:
+# BENCHMARKS.md, "Rewards"). A hang strands the calls behind it until it is seen at
+# reward.timeout_s; they are sent elsewhere then, so one of them that hangs too ends by
+# 2 x reward.timeout_s.
+LANE_DEPTH = 4
 RAY_ACTOR_CONCURRENCY = 64  # placement's max_concurrency of a reward actor
 MAX_ZOMBIES = 64  # exited orphans a worker may hold before it is recycled (tidal/rewards/limits.py, zombies)
 MAX_UNEXPLAINED = 3  # crashes a call may wait through with no call charged, before it ends reward_error

@@ -88,7 +88,7 @@ class RunParts:
 def make_rollout(cfg: TidalConfig, tokenizer, params: SamplingParams, scorer, gateway=None, vision=None,
                  training: bool = False) -> Rollout:
     """`training`: a step stops waiting for its rewards past reward.failure_budget
-    (tidal/runtime/step_budget.py); evaluation and replay wait for every one."""
+    (tidal/rewards/step_budget.py); evaluation and replay wait for every one."""
     r = cfg.rollout
     return Rollout(tokenizer, params, max_turns=r.max_turns, timeout_s=r.episode_timeout_s,
                    max_total_tokens=r.max_total_tokens, prefix_policy=r.prefix_policy, scorer=scorer,

@@ -43,9 +43,10 @@ from tidal.models import load_tokenizer, resolve_model_dir
 from tidal.runtime import topology
 from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError, gather
 from tidal.runtime.ranks import LaunchEnv
-from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker, on_own_thread
+from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
 from tidal.trainer.distributed import destroy
 from tidal.trainer.parallel.mesh import ParallelDims
+from tidal.trainer.threads import on_own_thread
 from tidal.weightsync import InProcessSync
 
 log = logging.getLogger("tidal")
@@ -92,7 +93,7 @@ def meet(env: LaunchEnv, timeout_s: float):
 class LocalRank(Handle):
     """Rank 0's own TrainerWorker: each call on a thread that ends with it, so that it runs while
     the other ranks are sent theirs (the call is a collective) and keeps no OpenMP team alive
-    on a long-lived thread (trainer_group.on_own_thread says why)."""
+    on a long-lived thread (tidal/trainer/threads.py says why)."""
 
     def __init__(self, worker):
         super().__init__("trainer rank 0", worker, remote=True)
@@ -324,7 +325,8 @@ def push_in_process(trainer, engine, timeout_s: float):
 
     def push(step: int | None) -> dict[str, float]:
         named = gather([h.submit("full_weights") for h in trainer.ranks], step=step, timeout_s=timeout_s)[0]
-        # copied into the engines on a thread that ends with it (trainer_group.on_own_thread)
-        return on_own_thread(lambda: {"time/weight_sync_s": sync.push(trainer.version, named)["seconds"]})
+        # copied into the engines on a thread that ends with it (tidal/trainer/threads.py)
+        out = on_own_thread(lambda: sync.push(trainer.version, named))
+        return {"time/weight_sync_s": out["seconds"], "weight_sync/bytes": out["bytes"]}
 
     return push

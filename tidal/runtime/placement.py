@@ -297,7 +297,8 @@ def _ray_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
     rewards = RewardActors(pl.reward_workers, start_reward_actor) if pl.reward_workers else None
     envs, remote_envs = _env_workers(cfg, lambda i: actor(EnvWorker, offset + first_env + i, pl.env))
 
-    transport = choose_transport(pl.weight_sync, colocated, cfg.engine.tensor_parallel)
+    transport = choose_transport(pl.weight_sync, colocated, cfg.engine.tensor_parallel, cfg.engine.kind,
+                                 lora=cfg.train.lora.rank > 0)
     sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
     pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir,
                                  respawn=None if colocated or not pl.restart_engines else spawn_engine)

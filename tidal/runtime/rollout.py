@@ -45,8 +45,8 @@ from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride,
 from tidal.images import ImageError, message_images, normalize_messages
 from tidal.monitor import trace
 from tidal.monitor.episodes import reference_of
+from tidal.rewards import step_budget
 from tidal.rewards.contract import RewardInput, RewardOutcome
-from tidal.runtime import step_budget
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
 
 log = logging.getLogger("tidal")

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from tidal.runtime.handles import Handle, RoleError, gather
-from tidal.runtime.trainer_group import on_own_thread
 from tidal.runtime.workers import RemoteEngine
+from tidal.trainer.threads import on_own_thread
 from tidal.weightsync import InProcessSync
 
 log = logging.getLogger("tidal")
@@ -48,7 +48,7 @@ class WeightPusher:
         sync = InProcessSync([engine], verify=True)  # the engine (or router) must then report the version
 
         def push(step: int | None) -> dict[str, float]:
-            # On a thread that ends with it, as the trainer's calls (trainer_group.on_own_thread): copying the
+            # On a thread that ends with it, as the trainer's calls (tidal/trainer/threads.py): copying the
             # weights into the engine is a parallel op whose OpenMP team must not stay on the loop's thread.
             out = on_own_thread(lambda: sync.push(trainer.version, trainer.named_weights()))
             return {"time/weight_sync_s": out["seconds"], "weight_sync/bytes": out["bytes"]}
@@ -75,13 +75,21 @@ class WeightPusher:
             self._state.prepare()
 
 
-def choose_transport(weight_sync: str, colocated: bool, engine_tp: int = 1) -> str:
+def choose_transport(weight_sync: str, colocated: bool, engine_tp: int = 1, engine_kind: str = "torch",
+                     lora: bool = False) -> str:
     """The one place a transport is chosen (placement.weight_sync): `auto` moves weights in
     process where each trainer rank hosts its engine; otherwise it sends each rank of a
-    tensor-parallel engine only its slices, and broadcasts to one-rank engines (each of
-    which holds the whole model anyway)."""
+    tensor-parallel engine only its slices: by the shard transport, straight from the trainer
+    ranks that own them, into vLLM's workers (no gather; measured 0.4x the time of `slices` in
+    BENCHMARKS.md, Weight sync into a tensor-parallel engine), else (SGLang, or LoRA, whose merged
+    weights exist only gathered) from trainer rank 0 by `slices`; and broadcasts to one-rank
+    engines (each of which holds the whole model anyway)."""
     if weight_sync == "auto":
-        return "inprocess" if colocated else "slices" if engine_tp > 1 else "broadcast"
+        if colocated:
+            return "inprocess"
+        if engine_tp > 1:
+            return "shard" if engine_kind == "vllm" and not lora else "slices"
+        return "broadcast"
     return weight_sync
 
 
@@ -195,14 +203,24 @@ class _Shard:
         self.epoch += 1
         ranks = sync.trainer.ranks
         addr, port = ranks[0].call("where", timeout_s=sync.timeout_s)
-        world, name, n = len(ranks) + len(live), f"tidal-shard-{self.epoch}", len(ranks)
+        tp = per_rank_tp(sync.cfg)  # engine ranks per replica in the plan: each vLLM TP worker is one
+        world, name, n = len(ranks) + tp * len(live), f"tidal-shard-{self.epoch}", len(ranks)
         args = {"backend": sync.backend(), "timeout_s": sync.cfg.placement.collective_timeout_s,
-                "engine_ranks": len(live), "bucket_mb": sync.cfg.placement.weight_sync_bucket_mb}
+                "engine_ranks": tp * len(live), "bucket_mb": sync.cfg.placement.weight_sync_bucket_mb, "engine_tp": tp}
+        index = {id(h): i for i, h in enumerate(sync.handles)}
+        names = [sync.router.names[index[id(h)]] for h in live]
         out = gather([h.submit("shard_join", addr, port, r, world, name, **args) for r, h in enumerate(ranks)]
-                     + [h.submit("shard_join", addr, port, n + r, world, name, **args) for r, h in enumerate(live)],
-                     timeout_s=sync.timeout_s)
+                     + [h.submit("shard_join", addr, port, n + tp * k, world, name, **args, role=names[k])
+                        for k, h in enumerate(live)], timeout_s=sync.timeout_s)
         log.info("%s", out[0])  # the transfer plan: bytes per engine rank, buckets, senders
         self.members = live
+
+
+def per_rank_tp(cfg) -> int:
+    """The shard transport's engine ranks per replica: a tensor-parallel vLLM engine's workers
+    each join the group and receive only their slices (tidal/engines/vllm_transfer.py); other
+    engines join as one rank holding whole tensors (SGLang at TP > 1 then loads them its own way)."""
+    return cfg.engine.tensor_parallel if cfg.engine.kind == "vllm" and cfg.engine.tensor_parallel > 1 else 1
 
 
 class _Disk:

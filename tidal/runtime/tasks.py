@@ -1,9 +1,15 @@
 """A task: train rows, held-out rows, how to make an environment for a row and its rewards.
 
 `task.env` names the environment class (a built-in name, a dotted path or a file path); it is
-built per episode as `Env(row, seed=..., **task.env_args)`. Rows come from `task.dataset`, or,
-without one, from the environment's own generator (`Env.rows(split, n, seed)`); the default
+built per episode as `Env(row, seed=..., **args)`. Rows come from `task.dataset`, or, without
+one, from the environment's own generator (`Env.rows(split, n, seed, **args)`); the default
 `single_turn` environment without a dataset is the generated arithmetic task.
+
+`task.env_args` are split between the two by their signatures (`split_env_args`): `rows()` gets
+the keys it names, and the constructor gets the keys it names plus, when it takes `**kwargs`,
+every key `rows()` does not name. A key both name goes to both; a key neither takes is an error
+naming it. So an environment declares each setting where it is used, and neither sees the
+other's.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ def load_env_class(cfg: TaskConfig):
         from tidal.envs.adapters.textarena import env_class as game_class  # the extra: imported only when named
 
         return game_class(cfg.env.removeprefix("textarena:"))
+    if adapter_of(cfg.env) == "openenv:":
+        from tidal.envs.adapters.openenv import env_class as server_class  # the extra: imported only when named
+
+        return server_class(cfg.env.removeprefix("openenv:"))
     if cfg.env == "single_turn" and cfg.dataset is None:
         path = GENERATED_TASK  # the generated default task
     else:
@@ -47,11 +57,12 @@ def build_task(cfg: TaskConfig) -> Task:
     """Everything is loaded and checked here, before any model or worker starts: the env class
     (built once on the first row, so a bad `task.env_args` is named now), the rows, the rewards."""
     env_cls = load_env_class(cfg)
+    env_args = dict(cfg.env_args)  # with a dataset, all of them are the constructor's
     if cfg.dataset is None:
         rows_of = optional(env_cls, "rows")
         if rows_of is None:
             raise ConfigError(f"invalid config: `task.dataset`: env `{cfg.env}` generates no rows of its own; name a dataset")
-        gen_args = _accepted(rows_of, dict(cfg.env_args))
+        gen_args, env_args = split_env_args(env_cls, rows_of, env_args, cfg.env)
         try:
             train = rows_of("train", cfg.train_size, cfg.seed, **gen_args)
             held_out = rows_of("test", cfg.eval_size, cfg.seed, **gen_args)
@@ -63,7 +74,6 @@ def build_task(cfg: TaskConfig) -> Task:
     else:
         train = load_prompts(cfg.dataset)
         held_out = load_prompts(cfg.eval_dataset) if cfg.eval_dataset else []
-    env_args = dict(cfg.env_args)
     if cfg.agent:  # an agent environment (task.env=openai_agent) runs task.agent
         env_args = {**env_args, "agent": cfg.agent, "agent_args": dict(cfg.agent_args)}
     name = cfg.name or (cfg.dataset if adapter_of(cfg.dataset) else None) or getattr(env_cls, "name", None) or cfg.env
@@ -97,9 +107,28 @@ def _reasoning_gym_rows(cfg: TaskConfig) -> tuple[list[dict[str, Any]], list[dic
         raise ConfigError(f"invalid config: {e}") from None
 
 
-def _accepted(fn, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The generator's own keyword arguments among env_args (the rest are the env's)."""
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
+def _keywords(fn) -> tuple[set[str], bool]:
+    """The keyword parameters `fn` names, and whether it takes **kwargs (unknown: all)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): it takes what it is given
+        return set(), True
+    named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def split_env_args(env_cls, rows_of, env_args: dict[str, Any], env: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """`task.env_args` split into the row generator's and the constructor's (module docstring);
+    ConfigError for a key neither takes."""
+    rows_named, rows_any = _keywords(rows_of)
+    init_named, init_any = _keywords(env_cls)
+    rows_named -= {"split", "n", "seed"}
+    init_named -= {"row", "seed"}
+    gen = {k: v for k, v in env_args.items() if rows_any or k in rows_named}
+    init = {k: v for k, v in env_args.items() if k in init_named or (init_any and k not in rows_named)}
+    lost = [k for k in env_args if k not in gen and k not in init]
+    if lost:
+        raise ConfigError(f"invalid config: `task.env_args.{lost[0]}`: env `{env}` takes it neither in its constructor "
+                          f"({', '.join(sorted(init_named)) or 'no keyword arguments'}) nor in rows() "
+                          f"({', '.join(sorted(rows_named)) or 'no keyword arguments'})")
+    return gen, init

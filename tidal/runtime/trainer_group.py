@@ -3,8 +3,8 @@
 Both, like the `Trainer` itself, answer the calls of tidal/trainer/protocol.py. The group
 adds `update`, the policy update of a step: epochs × mini-batches of forward_backward and
 optim_step. A trainer in this process (placement.mode=local) computes on a thread that ends
-with each call (`on_own_thread`: its OpenMP team must not outlive the call and throttle the
-engine's decode), so the loop that calls it can run on the main thread.
+with each call (tidal/trainer/threads.py: its OpenMP team must not outlive the call and
+throttle the engine's decode), so the loop that calls it can run on the main thread.
 
 A batch is split by tokens (balanced) across the data-parallel positions of the trainer's
 mesh (train.parallel: the ranks of one tensor-parallel group get the same shard), each rank
@@ -16,10 +16,8 @@ order. Every call is bounded by `timeout_s` and fails with the role, call and st
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -32,6 +30,7 @@ from tidal.runtime.handles import Handle, gather
 from tidal.runtime.workers import SyncReceiver, free_port, make_engine, node_ip, set_threads
 from tidal.trainer.distributed import balanced_shards as split
 from tidal.trainer.distributed import init_distributed
+from tidal.trainer.threads import on_own_thread
 from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.weightsync import DiskSync, send_weights
 from tidal.weightsync.sliced import replica_targets, send_slices
@@ -42,62 +41,6 @@ def balanced_shards(lengths: list[int], n: int) -> list[list[int]]:
     lightest shard); indices sorted inside a shard."""
 
     return split(lengths, n)
-
-
-_here = threading.local()  # `inside` on a thread that on_own_thread started
-
-
-def on_own_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a thread that ends with it; its result, or its exception raised here.
-    Called on such a thread already, fn runs right there.
-
-    Why: with libgomp, every thread that runs a parallel torch op keeps an OpenMP team for as long
-    as it lives, and once the teams hold more threads than the machine has cores, libgomp stops
-    letting idle workers spin, so every small op waits for a wake-up. A team on the run's main
-    thread would outlive the update and throttle the engine's decode steps on the scheduler
-    thread, which likewise ends when idle (docs/engines.md, "Shared prompts, the heap and
-    OpenMP"). Measured on the default job, best settings: the engine's decode time per step
-    15-20% lower.
-
-    Ctrl-C and SIGTERM raise on the calling (main) thread while it waits: the same exception is
-    then raised inside fn's thread (CPython's PyThreadState_SetAsyncExc, at its next bytecode, as a
-    signal handler would on the main thread), that thread is waited for, and the exception goes
-    on. So an update is stopped where it is, as when it ran on the main thread, and nothing of it
-    runs on after the run has reported its last complete checkpoint."""
-    if getattr(_here, "inside", False):
-        return fn(*args, **kwargs)
-    box: dict = {}
-
-    began, ended = threading.Event(), threading.Event()
-
-    def run() -> None:
-        _here.inside = True
-        began.set()
-        try:
-            if not box.get("stop"):  # a signal on the caller while this thread started: fn never runs
-                box["out"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-            box["err"] = e
-        finally:
-            ended.set()
-
-    # Waited for through events of its own, not Thread.join: a KeyboardInterrupt inside join()
-    # makes Python 3.11 mark the thread stopped while it still runs (bpo-45274's cleanup).
-    thread = threading.Thread(target=run, name="tidal-trainer", daemon=True)
-    try:
-        thread.start()  # a signal may land while it waits for the thread to start, too
-        while not ended.wait(0.1):  # wakes to run signal handlers: a signal may land on another thread
-            pass
-    except BaseException as e:
-        box["stop"] = True
-        if began.wait(5.0) and not ended.is_set():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(type(e)))
-            ended.wait()
-        raise
-    thread.join()  # it has ended: only its last bytecodes are left
-    if "err" in box:
-        raise box["err"]
-    return box["out"]
 
 
 def make_trainer(cfg: TidalConfig, model_dir: str | Path, pad_token_id: int):
@@ -216,21 +159,30 @@ class TrainerWorker(SyncReceiver):
         return {n: p.detach() for n, p in self.trainer.model.named_parameters()}
 
     def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
-                   engine_ranks: int = 1, bucket_mb: float = 256.0) -> str:
+                   engine_ranks: int = 1, bucket_mb: float = 256.0, engine_tp: int = 1) -> str:
         """Collective over the trainer ranks (weight_sync=shard): join the group of every trainer
         rank and `engine_ranks` engine ranks, and agree the transfer plan: every rank's shard
-        boxes are exchanged, rank 0 builds the plan and sends it to the engine ranks. Returns the
-        plan's summary (tidal/weightsync/plan.py)."""
+        boxes are exchanged, rank 0 builds the plan and sends it to the engine ranks. `engine_tp`
+        > 1: the engine ranks are the TP ranks of engine_ranks / engine_tp replicas, each holding
+        its slices (plan.tp_engine_boxes); else each holds whole tensors. Returns the plan's
+        summary (tidal/weightsync/plan.py)."""
         from tidal.weightsync import BroadcastGroup
-        from tidal.weightsync.plan import build_plan, full_slices, gather_layout
+        from tidal.weightsync.plan import build_plan, full_slices, gather_layout, tp_engine_boxes
         from tidal.weightsync.shard import ShardSender, share_plan
 
         if self._group is not None:
             self._group.close()
         self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
         layout = gather_layout(self.shards())
-        plan = build_plan(layout, full_slices(layout, engine_ranks), int(bucket_mb * 2**20), self.world_size) \
-            if self.rank == 0 else None
+        plan = None
+        if self.rank == 0:
+            if engine_tp > 1:
+                hf_config = json.loads((resolve_model_dir(self.model_dir) / "config.json").read_text())
+                boxes = tp_engine_boxes(hf_config, {n: p.shape for n, p in layout.items()}, engine_tp,
+                                        engine_ranks // engine_tp)
+            else:
+                boxes = full_slices(layout, engine_ranks)
+            plan = build_plan(layout, boxes, int(bucket_mb * 2**20), self.world_size)
         plan = share_plan(self._group, plan)
         pl = self.cfg.placement
         self._shard = ShardSender(self._group, plan, delta=pl.weight_sync_delta, verify=pl.weight_sync_checksum)

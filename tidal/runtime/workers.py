@@ -103,19 +103,31 @@ class SyncReceiver:
         return {k: out[k] for k in ("version", "bytes", "checksum_ok")}
 
     def shard_join(self, host: str, port: int, rank: int, world_size: int, name: str, backend: str, timeout_s: float,
-                   **_) -> None:
+                   engine_tp: int = 1, role: str = "", **_) -> None:
         """weight_sync=shard: join the group of the trainer ranks and the engine ranks; the transfer
-        plan arrives from trainer rank 0."""
+        plan arrives from trainer rank 0. `engine_tp` > 1 (vLLM): the engine's workers join
+        themselves, as ranks `rank`.. (tidal/engines/vllm_transfer.py), each receiving its slices."""
         from tidal.weightsync import BroadcastGroup
         from tidal.weightsync.shard import ShardReceiver, share_plan
 
         if self._group is not None:
             self._group.close()
+            self._group = None
+        if engine_tp > 1:
+            self._shard = None
+            self.engine.join_weight_group(host, port, world_size, rank, name, timeout_s, role, backend, shard=True)
+            return
         self._group = BroadcastGroup.join(host, port, rank, world_size, backend=backend, timeout_s=timeout_s, name=name)
         self._shard = ShardReceiver(self._group, share_plan(self._group, None))
 
     def shard_recv(self) -> dict:
-        return self._shard.recv(self.engine)
+        if self._shard is not None:
+            return self._shard.recv(self.engine)
+        out = self.engine.receive_slices()  # each TP rank received its own pieces: the busiest rank's bytes
+        reports = out["reports"]
+        return {"version": out["version"], "bytes": max(r["bytes"] for r in reports),
+                "raw_bytes": max(r["raw_bytes"] for r in reports),
+                "mismatched": sorted({n for r in reports for n in r["mismatched"]}), "bytes_total": out["bytes"]}
 
     def load_weights_file(self, path: str) -> int:
         return DiskSync(Path(path).parent).load_into(self.engine, path)["version"]

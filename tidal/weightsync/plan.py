@@ -186,6 +186,31 @@ def boxes_from_slices(slices: Sequence[Mapping[str, object]], shapes: Mapping[st
     return out
 
 
+def tp_engine_boxes(hf_config: Mapping, shapes: Mapping[str, Sequence[int]], tp_size: int, replicas: int = 1
+                    ) -> list[dict[str, Box]]:
+    """The engine boxes of `replicas` tensor-parallel replicas of `tp_size` ranks (group order:
+    replica by replica, TP rank by TP rank) over the trainer's parameters `shapes`: each rank's
+    `engine_slices` as boxes. A tied `lm_head.weight` is not among them (the trainer has none):
+    a vLLM rank loads it from its slice of the embedding (the same vocabulary rows)."""
+    from tidal.weightsync.slices import engine_slices
+
+    per_rank = boxes_from_slices(engine_slices(hf_config, shapes, tp_size), shapes)
+    return [dict(b) for _ in range(replicas) for b in per_rank]
+
+
+def box_slice(box: Box, shape: Sequence[int]):
+    """The `Slice` (tidal/weightsync/slices.py) a box is, or None for the whole tensor; a box cut
+    on more than one dimension is not a tensor-parallel slice (ValueError)."""
+    from tidal.weightsync.slices import Slice
+
+    cut = [d for d, ((s, e), n) in enumerate(zip(box, shape)) if (s, e) != (0, int(n))]
+    if not cut:
+        return None
+    if len(cut) > 1:
+        raise ValueError(f"box {box} of a tensor {list(shape)} is cut on dimensions {cut}: not one slice")
+    return Slice(cut[0], *box[cut[0]])
+
+
 def _split_rows(box: Box, itemsize: int, limit: int) -> list[Box]:
     """`box` cut along its first dimension into boxes of at most `limit` bytes (a single row
     larger than `limit` stays whole)."""

@@ -245,11 +245,11 @@ class ShardReceiver:
         """One sync (while every trainer rank calls `ShardSender.send`); installs into `engine` when
         given (`update_weights(version, slices)` for whole tensors). Returns `version`, `seconds`,
         `bytes` (received), `raw_bytes`, `mode` (of the first round), `mismatched` (names whose
-        checksum failed, repaired by a full round)."""
+        checksum failed, repaired by a full round), `checked` (whether the pieces carried checksums)."""
         t0 = time.perf_counter()
         E = self.plan.engine_ranks
         got = raw = rounds = 0
-        mode0, mismatched, installed = SKIP, [], False
+        mode0, mismatched, installed, check = SKIP, [], False, False
         while True:
             head = _header(self.group, None, E, f"the header of round {rounds} of the next version "
                                                 f"(last received: v{self.version})")
@@ -276,7 +276,7 @@ class ShardReceiver:
             if engine is not None:
                 self._install(engine, version)
         return {"version": self.version, "seconds": time.perf_counter() - t0, "bytes": float(got),
-                "raw_bytes": float(raw), "mode": mode0, "mismatched": sorted(set(mismatched))}
+                "raw_bytes": float(raw), "mode": mode0, "mismatched": sorted(set(mismatched)), "checked": check}
 
     def _recv_message(self, m: Message, mode: int, version: int, check: bool, codec: str) -> tuple[int, list[str]]:
         where = _bucket_name(self.plan, m, version)

@@ -109,37 +109,32 @@ def _float(request: Request, name: str) -> float | None:
     return _number(request, name, float)
 
 
-def build_app(runs: list[RunView], token: str | None = None, check_host: bool = True) -> Starlette:
-    if not runs:
-        raise DashboardError("the dashboard needs at least one run directory")
-    con = connect()
-    js = plotly_js()
-    expected = token.encode() if token else None
-    files = {"app.js": STATIC / "app.js", "style.css": STATIC / "style.css", "plotly.min.js": js}
+class _Gate:
+    """Who may use the dashboard: without a token, requests whose Host is a loopback name (a
+    DNS-rebinding page cannot pass); with one, a bearer header or the cookie that /?token= sets.
+    `api` wraps a route: refused requests never reach it, and its errors become JSON."""
 
-    def refused(request: Request) -> Response | None:
-        if check_host and expected is None:
+    def __init__(self, token: str | None, check_host: bool):
+        self.expected = token.encode() if token else None
+        self.check_host = check_host
+
+    def refused(self, request: Request) -> Response | None:
+        if self.check_host and self.expected is None:
             host = _host_name(request.headers.get("host", ""))
             if host not in LOOPBACK_NAMES:
                 return JSONResponse({"error": f"host `{host}` is not a loopback name"}, 403, headers=SECURITY_HEADERS)
-        if expected is None:
+        if self.expected is None:
             return None
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth.lower().startswith("bearer ") else request.cookies.get(COOKIE, "")
-        if hmac.compare_digest(given.encode(), expected):
+        if hmac.compare_digest(given.encode(), self.expected):
             return None
         return JSONResponse({"error": "a token is required: open /?token=<dashboard token> once, or send "
                                       "Authorization: Bearer <token>"}, 401, headers=SECURITY_HEADERS)
 
-    def run_of(request: Request) -> RunView:
-        i = _int(request, "run", 0)
-        if not 0 <= i < len(runs):
-            raise DashboardError(f"no run {i} (runs 0..{len(runs) - 1})")
-        return runs[i]
-
-    def api(fn):
+    def api(self, fn):
         def endpoint(request: Request) -> Response:
-            bad = refused(request)
+            bad = self.refused(request)
             if bad is not None:
                 return bad
             try:
@@ -155,27 +150,40 @@ def build_app(runs: list[RunView], token: str | None = None, check_host: bool = 
                                     headers=SECURITY_HEADERS)
         return endpoint
 
-    def index(request: Request) -> Response:
+    def index(self, request: Request) -> Response:
         given = request.query_params.get("token")
-        if expected is not None and given is not None:
-            if not hmac.compare_digest(given.encode(), expected):
+        if self.expected is not None and given is not None:
+            if not hmac.compare_digest(given.encode(), self.expected):
                 return JSONResponse({"error": "wrong token"}, 401, headers=SECURITY_HEADERS)
             response = RedirectResponse("/", 303, headers=SECURITY_HEADERS)  # the token leaves the address bar
             response.set_cookie(COOKIE, given, httponly=True, samesite="strict")
             return response
-        bad = refused(request)
+        bad = self.refused(request)
         if bad is not None:
             return bad
         return FileResponse(STATIC / "index.html", headers=SECURITY_HEADERS)
 
-    def static(request: Request) -> Response:
-        bad = refused(request)
-        if bad is not None:
-            return bad
-        path = files.get(request.path_params["name"])
-        if path is None:
-            return JSONResponse({"error": "not found"}, 404, headers=SECURITY_HEADERS)
-        return FileResponse(path, headers={**SECURITY_HEADERS, "Cache-Control": "max-age=3600"})
+    def static(self, files: dict[str, Path]):
+        def serve(request: Request) -> Response:
+            bad = self.refused(request)
+            if bad is not None:
+                return bad
+            path = files.get(request.path_params["name"])
+            if path is None:
+                return JSONResponse({"error": "not found"}, 404, headers=SECURITY_HEADERS)
+            return FileResponse(path, headers={**SECURITY_HEADERS, "Cache-Control": "max-age=3600"})
+
+        return serve
+
+
+def _api_routes(runs: list[RunView], con) -> list[tuple[str, Any]]:
+    """The data routes over `runs` (query `run=<index>`), each a function of the request."""
+
+    def run_of(request: Request) -> RunView:
+        i = _int(request, "run", 0)
+        if not 0 <= i < len(runs):
+            raise DashboardError(f"no run {i} (runs 0..{len(runs) - 1})")
+        return runs[i]
 
     def runs_route(request: Request) -> Any:
         return {"runs": [{"index": i, "name": r.name, "path": str(r.root), "episodes": r.facets(con.cursor()),
@@ -210,13 +218,18 @@ def build_app(runs: list[RunView], token: str | None = None, check_host: bool = 
         path = run_of(request).image_path(request.query_params.get("id"))
         return FileResponse(path, media_type="image/png", headers={**SECURITY_HEADERS, "Cache-Control": IMAGE_CACHE})
 
-    return Starlette(routes=[
-        Route("/", index), Route("/static/{name}", static),
-        Route("/api/runs", api(runs_route)), Route("/api/metrics", api(metrics_route)),
-        Route("/api/events", api(events_route)), Route("/api/config", api(config_route)),
-        Route("/api/episodes", api(episodes_route)), Route("/api/episode", api(episode_route)),
-        Route("/api/image", api(image_route)),
-    ])
+    return [("/api/runs", runs_route), ("/api/metrics", metrics_route), ("/api/events", events_route),
+            ("/api/config", config_route), ("/api/episodes", episodes_route), ("/api/episode", episode_route),
+            ("/api/image", image_route)]
+
+
+def build_app(runs: list[RunView], token: str | None = None, check_host: bool = True) -> Starlette:
+    if not runs:
+        raise DashboardError("the dashboard needs at least one run directory")
+    gate = _Gate(token, check_host)
+    files = {"app.js": STATIC / "app.js", "style.css": STATIC / "style.css", "plotly.min.js": plotly_js()}
+    return Starlette(routes=[Route("/", gate.index), Route("/static/{name}", gate.static(files)),
+                             *[Route(path, gate.api(fn)) for path, fn in _api_routes(runs, connect())]])
 
 
 class DashboardServer:

@@ -21,6 +21,38 @@ from tidal.monitor.episodes import EpisodeWriter
 from tidal.types import Episode, Status, ToolCallRecord, Turn
 
 
+def _episode(rng: random.Random, step: int, i: int, group_size: int, skill: float, prompt, reply) -> Episode:
+    """Episode `i` of `step`: a subtraction answered right with probability 0.3 + 0.65 * skill,
+    one in ten through the `sub` tool, about one in a hundred failed and two truncated."""
+    g, e = divmod(i, group_size)
+    a, b = rng.randrange(100), rng.randrange(100)
+    correct = rng.random() < 0.3 + 0.65 * skill
+    answer = a - b if correct else a - b + rng.choice([-10, -1, 1, 2, 10])
+    tool = rng.random() < 0.1
+    p = prompt(a, b)
+    r = reply(f"<tool_call>sub({a}, {b})</tool_call>" if tool else f"<answer>{answer}</answer>")
+    status, error = Status.OK, ""
+    if rng.random() < 0.01:
+        status = Status.REWARD_ERROR
+        error = "reward function `tidal.rewards.arithmetic:score` raised ValueError('unparsable answer')"
+    elif rng.random() < 0.02:
+        status = Status.TRUNCATED
+    reward = (1.0 if correct else 0.0) + 0.1 if status is Status.OK else 0.0
+    lp = [-abs(rng.gauss(0, 0.3 if correct else 1.0)) for _ in r]
+    calls = [ToolCallRecord("sub", json.dumps({"a": a, "b": b}), f"call-{i}", "ok", "", 3, 1e-4)] \
+        if tool else []
+    n = len(p) + len(r)
+    return Episode(
+        episode_id=f"s{step}-p{g}-e{e}", group_id=f"s{step}-p{g}", task_id=f"arith-{a}-{b}",
+        env="tool_arith" if tool else "arithmetic", tokens=p + r,
+        loss_mask=[False] * len(p) + [True] * len(r), logprobs=[0.0] * len(p) + lp,
+        versions=[-1] * len(p) + [step - 1] * len(r), reward=reward,
+        reward_parts={"correct": float(correct), "format": 0.1} if status is Status.OK else {},
+        status=status, error=error, metrics={"response_tokens": float(len(r))}, prompt_len=len(p),
+        step=step, seed=rng.getrandbits(63), outcome_reward=reward,
+        turns=[Turn(0, len(p), n, n, "", "stop", 0.0, calls, step - 1)])
+
+
 def make_run(root: str | Path, *, episodes: int, steps: int, group_size: int = 8, seed: int = 0,
              progress: bool = False) -> Path:
     if episodes < steps or steps < 1:
@@ -59,35 +91,11 @@ def make_run(root: str | Path, *, episodes: int, steps: int, group_size: int = 8
             skill = 1 - math.exp(-step / max(1.0, steps / 5))  # accuracy rises over the run
             rewards, lengths, failed = [], [], 0
             for i in range(per_step[step - 1]):
-                g, e = divmod(i, group_size)
-                a, b = rng.randrange(100), rng.randrange(100)
-                correct = rng.random() < 0.3 + 0.65 * skill
-                answer = a - b if correct else a - b + rng.choice([-10, -1, 1, 2, 10])
-                tool = rng.random() < 0.1
-                p = prompt(a, b)
-                r = reply(f"<tool_call>sub({a}, {b})</tool_call>" if tool else f"<answer>{answer}</answer>")
-                status, error = Status.OK, ""
-                if rng.random() < 0.01:
-                    status = Status.REWARD_ERROR
-                    error = "reward function `tidal.rewards.arithmetic:score` raised ValueError('unparsable answer')"
-                elif rng.random() < 0.02:
-                    status = Status.TRUNCATED
-                reward = (1.0 if correct else 0.0) + 0.1 if status is Status.OK else 0.0
-                lp = [-abs(rng.gauss(0, 0.3 if correct else 1.0)) for _ in r]
-                calls = [ToolCallRecord("sub", json.dumps({"a": a, "b": b}), f"call-{i}", "ok", "", 3, 1e-4)] \
-                    if tool else []
-                n = len(p) + len(r)
-                writer.add(Episode(
-                    episode_id=f"s{step}-p{g}-e{e}", group_id=f"s{step}-p{g}", task_id=f"arith-{a}-{b}",
-                    env="tool_arith" if tool else "arithmetic", tokens=p + r,
-                    loss_mask=[False] * len(p) + [True] * len(r), logprobs=[0.0] * len(p) + lp,
-                    versions=[-1] * len(p) + [step - 1] * len(r), reward=reward,
-                    reward_parts={"correct": float(correct), "format": 0.1} if status is Status.OK else {},
-                    status=status, error=error, metrics={"response_tokens": float(len(r))}, prompt_len=len(p),
-                    step=step, seed=rng.getrandbits(63), outcome_reward=reward,
-                    turns=[Turn(0, len(p), n, n, "", "stop", 0.0, calls, step - 1)]))
+                episode = _episode(rng, step, i, group_size, skill, prompt, reply)
+                writer.add(episode)
+                reward, status = episode.reward, episode.status
                 rewards.append(reward)
-                lengths.append(len(r))
+                lengths.append(len(episode.tokens) - episode.prompt_len)
                 failed += status is Status.REWARD_ERROR
                 if bar is not None:
                     bar.update(1)

@@ -1,7 +1,7 @@
 """A step's failure budget, kept while the step runs, so that a step whose rewards fail past
 `reward.failure_budget` stops waiting for the rest of them.
 
-The run-level budget (tidal/runtime/health.py) decides after the step whether the run stops;
+The run-level budget (tidal/runtime/health.py, the run) decides after the step whether the run stops;
 this one stops the step itself early. `Rollout.run` opens a `StepBudget` for its episodes
 (a context variable: every episode task of the step sees it, and nothing else does); each
 episode that ends failed is counted, and once more than `failure_budget` of the step's

@@ -1,0 +1,105 @@
+"""The generated tool worlds (tidal/recipes/tool_worlds.py) and the general tool model's recipe
+(tidal/recipes/general_tool_model.py): its compact tool template and its deterministic build."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from tidal.envs.base import Action
+from tidal.recipes.general_tool_model import (
+    COMPACT_TEMPLATE,
+    build_general_tool_model,
+    render_only_tokenizer,
+    scripted_segments,
+    world_turns,
+)
+from tidal.recipes.tool_worlds import RESERVED_NAMES, WorldEnv, make_worlds, score
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_worlds_are_deterministic_and_held_out_tools_are_never_trained_on():
+    train, test = make_worlds("train", 400, 0), make_worlds("test", 100, 0)
+    assert train == make_worlds("train", 400, 0) and train != make_worlds("train", 400, 1)
+    trained = {t.name for w in train for t in w.tools}
+    assert not {w.tools[w.target].name for w in test} & {w.tools[w.target].name for w in train}
+    assert {t.result for w in train for t in w.tools} == {"number", "decimal", "word", "list", "error"}
+    assert {len(w.tools) for w in train} == {1, 2, 3}
+    kinds = {p.type for w in train for t in w.tools for p in t.params}
+    assert kinds == {"string", "integer", "number", "enum", "boolean"}
+    # the unseen-tool examples' names are never generated (tool, argument or topic)
+    names = trained | {p.name for w in train for t in w.tools for p in t.params}
+    assert not names & RESERVED_NAMES
+
+
+def test_the_examples_tools_are_reserved():
+    sys.path.insert(0, str(ROOT / "examples" / "envs"))
+    try:
+        import train_lookup
+        import unit_convert
+    finally:
+        sys.path.pop(0)
+    for env in (unit_convert.UnitConvertEnv({"prompt": "x"}), train_lookup.TrainLookupEnv({"prompt": "x"})):
+        for t in env.tools:
+            f = t["function"]
+            assert {f["name"], *f["parameters"]["properties"]} <= RESERVED_NAMES | {"value", "city"}
+
+
+def test_a_world_episode_answers_from_the_tool():
+    """The teacher's `tool` habit, run through the real ToolEnv, ends with the tool's answer;
+    the question names the values in argument order."""
+    rng = random.Random(0)
+    for w in make_worlds("train", 30, 3):
+        env = WorldEnv(w.row())
+        turns = world_turns(w, "tool", rng)
+        call = json.loads(turns[0].removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert call["name"] == w.tools[w.target].name and list(call["arguments"]) == list(w.args)
+        pos = [w.question.find(str(v)) for v in w.args.values()]
+        assert all(p >= 0 for p in pos)
+
+        async def run(env=env, turns=turns):
+            await env.reset()
+            first = await env.step(Action(turns[0], turn=0))
+            return first, await env.step(Action(turns[1], turn=1))
+
+        first, last = asyncio.run(run())
+        status = first.tool_calls[0].status
+        assert status == "ok" or (status == "raised" and w.answer == "none")
+        assert last.done and score(turns[1], w.answer) == {"correct": 1.0}
+
+
+def test_compact_template_renders_each_tool_on_a_line_and_is_prefix_preserving():
+    render = render_only_tokenizer()
+    assert render.chat_template == COMPACT_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "f", "description": "Do f.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": ["string", "null"]},
+                                         "c": {"type": "string", "enum": ["x", "y"]}}, "required": ["a"]}}}]
+    text = render.apply_chat_template([{"role": "user", "content": "q"}], tools=tools, add_generation_prompt=True,
+                                      tokenize=False)
+    assert '- f(a: integer, b?: string | null, c?: "x" | "y"): Do f.\n' in text
+    rng = random.Random(1)
+    items = [(WorldEnv(w.row()), world_turns(w, h, rng)) for w, h in
+             zip(make_worlds("train", 12, 5), ["tool", "malformed", "direct"] * 4)]
+    segments = scripted_segments(items)  # raises if a turn does not re-render as written
+    assert all(seg[0][1] is False and any(trained for _, trained in seg) for seg in segments)
+
+
+@pytest.mark.slow  # 2 minutes on the busy 2-core machine (tokenizer training and two tiny builds)
+def test_general_build_is_deterministic(tmp_path):
+    """A few steps of `tidal build-general-tool-model` twice: the same tokenizer and weights, a
+    summary that records what the build cost."""
+    from safetensors.torch import load_file
+
+    kw = {"steps": 2, "batch_size": 4, "train_size": 60, "eval_n": 4, "evaluate": lambda *a: {}}
+    a, b = build_general_tool_model(tmp_path / "a", **kw), build_general_tool_model(tmp_path / "b", **kw)
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert a["tokens_per_example"] == b["tokens_per_example"] and a["cpu_s"] > 0
+    assert "- {{ f['name'] }}(" in (tmp_path / "a" / "chat_template.jinja").read_text()  # the compact template

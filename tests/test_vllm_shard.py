@@ -1,0 +1,183 @@
+"""Shard-to-shard weight sync into a tensor-parallel vLLM engine: a dp_shard 2 trainer (two gloo
+processes) sends, by the transfer plan (tidal/weightsync/plan.py, shard.py), each vLLM-CPU TP 2
+worker only its slices, straight from the trainer rank that owns each piece; the workers join
+the shard group themselves (tidal/engines/vllm_transfer.py, `shard`). No process gathers the
+model for the sync. Step 1 goes full, step 2 by delta; after each, every rank's slices equal the
+trainer's bytes and vLLM's answers equal the torch engine's holding the same weights.
+
+Runs vLLM for real (make setup-vllm), two worker processes; slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from engine_checks import LOGPROB_TOL, held_out_prompt_ids, max_diff, requests, run
+
+from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
+from tidal.weightsync.delta import DELTA, FULL
+from tidal.weightsync.plan import TransferPlan, box_numel, intersect, relative
+from tidal.weightsync.sliced import replica_targets
+from tidal.weightsync.slices import slice_checksums
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIRE_VLLM"):
+    pytest.skip("vLLM is not installed (`make setup-vllm`); set TIDAL_REQUIRE_VLLM=1 to fail instead",
+                allow_module_level=True)
+
+CFG = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+BUCKET = 256 * 1024  # small against the 4.2 MB model: several buckets per engine rank, so the bound means something
+STEPS = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trainer_rank(rank, world, port, tmp, shard_port, name):
+    """A dp_shard 2 trainer rank: per step one GRPO step, then its own DTensor shards sent by the
+    plan (step 1 full, step 2 delta). The full weights are gathered afterwards only for the
+    test's comparison, never for the sync."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_parallel import _batch, _trainer
+
+    from tidal.trainer import distributed as dp
+    from tidal.trainer.distributed import destroy, init_distributed
+    from tidal.weightsync import BroadcastGroup
+    from tidal.weightsync.delta import DeltaConfig
+    from tidal.weightsync.plan import build_plan, gather_layout, tp_engine_boxes
+    from tidal.weightsync.shard import ShardSender, share_plan
+
+    torch.set_num_threads(1)
+    init_distributed(rank, world, "127.0.0.1", port, timeout_s=300)
+    try:
+        tr = _trainer("plain", {"dp_shard": 2})
+        g, sender = None, None
+        for step in range(1, STEPS + 1):
+            tr.forward_backward(_batch(step), totals=_batch(step).totals())
+            tr.optim_step()
+            dp.reshard(tr.model)
+            shards = {n: p.detach() for n, p in tr.model.named_parameters()}
+            if sender is None:
+                layout = gather_layout(shards)
+                g = BroadcastGroup.join("127.0.0.1", shard_port, rank, world + 2, timeout_s=300, name=name)
+                plan = build_plan(layout, tp_engine_boxes(CFG, {n: p.shape for n, p in layout.items()}, 2),
+                                  BUCKET, world) if rank == 0 else None
+                plan = share_plan(g, plan)
+                sender = ShardSender(g, plan, delta=DeltaConfig(enabled=True), verify=True)
+                (tmp / "plan.json").write_text(plan.to_json())
+            sent = sender.send(tr.version, shards)
+            named = tr.named_weights()  # the check's reference only (a collective, after the sync)
+            if rank == 0:
+                torch.save({n: t.clone() for n, t in named.items()}, tmp / f"weights{step}.pt")
+            torch.save(sent, tmp / f"sent{rank}-{step}.pt")
+            (tmp / f"synced{rank}-{step}").touch()
+        g.close()
+    finally:
+        destroy()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """Built while the caller runs torch on 1 thread, as tests/test_vllm_engine.py says why."""
+    from tidal.engines.vllm_engine import VLLMEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    eng = VLLMEngine(DEFAULT_MODEL_DIR, mode="in_process", dtype="float32", tensor_parallel=2)
+    yield eng
+    eng.close()
+    torch.set_num_threads(before)
+
+
+def _check_plan(plan: TransferPlan, weights: dict) -> None:
+    """No trainer rank stages more than a bucket; no engine rank receives a byte outside its
+    slice; every byte of each slice arrives exactly once; both trainer ranks send (no gather)."""
+    _, targets, _ = replica_targets(CFG, weights, 2, ["engine replica 0"], served=True)
+    for src in range(plan.trainer_ranks):
+        assert 0 < plan.peak_staging_bytes(src) <= BUCKET
+    for d, boxes in enumerate(plan.engine_boxes):
+        for n, box in boxes.items():  # the plan's boxes are the engine's slices
+            want = targets[d][n]
+            assert (want is None and box == tuple((0, s) for s in weights[n].shape)) or \
+                   (want is not None and box[want.dim] == (want.start, want.stop)), (d, n, box, want)
+        cover = {n: torch.zeros([e - s for s, e in b], dtype=torch.int32) for n, b in boxes.items()}
+        for m in plan.messages:
+            if m.dst != d:
+                continue
+            for p in m.pieces:
+                assert intersect(p.box, boxes[p.name]) == p.box, (d, p)  # inside the slice
+                cover[p.name][relative(p.box, boxes[p.name])] += 1
+        assert all(bool((c == 1).all()) for c in cover.values()), d  # each byte once
+        assert sorted({m.src for m in plan.messages if m.dst == d}) == [0, 1]
+        assert plan.bytes_to(d) == sum(box_numel(b) * weights[n].element_size() for n, b in boxes.items())
+    assert max(plan.bytes_to(d) for d in range(2)) < 0.55 * plan.model_bytes()
+
+
+def _wait(path, procs, timeout_s=600):
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert all(p.exitcode in (None, 0) for p in procs), [p.exitcode for p in procs]
+        assert time.monotonic() < deadline, f"{path.name} not written in {timeout_s} s"
+        time.sleep(0.5)
+
+
+def test_dp_shard2_trainer_sends_each_vllm_tp_rank_its_slices_shard_to_shard(engine, tmp_path):
+    from tidal.engines.torch_engine import TorchEngine
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    torch_engine = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, tokenizer=tok)
+    prompts = held_out_prompt_ids(tok)
+    port, shard_port, name = free_port(), free_port(), f"vshard-{time.monotonic_ns()}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, tmp_path, shard_port, name)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        # the two workers join as group ranks 2, 3 (after the 2 trainer ranks); the plan arrives here
+        engine.join_weight_group("127.0.0.1", shard_port, 4, 2, name, 300, "engine replica 0", poison=True,
+                                 shard=True)
+        reports = [engine.receive_slices(300) for _ in range(STEPS)]
+        for step in range(1, STEPS + 1):
+            for r in range(2):
+                _wait(tmp_path / f"synced{r}-{step}", procs)
+    finally:
+        for p in procs:
+            p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    plan = TransferPlan.from_json((tmp_path / "plan.json").read_text())
+    weights = {s: torch.load(tmp_path / f"weights{s}.pt") for s in range(1, STEPS + 1)}
+    assert any(not torch.equal(weights[1][n], weights[2][n]) for n in weights[1])  # step 2 moved the weights
+    _check_plan(plan, weights[1])
+    _, targets, _ = replica_targets(CFG, weights[1], 2, ["engine replica 0"], served=True)
+    for step, report in enumerate(reports, start=1):
+        assert report["version"] == step and report["checksum_ok"] is True
+        for r, rep in enumerate(report["reports"]):
+            assert rep["mode"] == (FULL if step == 1 else DELTA) and not rep["mismatched"]
+            # every slice of every rank, as it holds it: its checksum = one computed here from the trainer's bytes
+            want = {n: s for n, s in targets[r].items() if n in weights[step]}  # the tied head is loaded, not sent
+            assert rep["checksums"] == slice_checksums(weights[step], want), (step, r)
+            assert rep["raw_bytes"] == plan.bytes_to(r)
+        if step == 1:
+            assert report["bytes_per_rank"] == [plan.bytes_to(r) for r in range(2)]
+    sent = [torch.load(tmp_path / f"sent{r}-1.pt") for r in range(2)]
+    assert sum(s["bytes"] for s in sent) == sum(plan.bytes_to(d) for d in range(2))
+    # vLLM's two ranks compute with the new weights: the torch engine's greedy answers and log-probs
+    torch_engine.update_weights(STEPS, weights[STEPS])
+    reqs = requests(prompts, tok)
+    a, b = run(engine.generate(reqs)), run(torch_engine.generate(reqs))
+    assert [x.token_ids for x in a] == [y.token_ids for y in b]
+    assert max_diff([x.logprobs for x in a], [y.logprobs for y in b]) < LOGPROB_TOL
+    assert {x.version for x in a} == {STEPS}

@@ -1,0 +1,250 @@
+"""Build a tiny tool model that is meant to use tools in general, not one tool: warm-started on
+generated tool worlds (tidal/recipes/tool_worlds.py: random tools, several per prompt, results of
+every kind) and on `tool_arith`, with a compact tool template.
+
+`tidal build-general-tool-model --out DIR` builds it deterministically (same seed, machine type
+and thread count → same weights). It is not shipped: at the default 400 steps (about 4 CPU
+minutes) it has learned the call format but not yet to copy tool names and values from the
+prompt (docs/agents.md, "Tools the model never saw", has the measurements), and copying
+emerges late in such small models (the shipped `tiny-tool` warm start went from pass@4 0.05 at
+step 1000 to 0.44 at step 1500). The recipe shares tidal/recipes/tool_model.py's tokenizer,
+chat template (but for how tools are rendered), teacher habits and SFT loop.
+
+The template renders each tool as one signature line,
+`- convert(value: number, from_unit: string, to_unit: string): Convert a length ...` (as
+OpenAI's harmony format renders tools as code rather than JSON): a third of the tokens of the
+JSON schema, so the warm start sees three times the episodes in the same time. The
+demonstrations are cut into (text, trained) segments where the rollout tokenizes (the prompt
+once, each policy turn, then only what the template adds), from the real `ToolEnv`'s own
+observations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidal.envs.base import Action
+from tidal.envs.tool_arith import ToolArithEnv, make_rows
+from tidal.recipes.tiny import build_model, save_model
+from tidal.recipes.tool_model import (
+    CHAT_TEMPLATE,
+    build_tokenizer,
+    call_text,
+    guessed_answer,
+    held_out_success,
+    sft_train,
+    teacher_turns,
+)
+from tidal.recipes.tool_worlds import VALUE_WORDS, World, WorldEnv, make_worlds
+
+# CHAT_TEMPLATE with each tool on one line as a signature,
+# `name(arg: type, opt?: type, pick: "a" | "b"): description` (as OpenAI's harmony format renders
+# tools as TypeScript rather than JSON): a third of the tokens of the JSON schema, so the warm
+# start sees three times the episodes in the same build time, and the names the policy copies
+# into its calls stand out from the boilerplate.
+TOOL_LINES = (
+    "{% for t in tools %}{% set f = t['function'] if t.get('function') else t %}"
+    "{% set params = f.get('parameters') or {} %}{% set required = params.get('required') or [] %}"
+    "- {{ f['name'] }}("
+    "{% for k, p in (params.get('properties') or {}).items() %}{% if not loop.first %}, {% endif %}"
+    "{{ k }}{% if k not in required %}?{% endif %}: "
+    "{% if p.get('enum') %}{{ p['enum'] | map('tojson') | join(' | ') }}"
+    "{% elif p.get('type') is string %}{{ p['type'] }}{% elif p.get('type') %}{{ p['type'] | join(' | ') }}"
+    "{% else %}any{% endif %}"
+    "{% endfor %}): {{ f.get('description') or '' }}{{ '\\n' }}{% endfor %}"
+)
+COMPACT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:\n"
+    "{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}", "# Tools\n" + TOOL_LINES)
+assert COMPACT_TEMPLATE != CHAT_TEMPLATE
+
+
+
+def world_guess(world: World, rng: random.Random) -> str:
+    """A hasty answer without the tool: of the right kind, right only by chance."""
+    true = world.answer
+    if re.fullmatch(r"-?\d+", true):
+        return str(int(guessed_answer(int(true), rng)))
+    if re.fullmatch(r"-?\d+\.\d+", true):
+        return f"{rng.randint(1, 99999) / 100:.2f}".rstrip("0").rstrip(".")
+    return rng.choice([w for w in VALUE_WORDS if w != true] + ["none"])
+
+
+def world_slip(world: World, rng: random.Random) -> str:
+    """A slipped call of the world's tool: broken JSON, a wrong tool or argument name, unclosed."""
+    spec, args = world.tools[world.target], world.args
+    kind = rng.randrange(4)
+    if kind == 0:
+        return call_text(spec.name, args)[: -len("}</tool_call>")] + "</tool_call>"
+    if kind == 1:
+        return call_text(spec.verb if spec.name != spec.verb else f"{spec.name}_tool", args)
+    if kind == 2:
+        first = next(iter(args))
+        return call_text(spec.name, {("arg" if first != "arg" else "x"): args[first], **{k: v for k, v in args.items()
+                                                                                        if k != first}})
+    return call_text(spec.name, args).removesuffix("</tool_call>")
+
+
+def world_turns(world: World, habit: str, rng: random.Random) -> list[str]:
+    """The scripted policy turns of one generated world's demonstration (`teacher_turns`' habits;
+    a slipped call is retried right half of the time)."""
+    spec = world.tools[world.target]
+    call, answer = call_text(spec.name, world.args), f"<answer>{world.answer}</answer>"
+    guess = f"<answer>{world_guess(world, rng)}</answer>"
+    if habit == "tool":
+        return [call, answer]
+    if habit == "malformed":
+        return [world_slip(world, rng), call, answer] if rng.random() < 0.5 else [world_slip(world, rng), guess]
+    return [guess]
+
+
+def render_only_tokenizer(chat_template: str = COMPACT_TEMPLATE):
+    """A tokenizer object with `chat_template` and no vocabulary: renders text, never tokens."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    render = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()))
+    render.chat_template = chat_template
+    return render
+
+
+async def episode_segments(render, env, turns: list[str]) -> list[tuple[str, bool]]:
+    """A scripted episode of `env` as (text, trained) segments, cut where the rollout tokenizes:
+    the prompt once, each policy turn as its own tokens, then only the text the template adds.
+    The observations are the env's own."""
+    history = await env.reset()
+    rendered = render.apply_chat_template(history, tools=env.tools, add_generation_prompt=True, tokenize=False)
+    segments = [(rendered, False)]
+    for i, text in enumerate(turns):
+        segments.append((text + "<|im_end|>", True))
+        out = await env.step(Action(text, turn=i))
+        if out.done:
+            break
+        history = [*history, out.assistant_message or {"role": "assistant", "content": text}]
+        rendered += text + "<|im_end|>"
+        after = render.apply_chat_template(history + out.messages, tools=env.tools, add_generation_prompt=True,
+                                           tokenize=False)
+        if not after.startswith(rendered):
+            raise AssertionError(f"the chat template does not render the teacher's turn as written: {text!r}")
+        segments.append((after[len(rendered):], False))
+        history, rendered = history + out.messages, after
+    await env.close()
+    return segments
+
+
+def scripted_segments(items: list[tuple[Any, list[str]]]) -> list[list[tuple[str, bool]]]:
+    """`episode_segments` of (env, turns) pairs."""
+    render = render_only_tokenizer()
+
+    async def all_of() -> list:
+        return [await episode_segments(render, env, turns) for env, turns in items]
+
+    return asyncio.run(all_of())
+
+
+def tokenize_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    ids: list[int] = []
+    mask: list[bool] = []
+    for text, trained in segments:
+        new = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += new
+        mask += [trained] * len(new)
+    return ids, mask
+
+
+def both_success(model, tokenizer, val: dict[str, list], k: int = 4) -> dict:
+    """`held_out_success` on the `tool_arith` rows and on held-out generated worlds (tools never
+    trained on), flattened as `arith/...` and `worlds/...`."""
+    out = {}
+    for key, env in (("arith", ToolArithEnv), ("worlds", WorldEnv)):
+        res = held_out_success(model, tokenizer, val[key], k=k, env=env)
+        out.update({f"{key}/{m}": res.get(m) for m in ("accuracy", "pass_at_k", "failed", "tool_calls",
+                                                        "tool_error_rate")})
+    return out
+
+
+def build_general_tool_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    steps: int = 400,
+    batch_size: int = 24,
+    lr: float = 3e-3,
+    warmup: int = 50,
+    habits: dict[str, float] | None = None,
+    world_frac: float = 0.7,
+    eval_every: int = 0,
+    eval_n: int = 60,
+    train_size: int = 6000,
+    vocab_size: int = 1024,
+    evaluate=None,
+    stop_after: int | None = None,
+) -> dict:
+    """Build tokenizer and model, warm-start them on generated tool worlds and on `tool_arith`,
+    save an HF directory; return a summary (also written to `tidal_build.json`). `stop_after`
+    ends the warm start early, on the schedule of `steps`.
+
+    `world_frac` of the demonstrations are generated worlds (tidal/recipes/tool_worlds.py:
+    random tools, several per prompt, results of every kind), the rest `tool_arith` problems.
+    The teacher has three habits, drawn per demonstration (`habits`, fractions): `tool`, the
+    right call then the answer read from the tool's result; `direct`, a hasty guess (for
+    `tool_arith` the expression restated and the leading digits right, `guessed_answer`);
+    `malformed`, a slipped call (broken JSON, wrong tool or argument name, never closed), the
+    env's error observation, then a guess (or, in a world, half the time the right call).
+    Greedy decoding follows the most common first move, so held-out success starts low while
+    right answers are among the samples; which habit pays is what RL has to teach. Validation
+    uses a slice of the `tool_arith` *train* split and held-out worlds, whose target tools are
+    never trained on.
+    """
+    habits = habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1}
+    if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - {"tool", "direct", "malformed"}:
+        raise ValueError(f"habits must be fractions of tool, direct, malformed summing to 1, got {habits}")
+    if not 0 <= world_frac <= 1:
+        raise ValueError(f"world_frac must be in [0, 1], got {world_frac}")
+    random.seed(seed)
+    torch.manual_seed(seed)
+    n_worlds = round(train_size * world_frac)
+    rows = make_rows("train", train_size - n_worlds + eval_n, seed=20_000 + seed)
+    val = {"arith": rows[:eval_n], "worlds": [w.row() for w in make_worlds("test", eval_n, seed)]}
+    rng = random.Random(seed)
+    names, weights = list(habits), list(habits.values())
+    items = [(ToolArithEnv(r, seed=0), teacher_turns(r, rng.choices(names, weights)[0], rng)) for r in rows[eval_n:]]
+    items += [(WorldEnv(w.row(), seed=0), world_turns(w, rng.choices(names, weights)[0], rng))
+              for w in make_worlds("train", n_worlds, seed)]
+    rng.shuffle(items)
+    t0 = time.time()
+    segments = scripted_segments(items)
+    corpus = [text for episode in segments[:3000] for text, _ in episode]
+    tokenizer = build_tokenizer(corpus, vocab_size, chat_template=COMPACT_TEMPLATE)
+    examples = [tokenize_segments(tokenizer, episode) for episode in segments]
+    record_s = time.time() - t0
+    model = build_model(tokenizer, seed=seed)
+    # a system turn with three tools and a few turns run to ~400 tokens (RoPE: no table to grow)
+    model.config.max_position_embeddings = 1024
+    evaluate = evaluate or both_success
+    losses: list = []
+    t0 = time.time()
+    history = sft_train(model, tokenizer, examples, 0, val, evaluate, rng, steps=steps, batch_size=batch_size,
+                        lr=lr, warmup=warmup, eval_every=eval_every, label="tool", log_every=50, losses=losses,
+                        stop_after=stop_after)
+    build_s = record_s + time.time() - t0
+    save_model(model, tokenizer, out_dir)
+    summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
+               "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer),
+               "stopped_after": min(steps, stop_after or steps), "record_s": round(record_s, 1),
+               "build_s": round(build_s, 1), "cpu_s": round(time.process_time(), 1),
+               "threads": torch.get_num_threads(), "losses": losses,
+               "tokens_per_example": round(sum(len(t) for t, _ in examples) / len(examples), 1),
+               "val": history[-1] if history else {}, "params": sum(p.numel() for p in model.parameters()),
+               "history": history}
+    (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
