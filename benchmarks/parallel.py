@@ -10,8 +10,9 @@ measurement runs in a fresh process; its peak is the process's peak resident mem
 weight's gradient are not counted and what remains is what the path itself holds at its
 worst. Results: a table on stdout and benchmarks/results/parallel_logprob.json.
 
-The multi-rank part of the issue (a ~100M model at 2k-32k tokens on meshes of 2 and 4 ranks)
-is not built yet.
+`python benchmarks/parallel.py mesh`: one training step (forward, backward, optimizer) of a
+~100M-parameter Qwen3-style model (benchmarks/parallel_mesh.py) on 1 rank and on meshes of 2
+and 4 gloo ranks, through the trainer's own `train.parallel` path.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def logprob(args) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "mesh":
+        from parallel_mesh import main as mesh_main  # benchmarks/ is on sys.path when run as a script
+
+        mesh_main(sys.argv[2:])
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "one":
         print(json.dumps(one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))))
         return

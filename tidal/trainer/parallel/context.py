@@ -20,14 +20,16 @@ sums them (its shard dimension is dp_shard x cp: tidal/trainer/parallel/mesh.py)
 
 from __future__ import annotations
 
-import threading
+import types
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 NAME = "tidal_ulysses"
-_active = threading.local()  # the whole-row mask and group of the forward in progress
+# The whole-row mask and group of the last forward. A module-level holder, not thread-local: on a
+# GPU the backward pass (and its checkpointed recomputation) runs in autograd's device thread.
+_active = types.SimpleNamespace(cp=1, group=None, mask=None)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -86,6 +88,9 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     rank's positions; returns [B, L, H, D] as transformers' sdpa does. The mask transformers
     built for the local slice is not used: the whole row's is (`_active.mask`)."""
     cp, group, mask = _active.cp, _active.group, _active.mask
+    if mask is None or mask.shape[-1] != query.shape[2] * cp:
+        raise RuntimeError("context-parallel attention outside ContextParallel.forward, or with another "
+                           "micro-batch's mask (a forward ran between this one and its backward)")
     if key.shape[1] != query.shape[1]:  # repeat kv heads to the query heads (GQA), before splitting heads
         rep = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
@@ -165,11 +170,11 @@ class ContextParallel:
         mine = (t >= lo) & (t < lo + L)
         selected = mine.nonzero()[:, 0]
         local_rows = r[selected] * L + (t[selected] - lo)
+        # The mask stays set after the forward: with train.activation_checkpointing the backward
+        # pass runs each block's attention again (its recomputation) and must find this micro-batch's
+        # mask; the trainer runs a micro-batch's backward before the next forward replaces it.
         _active.cp, _active.group, _active.mask = self.cp, self.group, mask
-        try:
-            part = run_head(model, ids[:, lo:lo + L], split_positions(pos, lo, L), local_rows, selected)
-        finally:
-            _active.mask = None
+        part = run_head(model, ids[:, lo:lo + L], split_positions(pos, lo, L), local_rows, selected)
         whole = torch.zeros((rows.shape[0], part.shape[-1]), dtype=part.dtype, device=part.device)
         whole = whole.index_put((selected,), part)
         return _Gather.apply(whole, self.group)
