@@ -133,6 +133,20 @@ def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
         engine.close()
 
 
+def _padded(batch: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[torch.Tensor, ...]:
+    """(input ids, attention mask, labels) of SFT examples (tokens, loss mask), right-padded;
+    labels are -100 outside the loss mask."""
+    L = max(len(t) for t, _ in batch)
+    ids = torch.full((len(batch), L), pad_id)
+    labels = torch.full((len(batch), L), -100)
+    attn = torch.zeros((len(batch), L), dtype=torch.long)
+    for i, (t, m) in enumerate(batch):
+        ids[i, : len(t)] = torch.tensor(t)
+        attn[i, : len(t)] = 1
+        labels[i, : len(t)] = torch.where(torch.tensor(m), torch.tensor(t), -100)
+    return ids, attn, labels
+
+
 def build_default_model(
     out_dir: str | Path,
     seed: int = 0,
@@ -192,14 +206,7 @@ def build_default_model(
     last = min(steps, stop_after or steps)
     for step in range(1, last + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        L = max(len(t) for t, _ in batch)
-        ids = torch.full((batch_size, L), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, L), -100)
-        attn = torch.zeros((batch_size, L), dtype=torch.long)
-        for i, (t, m) in enumerate(batch):
-            ids[i, : len(t)] = torch.tensor(t)
-            attn[i, : len(t)] = 1
-            labels[i, : len(t)] = torch.where(torch.tensor(m), torch.tensor(t), -100)
+        ids, attn, labels = _padded(batch, tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
         loss.backward()

@@ -106,6 +106,29 @@ class TrainBatch:
         return float(sum(sum(m) for m in masks)), float(sum(1 for m in masks if any(m)))
 
 
+def _refuse_what_cannot_work(train: TrainConfig, algo: AlgorithmConfig, dims, vision: bool, needs_values: bool,
+                             dtype: str, model_path: str) -> None:
+    """A ValueError naming the keys for a combination the trainer cannot build, before any model loads."""
+    if dims.tp > 1 and train.lora.rank > 0:
+        raise ValueError(f"train.parallel.tp={dims.tp} with train.lora: adapters under tensor parallelism are "
+                         "not supported; use tp=1 (FSDP) with LoRA")
+    if vision and needs_values:
+        raise ValueError(f"algorithm.advantage={algo.advantage} trains a critic (a token-classification value model), which "
+                         f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
+                         "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
+    if train.share_prompts and vision:
+        raise ValueError(f"train.share_prompts is for text models; `{model_path}` is a vision-language model, whose "
+                         "positions and pictures are laid out per sequence: turn it off (or use train.packing)")
+    if train.mixed_precision and dtype != "float32":
+        raise ValueError(f"train.mixed_precision needs float32 parameters (got {dtype})")
+    if vision and dims.tp > 1:
+        raise ValueError(f"train.parallel.tp={dims.tp}: `{model_path}` is a vision-language model, which has no "
+                         "tensor-parallel plan yet (tidal/trainer/parallel/tensor.py); use FSDP (train.parallel.tp=1)")
+    if dims.cp > 1 and (vision or train.lora.rank > 0 or algo.advantage == "gae"):
+        raise ValueError(f"train.parallel.cp={dims.cp} is for text models, without LoRA or a critic "
+                         f"(algorithm.advantage=gae): `{model_path}`")
+
+
 class Trainer:
     def __init__(self, model_path: str, train: TrainConfig, algo: AlgorithmConfig, *,
                  dtype: str = "float32", temperature: float = 1.0, pad_token_id: int = 0, device: str = "cpu",
@@ -120,24 +143,15 @@ class Trainer:
         self.device = torch.device(device)
         self.world_size = dp.world_size()  # > 1: ranks laid out by train.parallel (tidal/trainer/parallel)
         self.dims = ParallelDims.from_config(train.parallel, self.world_size).build(self.device.type)
-        if self.dims.tp > 1 and train.lora.rank > 0:
-            raise ValueError(f"train.parallel.tp={self.dims.tp} with train.lora: adapters under tensor parallelism are "
-                             "not supported; use tp=1 (FSDP) with LoRA")
         self.model_dir = resolve_model_dir(model_path)
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
         self._banned = None if self.vision is None else torch.tensor(self.vision.banned_token_ids, device=self.device)
-        if self.vision is not None and self.needs_values:
-            raise ValueError(f"algorithm.advantage={algo.advantage} trains a critic (a token-classification value model), which "
-                             f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
-                             "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
+        _refuse_what_cannot_work(train, algo, self.dims, self.vision is not None, self.needs_values, dtype, model_path)
         # Eager attention under CPU mixed precision: torch's fused CPU attention backward is slow in
         # bfloat16 (train.attention).
         self.attention = train.attention if train.attention != "auto" else (
             "eager" if train.mixed_precision and self.device.type == "cpu" else "sdpa")
-        if train.share_prompts and self.vision is not None:
-            raise ValueError(f"train.share_prompts is for text models; `{model_path}` is a vision-language model, whose "
-                             "positions and pictures are laid out per sequence: turn it off (or use train.packing)")
         self.model = load_model(model_path, dtype=dtype, device=device, attention=self.attention)
         # A mixture of experts: float32 routers that record and replay (tidal/trainer/routing.py),
         # installed before LoRA and sharding wrap the model.
@@ -157,17 +171,9 @@ class Trainer:
         # follows them). Sharded, FSDP2 casts per group and reduces gradients in float32;
         # otherwise autocast casts per op (matmuls in bfloat16, reductions and softmax in float32).
         mixed = train.mixed_precision
-        if mixed and dtype != "float32":
-            raise ValueError(f"train.mixed_precision needs float32 parameters (got {dtype})")
         self._autocast = mixed and not self.dims.fsdp
-        if self.vision is not None and self.dims.tp > 1:
-            raise ValueError(f"train.parallel.tp={self.dims.tp}: `{model_path}` is a vision-language model, which has no "
-                             "tensor-parallel plan yet (tidal/trainer/parallel/tensor.py); use FSDP (train.parallel.tp=1)")
         self.context = None  # context parallelism (train.parallel.cp): tidal/trainer/parallel/context.py
         if self.dims.cp > 1:
-            if self.vision is not None or train.lora.rank > 0 or algo.advantage == "gae":
-                raise ValueError(f"train.parallel.cp={self.dims.cp} is for text models, without LoRA or a critic "
-                                 f"(algorithm.advantage=gae): `{model_path}`")
             self.context = ContextParallel(self.dims.cp_mesh)
         parallelize(self.model, self.dims, mixed_precision=mixed)  # before the optimizer: it holds the shards
         if self.context is not None:
