@@ -59,6 +59,7 @@ from tidal.runtime.health import Health
 from tidal.runtime.rollout import group_specs
 from tidal.runtime.run_dir import DiskError, RunFailed, clear_run, disk_failure, free_space, tidy_for_resume
 from tidal.runtime.run_lock import RunLock
+from tidal.trainer.threads import on_own_thread
 from tidal.types import Episode
 
 log = logging.getLogger("tidal")
@@ -186,7 +187,10 @@ class Controller:
         """One synchronous step on this thread: sample, then learn from it."""
         try:
             sampled = self._produce(self.step + 1)
-            return self._learn(sampled, trainer_wait=sampled.t_end - sampled.t_start)
+            # The learning stages build tensors (the batch, advantages, metrics) with parallel torch
+            # ops: on a thread that ends with them, so that no OpenMP team stays on this thread to
+            # slow the engine's next decode steps (tidal/trainer/threads.py says why).
+            return on_own_thread(self._learn, sampled, trainer_wait=sampled.t_end - sampled.t_start)
         except Exception as e:
             stopped = self._stopped_by_disk(e)
             if stopped is None:
