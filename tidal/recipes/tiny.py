@@ -133,14 +133,14 @@ def held_out_accuracy(model, tokenizer, rows, k: int = 8) -> dict:
         engine.close()
 
 
-def _padded(batch: list[tuple[list[int], list[bool]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """(input ids, attention mask, labels) of SFT examples (tokens, loss mask), right-padded;
-    labels are -100 outside the loss mask."""
-    L = max(len(t) for t, _ in batch)
-    ids = torch.full((len(batch), L), pad_id)
-    labels = torch.full((len(batch), L), -100)
-    attn = torch.zeros((len(batch), L), dtype=torch.long)
-    for i, (t, m) in enumerate(batch):
+def sft_batch(examples, pad_id: int):
+    """(token ids, loss mask) examples as right-padded tensors: ids, attention mask, and labels
+    that are -100 wherever the mask is off (the SFT loss's ignore index)."""
+    L = max(len(t) for t, _ in examples)
+    ids = torch.full((len(examples), L), pad_id)
+    labels = torch.full((len(examples), L), -100)
+    attn = torch.zeros((len(examples), L), dtype=torch.long)
+    for i, (t, m) in enumerate(examples):
         ids[i, : len(t)] = torch.tensor(t)
         attn[i, : len(t)] = 1
         labels[i, : len(t)] = torch.where(torch.tensor(m), torch.tensor(t), -100)
@@ -206,7 +206,7 @@ def build_default_model(
     last = min(steps, stop_after or steps)
     for step in range(1, last + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        ids, attn, labels = _padded(batch, tokenizer.pad_token_id)
+        ids, attn, labels = sft_batch(batch, tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
         loss.backward()

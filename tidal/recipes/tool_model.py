@@ -35,7 +35,7 @@ from tidal.engines.torch_engine import TorchEngine
 from tidal.envs.base import Action
 from tidal.envs.tool_arith import ToolArithEnv, make_rows
 from tidal.models import stop_token_ids
-from tidal.recipes.tiny import SPECIAL_TOKENS, build_model, save_model, train_chatml_tokenizer
+from tidal.recipes.tiny import SPECIAL_TOKENS, build_model, save_model, sft_batch, train_chatml_tokenizer
 from tidal.rewards.pool import build_scorer
 from tidal.runtime.evaluate import evaluate_engine
 from tidal.runtime.rollout import Rollout
@@ -232,20 +232,6 @@ def shared_prefix(examples) -> int:
     """Length of the token prefix every example shares (the system turn with the tools)."""
     tokens = [t for t, _ in examples]
     return common_prefix(tokens, min(map(len, tokens)))
-
-
-def sft_batch(examples, pad_id: int):
-    """(token ids, loss mask) examples as right-padded tensors: ids, attention mask, and labels
-    that are -100 wherever the mask is off (the SFT loss's ignore index)."""
-    L = max(len(t) for t, _ in examples)
-    ids = torch.full((len(examples), L), pad_id)
-    labels = torch.full((len(examples), L), -100)
-    attn = torch.zeros((len(examples), L), dtype=torch.long)
-    for i, (t, m) in enumerate(examples):
-        ids[i, : len(t)] = torch.tensor(t)
-        attn[i, : len(t)] = 1
-        labels[i, : len(t)] = torch.where(torch.tensor(m), torch.tensor(t), -100)
-    return ids, attn, labels
 
 
 def sft_loss(model, examples, prefix_len: int, pad_id: int, micro: int = 8) -> torch.Tensor:
