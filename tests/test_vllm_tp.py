@@ -151,6 +151,9 @@ def _trainer_rank(rank, world, port, tmp, parallel, slice_port, name):
                                roles=[*roles, "torch engine"])
             torch.save(sent, tmp / "sent.pt")
             g.close()
+        # Both ranks leave together: a rank that tore its group down while rank 0 still sent was seen
+        # to end in gloo's abort (exit -6, "terminate called without an active exception").
+        torch.distributed.barrier()
     finally:
         destroy()
 
