@@ -385,58 +385,44 @@ def cmd_build(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _build(ns: argparse.Namespace, build, drop: tuple[str, ...] = ("history",), **kwargs) -> int:
+    """A `tidal build-*` command: `build(ns.out, seed=ns.seed, **kwargs)` on `ns.threads` torch
+    threads (the shipped builds record theirs), its summary printed as JSON without `drop`."""
+    _no_extra_args(ns)
+    torch.set_num_threads(ns.threads)
+    summary = build(ns.out, seed=ns.seed, **kwargs)
+    print(json.dumps({k: v for k, v in summary.items() if k not in drop}))
+    return 0
+
+
 def cmd_build_tool(ns: argparse.Namespace) -> int:
     from tidal.recipes.tool_model import build_tool_model
 
-    _no_extra_args(ns)
-    torch.set_num_threads(ns.threads)
-    summary = build_tool_model(ns.out, seed=ns.seed)
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    return 0
+    return _build(ns, build_tool_model)
 
 
 def cmd_build_general_tool(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.general_tool_model import build_general_tool_model
 
-    _no_extra_args(ns)
-    torch.set_num_threads(ns.threads)
-    summary = build_general_tool_model(ns.out, seed=ns.seed, steps=ns.steps)
-    print(json.dumps({k: v for k, v in summary.items() if k not in ("history", "losses")}))
-    return 0
+    return _build(ns, build_general_tool_model, ("history", "losses"), steps=ns.steps)
 
 
 def cmd_build_browser(ns: argparse.Namespace) -> int:
     from tidal.recipes.browser_model import build_browser_model
 
-    _no_extra_args(ns)
-    torch.set_num_threads(ns.threads)
-    summary = build_browser_model(ns.out, seed=ns.seed)
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    return 0
+    return _build(ns, build_browser_model)
 
 
 def cmd_build_vlm(ns: argparse.Namespace) -> int:
     from tidal.recipes.vlm_build import build_default_vlm
 
-    _no_extra_args(ns)
-    torch.set_num_threads(ns.threads)
-    summary = build_default_vlm(ns.out, seed=ns.seed)
-    print(json.dumps(summary))
-    return 0
+    return _build(ns, build_default_vlm, ())
 
 
 def cmd_build_moe(ns: argparse.Namespace) -> int:
-    import torch
-
     from tidal.recipes.moe_model import build_default_moe
 
-    _no_extra_args(ns)
-    torch.set_num_threads(ns.threads)
-    summary = build_default_moe(ns.out, seed=ns.seed)
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    return 0
+    return _build(ns, build_default_moe)
 
 
 def _no_extra_args(ns: argparse.Namespace) -> None:
