@@ -49,7 +49,7 @@ def _alive(pids: list[int]) -> list[str]:
                     continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            out.append(f"{pid} {cmd[:80]}")
+            out.append(f"{pid} {cmd}")  # whole: a cut line missed `gcs_server` under a longer checkout path
         except OSError:
             continue
     return out
