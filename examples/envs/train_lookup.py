@@ -59,7 +59,16 @@ class TrainLookupEnv(ToolEnv):
 
     @classmethod
     def rows(cls, split: str, n: int, seed: int, weather_frac: float = 0.25) -> list[dict]:
-        """`n` questions (`weather_frac` of them about the weather); one in five is held out."""
+        """`n` questions (`weather_frac` of them about the weather); one in five is held out. There
+        are 1560 distinct questions (about 1230 train, 330 held out): asking for more is an error,
+        not an endless draw."""
+        pairs = [(a, b) for a in STATIONS for b in STATIONS if a != b]
+        pool = {q.format(a=a, b=b) for a, b in pairs for q in TRAIN_QUESTIONS if weather_frac < 1}
+        pool |= {q.format(a=a) for a in STATIONS for q in WEATHER_QUESTIONS if weather_frac > 0}
+        have = sum((_h(text) % 5 == 0) == (split == "test") for text in pool)
+        if n > have:
+            raise ValueError(f"train_lookup: {n} {split} questions asked for (task.train_size / task.eval_size), "
+                             f"but there are only {have} distinct ones")
         rng, rows, seen = random.Random(f"trains-{split}-{seed}"), [], set()
         while len(rows) < n:
             a, b = rng.sample(STATIONS, 2)
