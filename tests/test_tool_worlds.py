@@ -96,10 +96,25 @@ def test_general_build_is_deterministic(tmp_path):
     summary that records what the build cost."""
     from safetensors.torch import load_file
 
-    kw = {"steps": 2, "batch_size": 4, "train_size": 60, "eval_n": 4, "evaluate": lambda *a: {}}
+    kw = {"steps": 2, "batch_size": 4, "train_size": 60, "eval_n": 4, "evaluate": lambda *a: {}, "tune_steps": 2}
     a, b = build_general_tool_model(tmp_path / "a", **kw), build_general_tool_model(tmp_path / "b", **kw)
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
     assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
     assert a["tokens_per_example"] == b["tokens_per_example"] and a["cpu_s"] > 0
+    assert a["tune"]["stopped_after"] == 2 and a["tune"]["losses"] == b["tune"]["losses"]
     assert "- {{ f['name'] }}(" in (tmp_path / "a" / "chat_template.jinja").read_text()  # the compact template
+
+
+def test_train_lookup_refuses_more_questions_than_it_has():
+    """examples/envs/train_lookup.py has 1232 distinct train questions: asking for more is a clear
+    error (it once drew forever at train_size 2000), asking for all of them works."""
+    sys.path.insert(0, str(ROOT / "examples" / "envs"))
+    try:
+        import train_lookup
+    finally:
+        sys.path.pop(0)
+    rows = train_lookup.TrainLookupEnv.rows("train", 1232, 0)
+    assert len({r["prompt"] for r in rows}) == 1232
+    with pytest.raises(ValueError, match="1233 train questions .* only 1232"):
+        train_lookup.TrainLookupEnv.rows("train", 1233, 0)

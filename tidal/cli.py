@@ -5,7 +5,7 @@
     tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
-    tidal build-general-tool-model --out DIR [--seed N] [--steps N] [--threads N]
+    tidal build-general-tool-model --out DIR [--seed N] [--steps N] [--tune-steps N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
     tidal build-default-vlm [--out DIR] [--seed N] [--threads N]
     tidal build-moe [--out DIR] [--seed N] [--threads N]
@@ -404,7 +404,8 @@ def cmd_build_tool(ns: argparse.Namespace) -> int:
 def cmd_build_general_tool(ns: argparse.Namespace) -> int:
     from tidal.recipes.general_tool_model import build_general_tool_model
 
-    return _build(ns, build_general_tool_model, ("history", "losses"), steps=ns.steps)
+    return _build(ns, build_general_tool_model, ("history", "losses", "tune"), steps=ns.steps,
+                  tune_steps=ns.tune_steps)
 
 
 def cmd_build_browser(ns: argparse.Namespace) -> int:
@@ -641,7 +642,9 @@ def _build_commands(sub) -> None:
                         help="build a tiny tool model warm-started on generated tools (not shipped: docs/agents.md)")
     bg.add_argument("--out", required=True)
     bg.add_argument("--seed", type=int, default=0)
-    bg.add_argument("--steps", type=int, default=400, help="SFT steps (copying emerges late: see docs/agents.md)")
+    bg.add_argument("--steps", type=int, default=2000, help="SFT steps of the first phase (docs/agents.md)")
+    bg.add_argument("--tune-steps", type=int, default=1000,
+                    help="SFT steps of the second phase, which calls the tool more often (0: none)")
     bg.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
     bg.set_defaults(fn=cmd_build_general_tool, args=[])
     bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")

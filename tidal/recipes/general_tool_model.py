@@ -171,10 +171,32 @@ def both_success(model, tokenizer, val: dict[str, list], k: int = 4) -> dict:
     return out
 
 
+def demonstration_items(seed: int, train_size: int, world_frac: float, eval_n: int, habits: dict[str, float],
+                        rng: random.Random) -> tuple[dict[str, list], list[tuple[Any, list[str]]]]:
+    """The validation rows and the (env, scripted turns) demonstrations, shuffled: `world_frac`
+    generated worlds, the rest `tool_arith` problems, each with a habit drawn from `habits`
+    with `rng` (the same rows and worlds for any `rng`, only the habits and order differ)."""
+    n_worlds = round(train_size * world_frac)
+    rows = make_rows("train", train_size - n_worlds + eval_n, seed=20_000 + seed)
+    val = {"arith": rows[:eval_n], "worlds": [w.row() for w in make_worlds("test", eval_n, seed)]}
+    names, weights = list(habits), list(habits.values())
+    items = [(ToolArithEnv(r, seed=0), teacher_turns(r, rng.choices(names, weights)[0], rng)) for r in rows[eval_n:]]
+    items += [(WorldEnv(w.row(), seed=0), world_turns(w, rng.choices(names, weights)[0], rng))
+              for w in make_worlds("train", n_worlds, seed)]
+    rng.shuffle(items)
+    return val, items
+
+
+def check_habits(habits: dict[str, float]) -> dict[str, float]:
+    if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - {"tool", "direct", "malformed"}:
+        raise ValueError(f"habits must be fractions of tool, direct, malformed summing to 1, got {habits}")
+    return habits
+
+
 def build_general_tool_model(
     out_dir: str | Path,
     seed: int = 0,
-    steps: int = 400,
+    steps: int = 2000,
     batch_size: int = 24,
     lr: float = 3e-3,
     warmup: int = 50,
@@ -186,10 +208,13 @@ def build_general_tool_model(
     vocab_size: int = 1024,
     evaluate=None,
     stop_after: int | None = None,
+    tune_steps: int = 1000,
+    tune_lr: float = 2e-3,
+    tune_habits: dict[str, float] | None = None,
 ) -> dict:
     """Build tokenizer and model, warm-start them on generated tool worlds and on `tool_arith`,
     save an HF directory; return a summary (also written to `tidal_build.json`). `stop_after`
-    ends the warm start early, on the schedule of `steps`.
+    ends the first phase early, on the schedule of `steps` (and skips the second).
 
     `world_frac` of the demonstrations are generated worlds (tidal/recipes/tool_worlds.py:
     random tools, several per prompt, results of every kind), the rest `tool_arith` problems.
@@ -202,23 +227,20 @@ def build_general_tool_model(
     right answers are among the samples; which habit pays is what RL has to teach. Validation
     uses a slice of the `tool_arith` *train* split and held-out worlds, whose target tools are
     never trained on.
+
+    A second phase (`tune_general_tool_model`, `tune_steps` > 0) continues from the saved first
+    one on the same demonstrations with `tune_habits`, which call the tool more often: in the
+    first phase the model learns the format but hardly copies names and values (its held-out
+    calls are nearly all rejected at step 2000: docs/agents.md), and the guesses, random by
+    design, are half of what it is trained on.
     """
-    habits = habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1}
-    if abs(sum(habits.values()) - 1.0) > 1e-9 or set(habits) - {"tool", "direct", "malformed"}:
-        raise ValueError(f"habits must be fractions of tool, direct, malformed summing to 1, got {habits}")
+    habits = check_habits(habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1})
     if not 0 <= world_frac <= 1:
         raise ValueError(f"world_frac must be in [0, 1], got {world_frac}")
     random.seed(seed)
     torch.manual_seed(seed)
-    n_worlds = round(train_size * world_frac)
-    rows = make_rows("train", train_size - n_worlds + eval_n, seed=20_000 + seed)
-    val = {"arith": rows[:eval_n], "worlds": [w.row() for w in make_worlds("test", eval_n, seed)]}
     rng = random.Random(seed)
-    names, weights = list(habits), list(habits.values())
-    items = [(ToolArithEnv(r, seed=0), teacher_turns(r, rng.choices(names, weights)[0], rng)) for r in rows[eval_n:]]
-    items += [(WorldEnv(w.row(), seed=0), world_turns(w, rng.choices(names, weights)[0], rng))
-              for w in make_worlds("train", n_worlds, seed)]
-    rng.shuffle(items)
+    val, items = demonstration_items(seed, train_size, world_frac, eval_n, habits, rng)
     t0 = time.time()
     segments = scripted_segments(items)
     corpus = [text for episode in segments[:3000] for text, _ in episode]
@@ -238,13 +260,57 @@ def build_general_tool_model(
     save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
                "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer),
-               "stopped_after": min(steps, stop_after or steps), "record_s": round(record_s, 1),
+               "eval_n": eval_n, "stopped_after": min(steps, stop_after or steps), "record_s": round(record_s, 1),
                "build_s": round(build_s, 1), "cpu_s": round(time.process_time(), 1),
                "threads": torch.get_num_threads(), "losses": losses,
                "tokens_per_example": round(sum(len(t) for t, _ in examples) / len(examples), 1),
                "val": history[-1] if history else {}, "params": sum(p.numel() for p in model.parameters()),
                "history": history}
     (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
+    if tune_steps and not stop_after:
+        return tune_general_tool_model(out_dir, out_dir, steps=tune_steps, lr=tune_lr, habits=tune_habits,
+                                       eval_every=eval_every, evaluate=evaluate)
     return summary
 
 
+def tune_general_tool_model(
+    base_dir: str | Path,
+    out_dir: str | Path,
+    steps: int = 1000,
+    lr: float = 2e-3,
+    warmup: int = 50,
+    habits: dict[str, float] | None = None,
+    eval_every: int = 0,
+    evaluate=None,
+    stop_after: int | None = None,
+) -> dict:
+    """The second phase: continue the first phase's saved model (`base_dir`, with its
+    `tidal_build.json`) on the same demonstrations with `habits` (by default the tool called
+    70% of the time), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary
+    kept in `tidal_build.json` with this phase's under `tune`."""
+    from tidal.models import load_model, load_tokenizer
+
+    habits = check_habits(habits or {"tool": 0.7, "direct": 0.2, "malformed": 0.1})
+    base = json.loads((Path(base_dir) / "tidal_build.json").read_text())
+    cpu0 = time.process_time()
+    seed = base["seed"]
+    random.seed(seed + 1)
+    torch.manual_seed(seed + 1)
+    rng = random.Random(f"tune-{seed}")
+    tokenizer, model = load_tokenizer(base_dir), load_model(base_dir)
+    val, items = demonstration_items(seed, base["train_size"], base["world_frac"], base["eval_n"], habits, rng)
+    t0 = time.time()
+    examples = [tokenize_segments(tokenizer, episode) for episode in scripted_segments(items)]
+    losses: list = []
+    history = sft_train(model, tokenizer, examples, 0, val, evaluate or both_success, rng, steps=steps,
+                        batch_size=base["batch_size"], lr=lr, warmup=warmup, eval_every=eval_every, label="tune",
+                        log_every=50, losses=losses, stop_after=stop_after)
+    tune = {"steps": steps, "lr": lr, "warmup": warmup, "habits": habits,
+            "stopped_after": min(steps, stop_after or steps), "build_s": round(time.time() - t0, 1),
+            "cpu_s": round(time.process_time() - cpu0, 1), "threads": torch.get_num_threads(), "losses": losses,
+            "val": history[-1] if history else {}, "history": history}
+    save_model(model, tokenizer, out_dir)
+    summary = {**base, "tune": tune, "val": tune["val"],
+               "build_s": round(base["build_s"] + tune["build_s"], 1), "cpu_s": round(base["cpu_s"] + tune["cpu_s"], 1)}
+    (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
+    return summary
