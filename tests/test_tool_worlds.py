@@ -13,6 +13,7 @@ import pytest
 
 from tidal.envs.base import Action
 from tidal.recipes.general_tool_model import (
+    CALL_TEMPLATE,
     COMPACT_TEMPLATE,
     build_general_tool_model,
     render_only_tokenizer,
@@ -88,6 +89,13 @@ def test_compact_template_renders_each_tool_on_a_line_and_is_prefix_preserving()
              zip(make_worlds("train", 12, 5), ["tool", "malformed", "direct"] * 4)]
     segments = scripted_segments(items)  # raises if a turn does not re-render as written
     assert all(seg[0][1] is False and any(trained for _, trained in seg) for seg in segments)
+    # the call-shaped lines: the name and argument names after the text they follow in a call
+    call = render_only_tokenizer(CALL_TEMPLATE).apply_chat_template(
+        [{"role": "user", "content": "q"}], tools=tools, add_generation_prompt=True, tokenize=False)
+    assert '- {"name": "f", "arguments": {"a": integer, "b"?: string | null, "c"?: "x" | "y"}}: Do f.\n' in call
+    assert call.replace(call[call.index("- {"):call.index("Do f.\n") + 6], "") == text.replace(
+        '- f(a: integer, b?: string | null, c?: "x" | "y"): Do f.\n', "")
+    assert scripted_segments(items, CALL_TEMPLATE) != segments
 
 
 @pytest.mark.slow  # 2 minutes on the busy 2-core machine (tokenizer training and two tiny builds)

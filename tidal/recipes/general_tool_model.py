@@ -3,18 +3,19 @@ generated tool worlds (tidal/recipes/tool_worlds.py: random tools, several per p
 every kind) and on `tool_arith`, with a compact tool template.
 
 `tidal build-general-tool-model --out DIR` builds it deterministically (same seed, machine type
-and thread count → same weights). It is not shipped: at the default 400 steps (about 4 CPU
-minutes) it has learned the call format but not yet to copy tool names and values from the
-prompt (docs/agents.md, "Tools the model never saw", has the measurements), and copying
-emerges late in such small models (the shipped `tiny-tool` warm start went from pass@4 0.05 at
-step 1000 to 0.44 at step 1500). The recipe shares tidal/recipes/tool_model.py's tokenizer,
+and thread count → same weights), in two phases (`build_general_tool_model`). It is not
+shipped: after the default 2000 + 1000 steps (about 22 CPU minutes) it writes the call format
+but does not copy tool names, argument names and values from the prompt, on held-out tools
+nor on trained ones (docs/agents.md, "Tools the model never saw", has the measurements and
+tidal/recipes/tool_probe.py the measures). The recipe shares tidal/recipes/tool_model.py's tokenizer,
 chat template (but for how tools are rendered), teacher habits and SFT loop.
 
 The template renders each tool as one signature line,
 `- convert(value: number, from_unit: string, to_unit: string): Convert a length ...` (as
 OpenAI's harmony format renders tools as code rather than JSON): a third of the tokens of the
-JSON schema, so the warm start sees three times the episodes in the same time. The
-demonstrations are cut into (text, trained) segments where the rollout tokenizes (the prompt
+JSON schema, so the warm start sees three times the episodes in the same time
+(`template="call"` shapes the line as the call it asks for instead; docs/agents.md has what
+it did). The demonstrations are cut into (text, trained) segments where the rollout tokenizes (the prompt
 once, each policy turn, then only what the template adds), from the real `ToolEnv`'s own
 observations.
 """
@@ -65,6 +66,23 @@ COMPACT_TEMPLATE = CHAT_TEMPLATE.replace(
     "# Tools\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>. Tools:\n"
     "{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}", "# Tools\n" + TOOL_LINES)
 assert COMPACT_TEMPLATE != CHAT_TEMPLATE
+# The same line shaped as the call the policy writes,
+# `- {"name": "convert", "arguments": {"value": number, "from_unit": string}}: description`: the
+# name and each argument name follow the very text they follow in a call, so copying them is
+# what an induction head does (the token after the earlier occurrence of the same context).
+CALL_LINES = (
+    "{% for t in tools %}{% set f = t['function'] if t.get('function') else t %}"
+    "{% set params = f.get('parameters') or {} %}{% set required = params.get('required') or [] %}"
+    "- {{ '{' }}\"name\": {{ f['name'] | tojson }}, \"arguments\": {{ '{' }}"
+    "{% for k, p in (params.get('properties') or {}).items() %}{% if not loop.first %}, {% endif %}"
+    "{{ k | tojson }}{% if k not in required %}?{% endif %}: "
+    "{% if p.get('enum') %}{{ p['enum'] | map('tojson') | join(' | ') }}"
+    "{% elif p.get('type') is string %}{{ p['type'] }}{% elif p.get('type') %}{{ p['type'] | join(' | ') }}"
+    "{% else %}any{% endif %}"
+    "{% endfor %}{{ '}}' }}: {{ f.get('description') or '' }}{{ '\\n' }}{% endfor %}"
+)
+CALL_TEMPLATE = COMPACT_TEMPLATE.replace(TOOL_LINES, CALL_LINES)
+TEMPLATES = {"compact": COMPACT_TEMPLATE, "call": CALL_TEMPLATE}
 
 
 
@@ -140,9 +158,10 @@ async def episode_segments(render, env, turns: list[str]) -> list[tuple[str, boo
     return segments
 
 
-def scripted_segments(items: list[tuple[Any, list[str]]]) -> list[list[tuple[str, bool]]]:
+def scripted_segments(items: list[tuple[Any, list[str]]], chat_template: str = COMPACT_TEMPLATE
+                      ) -> list[list[tuple[str, bool]]]:
     """`episode_segments` of (env, turns) pairs."""
-    render = render_only_tokenizer()
+    render = render_only_tokenizer(chat_template)
 
     async def all_of() -> list:
         return [await episode_segments(render, env, turns) for env, turns in items]
@@ -211,6 +230,7 @@ def build_general_tool_model(
     tune_steps: int = 1000,
     tune_lr: float = 2e-3,
     tune_habits: dict[str, float] | None = None,
+    template: str = "compact",
 ) -> dict:
     """Build tokenizer and model, warm-start them on generated tool worlds and on `tool_arith`,
     save an HF directory; return a summary (also written to `tidal_build.json`). `stop_after`
@@ -237,14 +257,16 @@ def build_general_tool_model(
     habits = check_habits(habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1})
     if not 0 <= world_frac <= 1:
         raise ValueError(f"world_frac must be in [0, 1], got {world_frac}")
+    if template not in TEMPLATES:
+        raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}")
     random.seed(seed)
     torch.manual_seed(seed)
     rng = random.Random(seed)
     val, items = demonstration_items(seed, train_size, world_frac, eval_n, habits, rng)
     t0 = time.time()
-    segments = scripted_segments(items)
+    segments = scripted_segments(items, TEMPLATES[template])
     corpus = [text for episode in segments[:3000] for text, _ in episode]
-    tokenizer = build_tokenizer(corpus, vocab_size, chat_template=COMPACT_TEMPLATE)
+    tokenizer = build_tokenizer(corpus, vocab_size, chat_template=TEMPLATES[template])
     examples = [tokenize_segments(tokenizer, episode) for episode in segments]
     record_s = time.time() - t0
     model = build_model(tokenizer, seed=seed)
@@ -259,7 +281,7 @@ def build_general_tool_model(
     build_s = record_s + time.time() - t0
     save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
-               "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer),
+               "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer), "template": template,
                "eval_n": eval_n, "stopped_after": min(steps, stop_after or steps), "record_s": round(record_s, 1),
                "build_s": round(build_s, 1), "cpu_s": round(time.process_time(), 1),
                "threads": torch.get_num_threads(), "losses": losses,
@@ -300,7 +322,7 @@ def tune_general_tool_model(
     tokenizer, model = load_tokenizer(base_dir), load_model(base_dir)
     val, items = demonstration_items(seed, base["train_size"], base["world_frac"], base["eval_n"], habits, rng)
     t0 = time.time()
-    examples = [tokenize_segments(tokenizer, episode) for episode in scripted_segments(items)]
+    examples = [tokenize_segments(tokenizer, episode) for episode in scripted_segments(items, tokenizer.chat_template)]
     losses: list = []
     history = sft_train(model, tokenizer, examples, 0, val, evaluate or both_success, rng, steps=steps,
                         batch_size=base["batch_size"], lr=lr, warmup=warmup, eval_every=eval_every, label="tune",
