@@ -1,7 +1,9 @@
 """placement.mode=launcher with the real launchers (slow): the default job, shortened, with 2
 trainer ranks started by torchrun, by Open MPI's mpirun and by Slurm's srun reaches the step
-losses of the Ray run with 2 trainer ranks; a rank killed mid-run stops the run at once with
-the rank named, the last checkpoint intact, and the run resumes from it under the same launcher.
+losses of the Ray run with 2 trainer ranks, and so does torchrun with an engine in each rank
+(placement.colocate); a rank killed mid-run stops the run at once with the rank named, the last
+checkpoint intact, and the run resumes from it under the same launcher (under torchrun with
+colocated engines: the rank killed hosts an engine too).
 
 mpirun comes from scripts/setup_mpi.sh and srun from the one-node Slurm cluster of
 scripts/setup_slurm.sh, both started here as the Slurm tests do: skipped only where they
@@ -57,9 +59,12 @@ def free_port() -> int:
 
 def launch(launcher: str, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start `tidal train ARGS placement.mode=launcher`
-    as 2 ranks under `launcher`, meeting on loopback at a free port."""
+    as 2 ranks under `launcher` ("torchrun+colocate": with an engine in each rank), meeting on
+    loopback at a free port."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    train = ["-m", "tidal.cli", "train", *args, "placement.mode=launcher", "placement.collective_timeout_s=300"]
+    launcher, _, colocate = launcher.partition("+")
+    train = ["-m", "tidal.cli", "train", *args, "placement.mode=launcher", "placement.collective_timeout_s=300",
+             *(["placement.colocate=true"] if colocate else [])]
     port = str(free_port())
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -107,12 +112,21 @@ def ray_run(tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun", "torchrun+colocate"])
 def test_launched_run_reaches_the_ray_runs_losses(tmp_path, ray_run, launcher):
+    """With placement.colocate each rank's engine generates a share of the requests: the numbers
+    are still the Ray run's (disaggregated, one engine), as a request's tokens are a function of
+    its own seed, not of the engine that serves it (tidal/engines/torch_engine.py; measured
+    bit-equal to the Ray run with colocated engines too)."""
     out = run(launcher, *SHORT, f"run.dir={tmp_path / 'run'}")
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    name = {"mpirun": "openmpi", "srun": "slurm"}.get(launcher, launcher)
+    name = {"mpirun": "openmpi", "srun": "slurm"}.get(launcher.split("+")[0], "torchrun")
     assert f"rank 1 of 2 ({name}) serving rank 0 at 127.0.0.1:" in out.stderr  # two ranks, met on loopback
+    if launcher.endswith("+colocate"):  # rank 1's own engine generated part of the rollout
+        assert "hosting engine replica1 (torch)" in out.stderr
+        assert re.search(r"rank 1 answered generate × [1-9]", out.stderr), out.stderr[-3000:]
+    else:
+        assert "hosting engine" not in out.stderr and "answered generate" not in out.stderr
     ours = metrics(tmp_path / "run")
     assert [r["episodes"] for r in ours] == [16, 16]
     assert ours[0]["loss"] != ours[1]["loss"]  # the steps differ: the comparison below can fail
@@ -124,14 +138,14 @@ def rank_process(run_dir: Path, launcher: str, rank: int) -> psutil.Process | No
     for p in psutil.process_iter(["cmdline"]):
         try:
             cmd = p.info["cmdline"] or []
-            if "tidal.cli" in cmd and f"run.dir={run_dir}" in cmd and p.environ().get(RANK_VAR[launcher]) == str(rank):
+            if "tidal.cli" in cmd and f"run.dir={run_dir}" in cmd and p.environ().get(RANK_VAR[launcher.split("+")[0]]) == str(rank):
                 return p
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "srun"])
 def test_a_killed_rank_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_path, launcher):
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     cmd, env = launch(launcher, *SHORT, "train.steps=200", "run.save_every=1", f"run.dir={run_dir}")

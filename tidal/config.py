@@ -351,12 +351,12 @@ class WeightSyncDeltaConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    mode: Literal["local", "ray", "launcher"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors. launcher: `tidal train` started once per trainer rank by torchrun, mpirun or srun, which give the rank and world size; rank 0 runs the controller and the engines, no Ray (docs/clusters.md).")
+    mode: Literal["local", "ray", "launcher"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors. launcher: `tidal train` started once per trainer rank by torchrun, mpirun or srun, which give the rank and world size; rank 0 runs the controller and the engines (with placement.colocate, each rank one engine), no Ray (docs/clusters.md).")
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
     host: str = Field("127.0.0.1", description="ray, local instance: the address Ray and every service it starts listen on. 127.0.0.1 keeps everything on loopback.")
     ray_temp_dir: str | None = Field(None, description="ray, local instance: Ray's session directory; None: Ray's default (/tmp/ray).")
     trainer_ranks: int = Field(1, ge=1, description="Trainer ranks (ray mode; launcher mode takes the launcher's world size), laid out as train.parallel says: by default FSDP2 over all of them.")
-    colocate: bool = Field(False, description="ray: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; weights move in process). False: engines are their own actors (disaggregated).")
+    colocate: bool = Field(False, description="ray or launcher: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; under a launcher it is set to the world size; weights move in process). False: engines are their own actors (ray), or live in rank 0's process (launcher).")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
     trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
     engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
@@ -515,10 +515,11 @@ class TidalConfig(_Section):
         if pl.mode == "local" and pl.reward_workers:
             raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:
-            raise ValueError("placement.colocate applies to placement.mode=ray (local mode is always colocated)")
+            raise ValueError("placement.colocate applies to placement.mode=ray or launcher (local mode is always colocated)")
         if pl.mode != "launcher" or "trainer_ranks" in pl.model_fields_set:  # launcher: its world size, once known
             self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
-        if pl.colocate and self.engine.replicas != pl.trainer_ranks:
+        if pl.colocate and self.engine.replicas != pl.trainer_ranks and (
+                pl.mode != "launcher" or "trainer_ranks" in pl.model_fields_set):  # launcher: checked once its size is known
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
         if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard", "slices"):
             raise ValueError(f"placement.weight_sync={pl.weight_sync} needs placement.mode=ray (local mode moves weights in process)")
@@ -541,7 +542,7 @@ class TidalConfig(_Section):
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
         # Engine settings that cannot work are refused here, before anything loads.
         if pl.mode in ("local", "launcher") and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
-                and self.engine.replicas > 1:
+                and self.engine.replicas > 1 and not pl.colocate:
             raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
                              "holds one in-process vLLM engine; use engine.vllm_mode=server (or placement.mode=ray)")
         if self.engine.tensor_parallel > 1 and (self.engine.kind == "torch" or (
@@ -589,13 +590,13 @@ class TidalConfig(_Section):
 def _check_launcher(pl: PlacementConfig) -> None:
     """placement.mode=launcher has no Ray: the roles that only Ray places are refused by key."""
     for key, value in (("reward_workers", pl.reward_workers), ("env_workers", pl.env_workers),
-                       ("address", pl.address), ("colocate", pl.colocate)):
+                       ("address", pl.address)):
         if value:
             raise ValueError(f"placement.{key}={value!r} needs placement.mode=ray (placement.mode=launcher runs no Ray: "
-                             "rank 0 hosts the engines, the rewards and the environments)")
+                             "rank 0 hosts the rewards and the environments)")
     if pl.weight_sync not in ("auto", "inprocess"):
         raise ValueError(f"placement.weight_sync={pl.weight_sync}: placement.mode=launcher moves weights in process "
-                         "into rank 0's engines (auto or inprocess)")
+                         "(auto or inprocess): into rank 0's engines, or with placement.colocate each rank's own")
 
 
 class ConfigError(ValueError):

@@ -213,21 +213,31 @@ def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
 
 
 def _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
-    """Rank 0 of a launcher's job: a TrainerGroup over every rank, the engines in this process
-    (as local mode), weights gathered on every rank and loaded here (tidal/runtime/launcher.py)."""
+    """Rank 0 of a launcher's job: a TrainerGroup over every rank (tidal/runtime/launcher.py), and
+    the engines in this process (as local mode: weights gathered on every rank and loaded here),
+    or with placement.colocate one in each rank, reached as Ray's colocated ranks are (weights
+    loaded by each rank into its own engine)."""
     env = ranks.detect(os.environ)
-    trainer, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env)
-    try:
-        engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
-                   for _ in range(cfg.engine.replicas)]
-    except BaseException:
-        job.close()
-        raise
-    engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
-    pusher = WeightPusher(launcher.push_in_process(trainer, engine, cfg.placement.call_timeout_s),
-                          f"in process (rank 0 of {env.launcher})")
-    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d hosts %d engine replica(s)",
-             env.launcher, env.world_size, env.master_addr, env.master_port, len(engines))
+    trainer, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env, engine_kind, run_dir)
+    if cfg.placement.colocate:
+        names = [f"engine replica{i} (in trainer rank {i})" for i in range(env.world_size)]
+        remotes = [RemoteEngine(h, n, timeout_s=cfg.engine.request_timeout_s) for h, n in zip(job.ranks, names)]
+        engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
+        pusher = WeightPusher.remote(cfg, trainer, engine, job.ranks, "inprocess", run_dir / "weights")
+        where = "each rank hosts 1 engine replica"
+    else:
+        try:
+            engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
+                       for _ in range(cfg.engine.replicas)]
+        except BaseException:
+            job.close()
+            raise
+        engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
+        pusher = WeightPusher(launcher.push_in_process(trainer, engine, cfg.placement.call_timeout_s),
+                              f"in process (rank 0 of {env.launcher})")
+        where = f"rank 0 hosts {len(engines)} engine replica(s)"
+    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d, %s", env.launcher, env.world_size,
+             env.master_addr, env.master_port, where)
     return Roles(trainer, engine, pusher, launched=job)
 
 
