@@ -47,6 +47,22 @@ def test_openmpi_on_one_node_meets_on_loopback_at_a_port_of_its_job():
     assert detect({**OPENMPI, "MASTER_PORT": "31234"}, no_scontrol).master_port == 31234
 
 
+# What MPICH 4.0's Hydra (Debian's mpich, `mpiexec.mpich -n 2`) put in rank 1's environment, measured: no job id.
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "8"}
+
+
+def test_mpich_on_one_node_meets_at_a_port_of_its_hydra_proxy():
+    env = detect(MPICH, no_scontrol, parent_pid=lambda: 28940)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.master_addr) == ("mpich", 1, 2, 1, LOOPBACK)
+    assert PORT_BASE <= env.master_port < PORT_BASE + PORT_SPAN
+    assert detect({**MPICH, "PMI_RANK": "0", "MPI_LOCALRANKID": "0"}, no_scontrol,
+                  parent_pid=lambda: 28940).master_port == env.master_port  # the job's ranks share the proxy
+    assert detect(MPICH, no_scontrol, parent_pid=lambda: 28941).master_port != env.master_port  # another job
+    several = {**MPICH, "MPI_LOCALNRANKS": "1", "MASTER_ADDR": "10.0.0.5"}  # no proxy shared: the port is asked for
+    with pytest.raises(ConfigError, match=r"mpich gave no job id \(PMI_KVSNAME\).*set MASTER_PORT"):
+        detect(several, no_scontrol, parent_pid=lambda: 28940)
+
+
 def test_openmpi_on_several_nodes_needs_master_addr():
     several = {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
     with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):

@@ -1,11 +1,12 @@
 """placement.mode=launcher with the real launchers (slow): the default job, shortened, with 2
-trainer ranks started by torchrun, by Open MPI's mpirun and by Slurm's srun reaches the step
-losses of the Ray run with 2 trainer ranks, and so does torchrun with an engine in each rank
-(placement.colocate); a rank killed mid-run stops the run at once with the rank named, the last
-checkpoint intact, and the run resumes from it under the same launcher (under torchrun with
-colocated engines: the rank killed hosts an engine too).
+trainer ranks started by torchrun, by Open MPI's mpirun, by MPICH's mpiexec and by Slurm's srun
+reaches the step losses of the Ray run with 2 trainer ranks; a rank killed mid-run stops the run
+at once with the rank named, the last checkpoint intact, and the run resumes from it under the
+same launcher. Under torchrun each rank hosts an engine (placement.colocate: the rank killed
+hosts one too); under the others the engines are in rank 0, so both layouts run under a
+launcher without a run per layout per launcher (CI's time).
 
-mpirun comes from scripts/setup_mpi.sh and srun from the one-node Slurm cluster of
+mpirun and mpiexec.mpich come from scripts/setup_mpi.sh and srun from the one-node Slurm cluster of
 scripts/setup_slurm.sh, both started here as the Slurm tests do: skipped only where they
 cannot be installed (not root, no apt-get), failing where they could have been."""
 
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SETUP_MPI = ROOT / "scripts" / "setup_mpi.sh"
 SHORT = ["train.steps=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "run.eval_every=0",
          "run.progress=false", "run.threads=1"]
-RANK_VAR = {"torchrun": "RANK", "mpirun": "OMPI_COMM_WORLD_RANK", "srun": "SLURM_PROCID"}
+RANK_VAR = {"torchrun": "RANK", "mpirun": "OMPI_COMM_WORLD_RANK", "mpiexec.mpich": "PMI_RANK", "srun": "SLURM_PROCID"}
 # What names rank 1 when it is killed: rank 0's own report, or the launcher's (whichever is first:
 # torchrun and mpirun stop the other ranks themselves as soon as one exits on a signal).
 RANK_1_NAMED = re.compile(r"trainer rank 1 (died|\(pid \d+\) ended)|rank\s*: 1 \(local_rank: 1\)|process rank 1 with PID"
@@ -69,6 +70,9 @@ def launch(launcher: str, *args: str) -> tuple[list[str], dict[str, str]]:
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", port, *train], env
+    if launcher == "mpiexec.mpich":  # no MASTER_PORT: the port from Hydra's proxy (tidal/runtime/ranks.py) is tested too
+        require_mpi()
+        return ["mpiexec.mpich", "-n", "2", sys.executable, *train], env
     env["MASTER_PORT"] = port  # mpirun and srun give no port: one node meets on 127.0.0.1 (tidal/runtime/ranks.py)
     if launcher == "mpirun":
         require_mpi()
@@ -112,7 +116,7 @@ def ray_run(tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun", "torchrun+colocate"])
+@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "mpiexec.mpich", "srun"])
 def test_launched_run_reaches_the_ray_runs_losses(tmp_path, ray_run, launcher):
     """With placement.colocate each rank's engine generates a share of the requests: the numbers
     are still the Ray run's (disaggregated, one engine), as a request's tokens are a function of
@@ -120,7 +124,7 @@ def test_launched_run_reaches_the_ray_runs_losses(tmp_path, ray_run, launcher):
     bit-equal to the Ray run with colocated engines too)."""
     out = run(launcher, *SHORT, f"run.dir={tmp_path / 'run'}")
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    name = {"mpirun": "openmpi", "srun": "slurm"}.get(launcher.split("+")[0], "torchrun")
+    name = {"mpirun": "openmpi", "mpiexec.mpich": "mpich", "srun": "slurm"}.get(launcher.split("+")[0], "torchrun")
     assert f"rank 1 of 2 ({name}) serving rank 0 at 127.0.0.1:" in out.stderr  # two ranks, met on loopback
     if launcher.endswith("+colocate"):  # rank 1's own engine generated part of the rollout
         assert "hosting engine replica1 (torch)" in out.stderr
@@ -145,7 +149,7 @@ def rank_process(run_dir: Path, launcher: str, rank: int) -> psutil.Process | No
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "mpiexec.mpich", "srun"])
 def test_a_killed_rank_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_path, launcher):
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     cmd, env = launch(launcher, *SHORT, "train.steps=200", "run.save_every=1", f"run.dir={run_dir}")
