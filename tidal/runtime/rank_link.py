@@ -31,6 +31,19 @@ log = logging.getLogger("tidal")
 EXIT_WAIT_S = 60.0  # a rank told to exit waits at most this long for the call it is running
 
 
+def keep_device():
+    """A function that gives the thread it runs on the calling thread's CUDA device (a no-op
+    without CUDA). CUDA's current device is per thread, and a rank's is set on its main thread
+    (its local rank's GPU: tidal/cli.py); a call on a thread of its own would otherwise run on
+    GPU 0."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return lambda: None
+    device = torch.cuda.current_device()
+    return lambda: torch.cuda.set_device(device)
+
+
 # -- rank 0's side --------------------------------------------------------------------------------
 class LocalRank(Handle):
     """Rank 0's own TrainerWorker: each call on a thread that ends with it, so that it runs while
@@ -40,12 +53,14 @@ class LocalRank(Handle):
 
     def __init__(self, worker):
         super().__init__("trainer rank 0", worker, remote=True)
+        self._device = keep_device()
 
     def submit(self, call: str, *args, **kwargs) -> Pending:
         future: Future = Future()
 
         def run() -> None:
             try:
+                self._device()
                 future.set_result(getattr(self.target, call)(*args, **kwargs))
             except BaseException as e:  # noqa: BLE001 - handed to gather
                 future.set_exception(e)
@@ -150,6 +165,11 @@ def serve_calls(conn, worker, rank: int) -> int:
     """Answer rank 0's calls on `worker` until told to exit (0) or rank 0's connection closes (1).
     Plain calls run one at a time in the order sent; async ones at once on an event loop."""
     send_lock = threading.Lock()
+    device = keep_device()
+
+    def on_device(fn, *args, **kwargs):
+        device()
+        return fn(*args, **kwargs)
 
     def answer(number: int, kind: str, value) -> None:
         with send_lock:
@@ -167,7 +187,7 @@ def serve_calls(conn, worker, rank: int) -> int:
         while (item := calls.get()) is not None:
             number, fn, args, kwargs = item
             try:
-                answer(number, "ok", on_own_thread(fn, *args, **kwargs))
+                answer(number, "ok", on_own_thread(on_device, fn, *args, **kwargs))
             except Exception as e:  # noqa: BLE001 - sent to rank 0, which names this rank and the step
                 answer(number, "err", e)
 
@@ -201,7 +221,8 @@ def serve_calls(conn, worker, rank: int) -> int:
                 together[call] = together.get(call, 0) + 1
                 if loop is None:
                     loop = asyncio.new_event_loop()
-                    threading.Thread(target=loop.run_forever, name=f"tidal-rank{rank}-loop", daemon=True).start()
+                    threading.Thread(target=on_device, args=(loop.run_forever,), name=f"tidal-rank{rank}-loop",
+                                     daemon=True).start()
                 done = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), loop)
                 done.add_done_callback(lambda d, number=number: finished(number, d))
             else:
