@@ -15,7 +15,7 @@ import pytest
 from tidal.config import ConfigError, load_config
 from tidal.runtime import handles
 from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError, gather
-from tidal.runtime.launcher import LocalRank, RemoteRank, config_for
+from tidal.runtime.launcher import LocalRank, RemoteRank, config_for, role_of
 from tidal.runtime.rank_link import serve_calls
 from tidal.runtime.ranks import LOOPBACK, PORT_BASE, PORT_SPAN, detect
 
@@ -125,6 +125,34 @@ def test_colocated_engines_are_one_per_rank():
                    env)
     # without colocate the replicas stay in rank 0, as many as configured
     assert config_for(load_config(overrides=["placement.mode=launcher", "engine.replicas=3"]), env).engine.replicas == 3
+
+
+def test_engine_ranks_are_the_last_ranks_and_the_rest_train():
+    env = detect({**SLURM, "SLURM_NTASKS": "3"}, no_scontrol)
+    cfg = config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1"]), env)
+    assert (cfg.placement.trainer_ranks, cfg.engine.replicas) == (2, 1)
+    assert [role_of(cfg, r) for r in range(3)] == ["trainer rank 0", "trainer rank 1", "engine replica0 (rank 2)"]
+    with pytest.raises(ConfigError, match="engine_ranks=3, but slurm started 3 process.*at least one must be a trainer"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=3"]), env)
+    with pytest.raises(ConfigError, match="trainer_ranks=3, but slurm started 3 process.*less placement.engine_ranks=1"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1",
+                                          "placement.trainer_ranks=3"]), env)
+    with pytest.raises(ConfigError, match="engine.replicas=2, but slurm started placement.engine_ranks=1"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1", "engine.replicas=2"]),
+                   env)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.mode=ray", "placement.engine_ranks=1"], "placement.engine_ranks=1 needs placement.mode=launcher"),
+    (["placement.mode=launcher", "placement.engine_ranks=1", "placement.colocate=true"], "not both"),
+    (["placement.mode=launcher", "placement.engine_ranks=1", "placement.weight_sync=inprocess"],
+     "weight_sync=inprocess with placement.engine_ranks"),
+    (["placement.mode=launcher", "placement.weight_sync=disk"], "need engines on ranks of their own"),
+])
+def test_engine_ranks_refuse_what_cannot_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+    assert load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1", "placement.weight_sync=disk"])
 
 
 # -- rank 0's handle of another rank, over a real connection: the rank's own loop (serve_calls) ------

@@ -60,26 +60,27 @@ def free_port() -> int:
 
 def launch(launcher: str, *args: str) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start `tidal train ARGS placement.mode=launcher`
-    as 2 ranks under `launcher` ("torchrun+colocate": with an engine in each rank), meeting on
-    loopback at a free port."""
+    as 2 ranks under `launcher` ("torchrun+colocate": with an engine in each rank; "mpirun+engines":
+    and a third rank hosting the engine), meeting on loopback at a free port."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    launcher, _, colocate = launcher.partition("+")
+    launcher, _, layout = launcher.partition("+")
     train = ["-m", "tidal.cli", "train", *args, "placement.mode=launcher", "placement.collective_timeout_s=300",
-             *(["placement.colocate=true"] if colocate else [])]
+             *{"colocate": ["placement.colocate=true"], "engines": ["placement.engine_ranks=1"]}.get(layout, [])]
+    n = "3" if layout == "engines" else "2"  # with an engine rank: 2 trainer ranks and 1 engine
     port = str(free_port())
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", n, "--master-addr", "127.0.0.1",
                 "--master-port", port, *train], env
     if launcher == "mpiexec.mpich":  # no MASTER_PORT: the port from Hydra's proxy (tidal/runtime/ranks.py) is tested too
         require_mpi()
-        return ["mpiexec.mpich", "-n", "2", sys.executable, *train], env
+        return ["mpiexec.mpich", "-n", n, sys.executable, *train], env
     env["MASTER_PORT"] = port  # mpirun and srun give no port: one node meets on 127.0.0.1 (tidal/runtime/ranks.py)
     if launcher == "mpirun":
         require_mpi()
-        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2", sys.executable,
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", n, sys.executable,
                 *train], env
     require_slurm()
-    return ["srun", "--ntasks=2", "--time=10", sys.executable, *train], env
+    return ["srun", f"--ntasks={n}", "--time=10", sys.executable, *train], env
 
 
 def run(launcher: str, *args: str, timeout_s: float = TRAIN_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -116,19 +117,25 @@ def ray_run(tmp_path_factory) -> list[dict]:
     return metrics(run_dir)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "mpiexec.mpich", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun+engines", "mpiexec.mpich", "srun"])
 def test_launched_run_reaches_the_ray_runs_losses(tmp_path, ray_run, launcher):
     """With placement.colocate each rank's engine generates a share of the requests: the numbers
     are still the Ray run's (disaggregated, one engine), as a request's tokens are a function of
     its own seed, not of the engine that serves it (tidal/engines/torch_engine.py; measured
-    bit-equal to the Ray run with colocated engines too)."""
+    bit-equal to the Ray run with colocated engines too). With an engine rank the layout is the
+    Ray run's: its engine on a process of its own, the weights broadcast from trainer rank 0."""
     out = run(launcher, *SHORT, f"run.dir={tmp_path / 'run'}")
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     name = {"mpirun": "openmpi", "mpiexec.mpich": "mpich", "srun": "slurm"}.get(launcher.split("+")[0], "torchrun")
-    assert f"rank 1 of 2 ({name}) serving rank 0 at 127.0.0.1:" in out.stderr  # two ranks, met on loopback
+    size = 3 if launcher.endswith("+engines") else 2
+    assert f"rank 1 of {size} ({name}) serving rank 0 at 127.0.0.1:" in out.stderr  # met on loopback
     if launcher.endswith("+colocate"):  # rank 1's own engine generated part of the rollout
         assert "hosting engine replica1 (torch)" in out.stderr
         assert re.search(r"rank 1 answered generate × [1-9]", out.stderr), out.stderr[-3000:]
+    elif launcher.endswith("+engines"):  # rank 2's engine generated the rollout; rank 1 trained
+        assert "serving rank 0 at 127.0.0.1:" in out.stderr and "as engine replica0 (rank 2)" in out.stderr
+        assert re.search(r"rank 2 answered generate × [1-9]", out.stderr), out.stderr[-3000:]
+        assert "rank 1 answered" not in out.stderr
     else:
         assert "hosting engine" not in out.stderr and "answered generate" not in out.stderr
     ours = metrics(tmp_path / "run")
@@ -149,7 +156,7 @@ def rank_process(run_dir: Path, launcher: str, rank: int) -> psutil.Process | No
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "mpiexec.mpich", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun+engines", "mpiexec.mpich", "srun"])
 def test_a_killed_rank_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_path, launcher):
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     cmd, env = launch(launcher, *SHORT, "train.steps=200", "run.save_every=1", f"run.dir={run_dir}")

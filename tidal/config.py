@@ -357,6 +357,7 @@ class PlacementConfig(_Section):
     ray_temp_dir: str | None = Field(None, description="ray, local instance: Ray's session directory; None: Ray's default (/tmp/ray).")
     trainer_ranks: int = Field(1, ge=1, description="Trainer ranks (ray mode; launcher mode takes the launcher's world size), laid out as train.parallel says: by default FSDP2 over all of them.")
     colocate: bool = Field(False, description="ray or launcher: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; under a launcher it is set to the world size; weights move in process). False: engines are their own actors (ray), or live in rank 0's process (launcher).")
+    engine_ranks: int = Field(0, ge=0, description="launcher: the last engine_ranks processes the launcher started each host one engine replica and train nothing (engines on ranks, so on nodes, of their own: e.g. torchrun's last node); the others are the trainer ranks, and engine.replicas is set to engine_ranks. Weights reach them by placement.weight_sync: auto = broadcast from trainer rank 0, or disk. 0: the engines are in rank 0, or with placement.colocate in every rank.")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
     trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
     engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
@@ -508,6 +509,9 @@ class TidalConfig(_Section):
         pl = self.placement
         if pl.mode == "launcher":
             _check_launcher(pl)
+        elif pl.engine_ranks:
+            raise ValueError(f"placement.engine_ranks={pl.engine_ranks} needs placement.mode=launcher (under ray the "
+                             "engines are actors of their own: placement.colocate=false)")
         if pl.mode == "local" and pl.trainer_ranks > 1:
             raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
         if pl.mode == "local" and pl.env_workers:
@@ -542,7 +546,7 @@ class TidalConfig(_Section):
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
         # Engine settings that cannot work are refused here, before anything loads.
         if pl.mode in ("local", "launcher") and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
-                and self.engine.replicas > 1 and not pl.colocate:
+                and self.engine.replicas > 1 and not pl.colocate and not pl.engine_ranks:
             raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
                              "holds one in-process vLLM engine; use engine.vllm_mode=server (or placement.mode=ray)")
         if self.engine.tensor_parallel > 1 and (self.engine.kind == "torch" or (
@@ -594,9 +598,17 @@ def _check_launcher(pl: PlacementConfig) -> None:
         if value:
             raise ValueError(f"placement.{key}={value!r} needs placement.mode=ray (placement.mode=launcher runs no Ray: "
                              "rank 0 hosts the rewards and the environments)")
-    if pl.weight_sync not in ("auto", "inprocess"):
+    if pl.engine_ranks:
+        if pl.colocate:
+            raise ValueError(f"placement.engine_ranks={pl.engine_ranks} with placement.colocate: the engines are either "
+                             "in every rank (colocate) or on ranks of their own (engine_ranks), not both")
+        if pl.weight_sync not in ("auto", "broadcast", "disk"):
+            raise ValueError(f"placement.weight_sync={pl.weight_sync} with placement.engine_ranks: weights reach engine "
+                             "ranks by broadcast (auto) or disk")
+    elif pl.weight_sync not in ("auto", "inprocess"):
         raise ValueError(f"placement.weight_sync={pl.weight_sync}: placement.mode=launcher moves weights in process "
-                         "(auto or inprocess): into rank 0's engines, or with placement.colocate each rank's own")
+                         "(auto or inprocess): into rank 0's engines, or with placement.colocate each rank's own; "
+                         "broadcast or disk need engines on ranks of their own (placement.engine_ranks)")
 
 
 class ConfigError(ValueError):

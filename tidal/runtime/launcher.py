@@ -49,6 +49,7 @@ from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.rank_link import LocalRank, RemoteRank, serve_calls
 from tidal.runtime.ranks import LaunchEnv
 from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
+from tidal.runtime.workers import EngineWorker
 from tidal.trainer.distributed import destroy
 from tidal.trainer.parallel.mesh import ParallelDims
 from tidal.trainer.threads import on_own_thread
@@ -62,22 +63,30 @@ ADDRESS_KEY, AUTHKEY_KEY, ENGINE_KEY = "control/address", "control/authkey", "co
 
 
 def config_for(cfg: TidalConfig, env: LaunchEnv) -> TidalConfig:
-    """cfg with placement.trainer_ranks = the launcher's world size (validated again: the mesh
-    of train.parallel must fit it), and with placement.colocate engine.replicas too. A
-    trainer_ranks (or colocated engine.replicas) given that differs is an error."""
-    pl = cfg.placement
-    if "trainer_ranks" in pl.model_fields_set and pl.trainer_ranks != env.world_size:
+    """cfg fitted to the launcher's world: placement.trainer_ranks = its size less
+    placement.engine_ranks (validated again: the mesh of train.parallel must fit it), and
+    engine.replicas = one per rank with placement.colocate, or placement.engine_ranks. A
+    trainer_ranks or engine.replicas given that differs is an error."""
+    pl, eng = cfg.placement, cfg.engine
+    n_train = env.world_size - pl.engine_ranks
+    if n_train < 1:
+        raise ConfigError(f"placement.engine_ranks={pl.engine_ranks}, but {env.launcher} started {env.world_size} "
+                          f"process(es): at least one must be a trainer rank")
+    if "trainer_ranks" in pl.model_fields_set and pl.trainer_ranks != n_train:
+        engines = f" less placement.engine_ranks={pl.engine_ranks}" if pl.engine_ranks else ""
         raise ConfigError(f"placement.trainer_ranks={pl.trainer_ranks}, but {env.launcher} started {env.world_size} "
-                          f"process(es): give placement.trainer_ranks={env.world_size} or leave it out (under "
+                          f"process(es){engines}: give placement.trainer_ranks={n_train} or leave it out (under "
                           f"placement.mode=launcher the launcher decides)")
+    replicas = env.world_size if pl.colocate else pl.engine_ranks or None
+    if replicas is not None and "replicas" in eng.model_fields_set and eng.replicas != replicas:
+        each = (f"{env.world_size} rank(s), each hosting one replica" if pl.colocate
+                else f"placement.engine_ranks={pl.engine_ranks} engine rank(s)")
+        raise ConfigError(f"engine.replicas={eng.replicas}, but {env.launcher} started {each}: give "
+                          f"engine.replicas={replicas} or leave it out")
     data = cfg.model_dump()
-    data["placement"]["trainer_ranks"] = env.world_size
-    if pl.colocate:  # one engine replica inside each rank
-        if "replicas" in cfg.engine.model_fields_set and cfg.engine.replicas != env.world_size:
-            raise ConfigError(f"placement.colocate: engine.replicas={cfg.engine.replicas}, but {env.launcher} started "
-                              f"{env.world_size} rank(s), each hosting one replica: give engine.replicas="
-                              f"{env.world_size} or leave it out")
-        data["engine"]["replicas"] = env.world_size
+    data["placement"]["trainer_ranks"] = n_train
+    if replicas is not None:
+        data["engine"]["replicas"] = replicas
     try:
         return TidalConfig.model_validate(data)
     except ValueError as e:
@@ -147,7 +156,7 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
             if theirs != mine:
                 problems.append(f"rank {rank} runs another config (digest {theirs}, rank 0's {mine}): every rank "
                                 "must be started with the same config and overrides")
-            found[rank] = RemoteRank(rank, conn, pid)
+            found[rank] = RemoteRank(rank, conn, pid, role=role_of(cfg, rank))
 
     thread = threading.Thread(target=accept_all, name="tidal-accept", daemon=True)
     thread.start()
@@ -167,11 +176,18 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
     return Launched(env, store, ranks, listener)
 
 
+def role_of(cfg: TidalConfig, rank: int) -> str:
+    """What rank `rank` is: a trainer rank, or (placement.engine_ranks, the last ranks) an engine replica."""
+    n_train = cfg.placement.trainer_ranks
+    return f"trainer rank {rank}" if rank < n_train else f"engine replica{rank - n_train} (rank {rank})"
+
+
 def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -> list[str]:
     """The launcher placed the ranks: say which tp × cp × ep group spans nodes (topology.py)."""
-    dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
+    n_train = cfg.placement.trainer_ranks  # the engine ranks, if any, come after them
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
     size = topology.group_size(dims.tp, dims.cp, dims.ep)
-    split = topology.split_groups(topology.node_groups(env.world_size, size), hosts)
+    split = topology.split_groups(topology.node_groups(n_train, size), hosts)
     for message in split:
         log.warning("launcher: %s; start each node's ranks together, a multiple of %d per node (torchrun "
                     "--nproc-per-node, srun --ntasks-per-node, mpirun --map-by ppr:N:node)", message, size)
@@ -181,8 +197,9 @@ def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -
 # -- the other ranks' side -------------------------------------------------------------------------
 def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     """Rank r > 0: meet, connect to rank 0, set up its TrainerWorker (and, placement.colocate,
-    its engine) when told, then answer rank 0's calls (tidal/runtime/rank_link.py) until told
-    to exit (0) or rank 0's connection closes (1)."""
+    its engine) when told, or as one of the last placement.engine_ranks ranks load its
+    EngineWorker, then answer rank 0's calls (tidal/runtime/rank_link.py) until told to exit
+    (0) or rank 0's connection closes (1)."""
     pl = cfg.placement
     store = meet(env, pl.start_timeout_s)
     try:  # published by rank 0 once its run has started (its inputs checked, its run directory open)
@@ -196,11 +213,17 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     conn = Client((host, int(port)), authkey=authkey)
     conn.send(("hello", env.rank, os.getpid(), digest(cfg), socket.gethostname()))
     model_dir = resolve_model_dir(cfg.model.path)
-    worker = TrainerWorker(cfg, str(model_dir), load_tokenizer(model_dir).pad_token_id, rank=env.rank,
-                           world_size=env.world_size, **engine)
-    worker.store = PrefixStore("trainer", store)
-    log.info("launcher: rank %d of %d (%s) serving rank 0 at %s:%s%s", env.rank, env.world_size, env.launcher, host,
-             port, f", hosting engine replica{env.rank} ({engine['engine_kind']})" if engine else "")
+    pad_token_id = load_tokenizer(model_dir).pad_token_id
+    role = role_of(cfg, env.rank)
+    if env.rank >= pl.trainer_ranks:  # an engine rank: its engine loads now (rank 0 waits for it)
+        worker = EngineWorker(cfg, engine["engine_kind"], str(model_dir), pad_token_id, log_dir=engine["log_dir"])
+    else:
+        worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=env.rank, world_size=pl.trainer_ranks,
+                               **(engine if pl.colocate else {}))
+        worker.store = PrefixStore("trainer", store)
+    hosting = f", hosting engine replica{env.rank} ({engine['engine_kind']})" if pl.colocate else ""
+    log.info("launcher: rank %d of %d (%s) serving rank 0 at %s:%s as %s%s", env.rank, env.world_size, env.launcher,
+             host, port, role, hosting)
     try:
         code = serve_calls(conn, worker, env.rank)
     finally:
@@ -210,30 +233,30 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     return code
 
 
-def colocated_engine(cfg: TidalConfig, engine_kind: str, run_dir) -> dict:
-    """The engine each rank hosts (placement.colocate), as TrainerWorker's arguments; {} for none."""
-    return {"engine_kind": engine_kind, "log_dir": str(run_dir / "engine")} if cfg.placement.colocate else {}
-
-
 # -- rank 0's trainer and weight sync (placement.py builds the roles from them) ------------------
 def join_ranks(cfg: TidalConfig, model_dir, pad_token_id: int, env: LaunchEnv, engine_kind: str, run_dir):
-    """Rank 0's TrainerGroup over every rank of the job, set up (the process group formed, and
-    with placement.colocate each rank's engine loaded), and the job (closed with the roles)."""
+    """Rank 0's TrainerGroup over the trainer ranks of the job, set up (the process group
+    formed, and with placement.colocate each rank's engine loaded), the engine ranks' handles
+    (placement.engine_ranks; their engines loaded), and the job (closed with the roles)."""
     pl = cfg.placement
+    n_train = pl.trainer_ranks
     store = meet(env, pl.start_timeout_s)
-    engine = colocated_engine(cfg, engine_kind, run_dir)
+    engine = {"engine_kind": engine_kind, "log_dir": str(run_dir / "engine")}
     store.set(ENGINE_KEY, json.dumps(engine))  # before the control address, which the ranks wait for
-    worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=0, world_size=env.world_size, **engine)
+    worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=0, world_size=n_train,
+                           **(engine if pl.colocate else {}))
     worker.store = PrefixStore("trainer", store)
+    worker.host = env.master_addr  # weight-sync groups meet at the rendezvous host, reachable from every node
     job = connect_ranks(env, store, worker, cfg, pl.start_timeout_s)
     try:
-        gather([h.submit("setup", env.master_addr) for h in job.ranks], timeout_s=pl.start_timeout_s)
+        gather([h.submit("setup", env.master_addr) for h in job.ranks[:n_train]]
+               + [h.submit("pid") for h in job.ranks[n_train:]], timeout_s=pl.start_timeout_s)
     except BaseException:
         job.close()
         raise
-    dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
-    return TrainerGroup(job.ranks, timeout_s=pl.call_timeout_s,
-                        dp_index=[dims.dp_index(r) for r in range(env.world_size)]), job
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
+    return TrainerGroup(job.ranks[:n_train], timeout_s=pl.call_timeout_s,
+                        dp_index=[dims.dp_index(r) for r in range(n_train)]), job.ranks[n_train:], job
 
 
 def push_in_process(trainer, engine, timeout_s: float):

@@ -85,8 +85,8 @@ class RemoteRank(Handle):
     matched by it; one reader thread resolves them. The connection closing (the process ended)
     fails every call pending and every later one with RoleDied, naming the rank."""
 
-    def __init__(self, rank: int, conn, pid: int):
-        super().__init__(f"trainer rank {rank}", None, remote=True)
+    def __init__(self, rank: int, conn, pid: int, role: str | None = None):
+        super().__init__(role or f"trainer rank {rank}", None, remote=True)
         self.rank, self.conn, self.rank_pid = rank, conn, pid
         self._send_lock = threading.RLock()  # _died runs under it from submit
         self._pending: dict[int, Future] = {}
@@ -139,7 +139,7 @@ class RemoteRank(Handle):
             if self.dead is None:
                 self.dead = why
                 # at once, though the run stops only at its next call to the trainer (a rollout may be under way)
-                log.error("launcher: trainer rank %d (pid %d) ended: %s", self.rank, self.rank_pid, why)
+                log.error("launcher: %s (pid %d) ended: %s", self.role, self.rank_pid, why)
             pending, self._pending = list(self._pending.values()), {}
         for f in pending:
             if not f.done():
