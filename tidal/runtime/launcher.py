@@ -10,8 +10,10 @@ placement.mode=local: every rank gathers the weights, rank 0 loads its copy), or
 placement.colocate, one inside each rank (as Ray's colocated ranks: rank 0's router sends each
 rank's engine its share of the requests over the rank's control connection, and each rank
 loads the weights it gathered into its own engine, so no weights cross the network beyond the
-gather). Colocated engines are what scales to several nodes: the generation grows with the
-ranks instead of waiting on one process.
+gather), or, with placement.engine_ranks, one in each of the last ranks, which train nothing
+(as Ray's engine actors: an EngineWorker, weights by broadcast from trainer rank 0 or by disk).
+The last two scale to several nodes: the generation grows with the ranks instead of waiting
+on one process.
 
 The choice for driving the ranks: a control connection per rank (the standard library's
 multiprocessing.connection, HMAC-authenticated with a key rank 0 publishes through the store;
