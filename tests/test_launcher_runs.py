@@ -3,8 +3,9 @@ trainer ranks started by torchrun, by Open MPI's mpirun, by MPICH's mpiexec and 
 reaches the step losses of the Ray run with 2 trainer ranks; a rank killed mid-run stops the run
 at once with the rank named, the last checkpoint intact, and the run resumes from it under the
 same launcher. Under torchrun each rank hosts an engine (placement.colocate: the rank killed
-hosts one too); under the others the engines are in rank 0, so both layouts run under a
-launcher without a run per layout per launcher (CI's time).
+hosts one too); mpirun's run has a third rank that hosts the engine (placement.engine_ranks);
+elsewhere the engines are in rank 0: each layout runs under a launcher without a run per
+layout per launcher (CI's time).
 
 mpirun and mpiexec.mpich come from scripts/setup_mpi.sh and srun from the one-node Slurm cluster of
 scripts/setup_slurm.sh, both started here as the Slurm tests do: skipped only where they
@@ -156,7 +157,7 @@ def rank_process(run_dir: Path, launcher: str, rank: int) -> psutil.Process | No
     return None
 
 
-@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun+engines", "mpiexec.mpich", "srun"])
+@pytest.mark.parametrize("launcher", ["torchrun+colocate", "mpirun", "mpiexec.mpich", "srun"])
 def test_a_killed_rank_stops_the_run_and_it_resumes_from_its_checkpoint(tmp_path, launcher):
     run_dir, log = tmp_path / "run", tmp_path / "out.log"
     cmd, env = launch(launcher, *SHORT, "train.steps=200", "run.save_every=1", f"run.dir={run_dir}")
