@@ -1,5 +1,5 @@
-"""Shard-to-shard weight sync into a tensor-parallel vLLM engine: a dp_shard 2 trainer (two gloo
-processes) sends, by the transfer plan (tidal/weightsync/plan.py, shard.py), each vLLM-CPU TP 2
+"""Shard-to-shard weight sync into a tensor-parallel vLLM engine: a dp_shard 2 or a tp 2 trainer
+(two gloo processes) sends, by the transfer plan (tidal/weightsync/plan.py, shard.py), each vLLM-CPU TP 2
 worker only its slices, straight from the trainer rank that owns each piece; the workers join
 the shard group themselves (tidal/engines/vllm_transfer.py, `shard`). No process gathers the
 model for the sync. Step 1 goes full, step 2 by delta; after each, every rank's slices equal the
@@ -44,8 +44,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trainer_rank(rank, world, port, tmp, shard_port, name):
-    """A dp_shard 2 trainer rank: per step one GRPO step, then its own DTensor shards sent by the
+def _trainer_rank(rank, world, port, tmp, shard_port, name, parallel):
+    """A trainer rank of a `parallel` mesh: per step one GRPO step, then its own DTensor shards sent by the
     plan (step 1 full, step 2 delta). The full weights are gathered afterwards only for the
     test's comparison, never for the sync."""
     import sys
@@ -63,7 +63,7 @@ def _trainer_rank(rank, world, port, tmp, shard_port, name):
     torch.set_num_threads(1)
     init_distributed(rank, world, "127.0.0.1", port, timeout_s=300)
     try:
-        tr = _trainer("plain", {"dp_shard": 2})
+        tr = _trainer("plain", parallel)
         g, sender = None, None
         for step in range(1, STEPS + 1):
             tr.forward_backward(_batch(step), totals=_batch(step).totals())
@@ -134,7 +134,8 @@ def _wait(path, procs, timeout_s=600):
         time.sleep(0.5)
 
 
-def test_dp_shard2_trainer_sends_each_vllm_tp_rank_its_slices_shard_to_shard(engine, tmp_path):
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}], ids=["dp_shard2", "tp2"])
+def test_trainer_mesh_sends_each_vllm_tp_rank_its_slices_shard_to_shard(engine, tmp_path, parallel):
     from tidal.engines.torch_engine import TorchEngine
 
     tok = load_tokenizer(DEFAULT_MODEL_DIR)
@@ -142,7 +143,8 @@ def test_dp_shard2_trainer_sends_each_vllm_tp_rank_its_slices_shard_to_shard(eng
     prompts = held_out_prompt_ids(tok)
     port, shard_port, name = free_port(), free_port(), f"vshard-{time.monotonic_ns()}"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, tmp_path, shard_port, name)) for r in range(2)]
+    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, tmp_path, shard_port, name, parallel))
+             for r in range(2)]
     for p in procs:
         p.start()
     try:
