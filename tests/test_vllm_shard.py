@@ -99,7 +99,7 @@ def engine():
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    eng = VLLMEngine(DEFAULT_MODEL_DIR, mode="in_process", dtype="float32", tensor_parallel=2)
+    eng = VLLMEngine(DEFAULT_MODEL_DIR, mode="in_process", dtype="float32", tensor_parallel=2, partial_rollout=True)
     yield eng
     eng.close()
     torch.set_num_threads(before)
@@ -272,3 +272,45 @@ def test_vllm_tp2_serves_a_new_replica_and_takes_one_from_a_peer(engine):
     assert engine.peer_version() is None
     with pytest.raises(PeerUnavailable, match="copies are v9"):
         engine.serve_peer("127.0.0.1", free_port(), 3, "unused", 10, 1, BUCKET)
+
+
+def test_a_request_spanning_a_weight_update_completes_with_both_versions(engine):
+    """Partial rollout in process (engine.partial_rollout; tidal/engines/vllm_inprocess.py): an
+    update lands between two engine steps while requests decode; they complete, each token tagged
+    with the version that sampled it, the tokens before the switch those of the old weights and
+    the tokens after it those the new weights continue with from the same text (vLLM recomputes
+    the running requests' cache with the new weights)."""
+    from tidal.engines.torch_engine import TorchEngine
+    from tidal.types import GenerationRequest, SamplingParams
+
+    tok = load_tokenizer(DEFAULT_MODEL_DIR)
+    wa, wb = perturbed_weights(11), perturbed_weights(12, scale=0.3)
+    engine.update_weights(11, wa)
+    old, new = (TorchEngine(load_model(DEFAULT_MODEL_DIR), tok.pad_token_id) for _ in range(2))
+    old.update_weights(11, wa)
+    new.update_weights(12, wb)
+    n = 40  # no stop tokens: every request runs its n tokens, so the update lands inside them
+    greedy = lambda k: SamplingParams(max_new_tokens=k, temperature=0.0, seed=0, stop_token_ids=())
+    prompts = held_out_prompt_ids(tok)[:4]
+    reqs = [GenerationRequest(f"p{i}", list(p), greedy(n)) for i, p in enumerate(prompts)]
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(res=run(engine.generate(reqs))), daemon=True)
+    th.start()
+    deadline = time.monotonic() + 300
+    while min(engine._backend.tokens_in_flight().values(), default=0) < 3:  # every request decoding
+        assert th.is_alive() and time.monotonic() < deadline, "the requests finished before the update"
+        time.sleep(0.01)
+    engine.update_weights(12, wb)  # does not wait for the requests in flight
+    th.join(timeout=300)
+    res = out["res"]
+    ref_old = run(old.generate(reqs))
+    switched_behaviour = False
+    for r, x, y in zip(reqs, res, ref_old):
+        k = x.token_versions.index(12) if x.token_versions else None
+        assert k is not None and 0 < k < n and x.token_versions == [11] * k + [12] * (n - k), x.token_versions
+        assert x.version == 12 and len(x.token_ids) == n
+        assert x.token_ids[:k] == y.token_ids[:k] and max_diff([x.logprobs[:k]], [y.logprobs[:k]]) < LOGPROB_TOL
+        (z,) = run(new.generate([GenerationRequest(r.request_id, r.prompt_ids + x.token_ids[:k], greedy(n - k))]))
+        assert x.token_ids[k:] == z.token_ids and max_diff([x.logprobs[k:]], [z.logprobs]) < LOGPROB_TOL
+        switched_behaviour |= x.token_ids[k:] != y.token_ids[k:]
+    assert switched_behaviour  # positive control: the old weights would have gone on differently

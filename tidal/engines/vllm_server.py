@@ -135,7 +135,7 @@ class VLLMServer:
             raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
         return toks, lps, checked_finish_reason(choice["finish_reason"], where)
 
-    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
+    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float, version: int | None = None) -> None:
         from safetensors.torch import save_file
 
         # One fixed directory: reload_weights points the server's model config at it.
