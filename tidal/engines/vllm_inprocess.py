@@ -36,14 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tidal.engines.vllm_requests import (
-    Completion,
-    VLLMEngineError,
-    check_expanded,
-    checked_finish_reason,
-    vllm_prompt,
-    vllm_sampling_fields,
-)
+from tidal.engines.vllm_requests import Completion, VLLMEngineError, completion, vllm_prompt, vllm_sampling_fields
 from tidal.types import GenerationRequest
 
 if TYPE_CHECKING:
@@ -202,17 +195,14 @@ class InProcessVLLM:
             raise
         parsed = []
         for r, out, rid in zip(requests, outs, ids):
-            if r.images:
-                check_expanded(r, out.prompt_token_ids, vision)
             c = out.outputs[0]
-            toks = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(toks):
-                raise VLLMEngineError(f"request {r.request_id}: {len(toks)} tokens but "
-                                      f"{len(c.logprobs or ())} log-probs in vLLM's output")
-            lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
+            lps = c.logprobs  # per token {token id: Logprob}; the sampled token's own, when one per token
+            if lps is not None and len(lps) == len(c.token_ids):
+                lps = [d[t].logprob for d, t in zip(lps, c.token_ids)]
+            toks, lps, reason = completion(r, c.token_ids, lps, c.finish_reason, vision, out.prompt_token_ids)
             versions = token_versions(len(toks), self._born.pop(rid), self._switches.pop(rid, []))
             self._internal.pop(rid, None)
-            parsed.append((toks, lps, checked_finish_reason(c.finish_reason, f"request {r.request_id}"), versions))
+            parsed.append((toks, lps, reason, versions))
         return parsed
 
     def _abort(self, ids: list[str]) -> None:
