@@ -232,6 +232,8 @@ def main(argv: list[str]) -> None:
                     continue
                 row = _summary(mesh, length, json.loads(out.stdout.strip().splitlines()[-1]), n_params)
                 row["load_before"] = load
+                # read again: another run of this benchmark (other lengths, other meshes) may have written since
+                results = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
                 results = [r for r in results if (r["mesh"], r["length"]) != (mesh, length)] + [row]
                 RESULTS.parent.mkdir(exist_ok=True)
                 RESULTS.write_text(json.dumps({"model": {**MODEL, "parameters": n_params}, "rows": results}, indent=1))
