@@ -115,22 +115,33 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
 def causal_spans(q, k, v, spans: list[list[tuple]] | None, dropout: float = 0.0, scale=None) -> torch.Tensor:
     """Attention of q, k, v [B, H, S, D] where each row is cut into `spans` (per row, in order,
     covering it: (start, end, prefix_start, prefix_end)): [start, end) attends causally to itself
-    and to all of the prefix [prefix_start, prefix_end) if one is given. None: every row one
-    causal span (the whole batch in one call)."""
+    and to all of the prefix [prefix_start, prefix_end) if one is given (another span of the row,
+    the prompt). None: every row one causal span (the whole batch in one call).
+
+    The rows and spans are cut by `split`, whose backward is one concatenation: a slice's
+    backward would make a zero gradient of the whole input per span."""
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
     if spans is None:
         return sdpa(q, k, v)
     rows = []
-    for b, row in enumerate(spans):
+    for b, (qb, kb, vb) in enumerate(zip(*(t.split(1, 0) for t in (q, k, v)))):
+        cuts = [(start, end) for start, end, *_ in spans[b] if end > start]
+        at = {c: i for i, c in enumerate(cuts)}
+        qs, ks, vs = (t.split([end - start for start, end in cuts], 2) for t in (qb, kb, vb))
         parts = []
-        for start, end, p0, p1 in row:
+        for start, end, p0, p1 in spans[b]:
             if end <= start:
                 continue
-            at = slice(p0, p1) if p0 is not None else slice(0, 0)
-            # the prefix's queries come first so that is_causal (aligned at the top left) lets every
-            # own query see the whole prefix; their outputs are dropped
-            qq, kk, vv = (torch.cat([t[b:b + 1, :, at], t[b:b + 1, :, start:end]], 2) for t in (q, k, v))
-            parts.append(sdpa(qq, kk, vv)[:, :, qq.shape[2] - (end - start):])
+            i = at[start, end]
+            if p0 is None:
+                parts.append(sdpa(qs[i], ks[i], vs[i]))
+                continue
+            j = at.get((p0, p1))
+            pre = [t[j] for t in (qs, ks, vs)] if j is not None else [t[:, :, p0:p1] for t in (qb, kb, vb)]
+            # the prefix's queries first, so that is_causal (aligned at the top left) lets every own
+            # query see the whole prefix; their outputs are dropped
+            qq, kk, vv = (torch.cat([a, t[i]], 2) for a, t in zip(pre, (qs, ks, vs)))
+            parts.append(sdpa(qq, kk, vv)[:, :, p1 - p0:])
         rows.append(torch.cat(parts, 2))
     return torch.cat(rows, 0)
 
