@@ -67,3 +67,17 @@ def test_a_model_whose_saving_converts_weights_is_left_to_the_gathering_path(tmp
     model = load_model(tmp_path)
     assert any(p.dim() == 3 for p in model.parameters())  # fused experts, split per expert on saving
     assert hf_names(model, model.state_dict()) is None
+
+
+def test_a_critic_saved_in_several_files_keeps_its_value_head(tiny_model_dir, tmp_path):
+    import torch
+
+    from tidal.trainer.critic import load_value_model
+
+    critic = load_value_model(tiny_model_dir, "float32", "cpu")
+    assert not critic.score.weight.any()  # a base model: a fresh head, zeroed
+    with torch.no_grad():
+        critic.score.weight.fill_(0.5)
+    critic.save_pretrained(tmp_path, max_shard_size="100KB")  # several files and an index, as sharded ranks write
+    assert (tmp_path / "model.safetensors.index.json").is_file() and not (tmp_path / "model.safetensors").exists()
+    assert torch.equal(load_value_model(tmp_path, "float32", "cpu").score.weight, critic.score.weight)
