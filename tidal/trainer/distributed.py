@@ -195,7 +195,7 @@ def save_hf(model: nn.Module, path) -> None:
 
     from tidal.trainer.parallel.hf_model import save_hf_sharded
 
-    if save_hf_sharded(model, Path(path)) is None:
+    if not save_hf_sharded(model, Path(path)):
         _save_hf_gathered(model, path)
 
 

@@ -71,20 +71,19 @@ def file_index(sizes: dict[str, int], ranks: int, max_file_bytes: int) -> dict[s
     return index
 
 
-def save_hf_sharded(model: nn.Module, path: Path, max_file_bytes: int = 5 * 2**30) -> list[str] | None:
+def save_hf_sharded(model: nn.Module, path: Path, max_file_bytes: int = 5 * 2**30) -> bool:
     """Write `model` (FSDP / tensor-parallel DTensors) as an HF directory at `path` from every
-    rank's shards. A collective. Returns the names of the safetensors files this rank wrote, or
-    None (nothing written) if the model's saving converts weights (`hf_names`)."""
+    rank's shards. A collective. False (nothing written) if the model's saving converts weights
+    (`hf_names`): the caller gathers instead."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
-    from torch.distributed.checkpoint._hf_utils import _gen_file_name
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     reshard(model)
     state = get_model_state_dict(model)
     names = hf_names(model, state)
     if names is None:
-        return None
+        return False
     state = {names[k]: v for k, v in state.items() if k in names}
     index = file_index({k: v.numel() * v.element_size() for k, v in state.items()}, dist.get_world_size(),
                        max_file_bytes)
@@ -98,12 +97,11 @@ def save_hf_sharded(model: nn.Module, path: Path, max_file_bytes: int = 5 * 2**3
     dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(pieces), fqn_to_index_mapping=index,
                                                                 save_distributed=True))
     consolidate_safetensors_files_on_every_rank(str(pieces), str(path), index)  # ends in a barrier
-    k = max(index.values())
-    mine = sorted({_gen_file_name(i, k) for i in index.values() if i % dist.get_world_size() == dist.get_rank()})
     if dist.get_rank() == 0:
         shutil.rmtree(pieces)
         write_config(model, path)
-    return mine
+    dist.barrier()  # the directory is whole when any rank returns
+    return True
 
 
 def write_config(model: nn.Module, path: Path) -> None:
