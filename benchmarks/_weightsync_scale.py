@@ -25,36 +25,14 @@ what sparse indices + values would send (4-byte index + the value), and what XOR
 
 from __future__ import annotations
 
-import datetime
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
+from _weightsync_ranks import HOST, gather_full, halves, layout, spawn, start, timed, timing
 
-HOST = "127.0.0.1"
 METHODS = ("raw_broadcast", "broadcast", "raw_p2p", "shard", "delta")
-
-
-def _halves(model, rank: int) -> dict[str, torch.Tensor]:
-    return {n: p.detach().chunk(2, dim=0)[rank].clone() for n, p in model.named_parameters()}
-
-
-def _layout(model):
-    from tidal.weightsync.plan import ParamLayout, full_box
-
-    out = {}
-    for n, p in model.named_parameters():
-        owners = []
-        at = 0
-        for r, c in enumerate(p.detach().chunk(2, dim=0)):
-            box = list(full_box(p.shape))
-            box[0] = (at, at + c.shape[0])
-            owners.append((r, tuple(box)))
-            at += c.shape[0]
-        out[n] = ParamLayout(n, tuple(p.shape), str(p.dtype).removeprefix("torch."), tuple(owners))
-    return out
 
 
 def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_path: str) -> None:
@@ -65,17 +43,13 @@ def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_pat
     from tidal.weightsync.plan import build_plan, full_slices
     from tidal.weightsync.shard import ShardReceiver, ShardSender
 
-    torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{ports[0]}", rank=i, world_size=4,
-                            timeout=datetime.timedelta(seconds=600))
-    trainers = dist.new_group([0, 1])
+    trainers = start(i, ports[0])
     trainer = i < 2
     model = build_model("100m", random_init=trainer)
-    layout = _layout(model)
-    plan = build_plan(layout, full_slices(layout, 2), bucket, trainer_ranks=2)
+    lay = layout(model)
+    plan = build_plan(lay, full_slices(lay, 2), bucket, trainer_ranks=2)
     nbytes = plan.model_bytes()
-    mine = _halves(model, i) if trainer else None
+    mine = halves(model, i) if trainer else None
     if trainer:
         del model
     bcast = BroadcastGroup.join(HOST, ports[1], {0: 0, 2: 1, 3: 2}[i], 3, timeout_s=600, name="bench-b") \
@@ -87,51 +61,39 @@ def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_pat
     raw = torch.zeros(nbytes, dtype=torch.uint8)
     half = torch.zeros(plan.bytes_from(0) // 2, dtype=torch.uint8)
     g = torch.Generator().manual_seed(i)
-    times = {m: [] for m in METHODS}
-    got = {m: [] for m in METHODS}
-    for rep in range(reps + 1):  # repetition 0 warms up (and gives the delta pair its base)
-        version = rep + 1
-        if trainer:  # the synthetic optimizer step the delta sends (untimed)
+
+    def step(rep: int) -> None:  # the synthetic optimizer step the delta sends (untimed)
+        if trainer:
             for t in mine.values():
                 t.add_(torch.randn(t.shape, generator=g).sign_().mul_(1e-6))
-        for method in METHODS:
-            dist.barrier()
-            t0 = time.perf_counter()
-            n = 0
-            if method == "raw_broadcast":
-                if bcast is not None:
-                    bcast.broadcast(raw, "the raw buffer")
-                n = nbytes
-            elif method == "broadcast":
-                if trainer:
-                    full = {}
-                    for name, t in mine.items():
-                        parts = [torch.empty_like(t) for _ in range(2)]
-                        dist.all_gather(parts, t, group=trainers)
-                        full[name] = torch.cat(parts)
-                    if i == 0:
-                        send_weights(bcast, version, full, bucket_bytes=bucket)
-                    del full
-                else:
-                    recv_weights(bcast)
-                n = nbytes
-            elif method == "raw_p2p":
-                if trainer:
-                    for dst in (2, 3):
-                        dist.send(half, dst)
-                else:
-                    works = [dist.irecv(torch.empty_like(half), src) for src in (0, 1)]
-                    for w in works:
-                        w.wait()
-                n = 2 * half.numel()
-            elif method in ("shard", "delta"):
-                side = shard if method == "shard" else delta
-                r = side.send(version, mine) if trainer else side.recv()
-                n = r["bytes"]
-            dist.barrier()
-            if rep:
-                times[method].append(time.perf_counter() - t0)
-                got[method].append(n)
+
+    def run(method: str, version: int) -> float:
+        if method == "raw_broadcast":
+            if bcast is not None:
+                bcast.broadcast(raw, "the raw buffer")
+            return nbytes
+        if method == "broadcast":
+            if trainer:
+                full = gather_full(mine, trainers)
+                if i == 0:
+                    send_weights(bcast, version, full, bucket_bytes=bucket)
+                del full
+            else:
+                recv_weights(bcast)
+            return nbytes
+        if method == "raw_p2p":
+            if trainer:
+                for dst in (2, 3):
+                    dist.send(half, dst)
+            else:
+                works = [dist.irecv(torch.empty_like(half), src) for src in (0, 1)]
+                for w in works:
+                    w.wait()
+            return 2 * half.numel()
+        side = shard if method == "shard" else delta
+        return (side.send(version, mine) if trainer else side.recv())["bytes"]
+
+    times, got = timed(reps, METHODS, run, before=step)  # repetition 0 also gives the delta pair its base
     if i in (0, 2):  # trainer rank 0 has the times; engine rank 0 the bytes it received
         torch.save({"times": times, "bytes": got, "model_bytes": nbytes, "plan": plan.summary()}, f"{out_path}.{i}")
     sgroup.close()
@@ -141,22 +103,10 @@ def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_pat
 
 
 def bench_scale(reps: int, bucket: int) -> dict:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from tidal.engines.served import free_port
-
-    with tempfile.TemporaryDirectory(prefix="tidal-bench-ws-") as d:
-        path = os.path.join(d, "out")
-        mp.spawn(_worker, args=((free_port(), free_port(), free_port()), reps, bucket, path), nprocs=4, join=True)
-        t0, e0 = torch.load(f"{path}.0"), torch.load(f"{path}.2")
-    times, raw = t0["times"], t0["times"]["raw_broadcast"]
+    t0, e0 = spawn(_worker, reps, bucket, (0, 2), "tidal-bench-ws-")
     out = {"model_bytes": t0["model_bytes"], "plan": t0["plan"], "reps": reps, "bucket_bytes": bucket}
     for m in METHODS:
-        out[m] = {"median_s": statistics.median(times[m]), "all_s": times[m],
-                  "ratio_to_raw_broadcast": statistics.median(t / r for t, r in zip(times[m], raw)),
-                  "ratio_to_raw_p2p": statistics.median(t / r for t, r in zip(times[m], times["raw_p2p"])),
+        out[m] = {**timing(t0["times"], m, ("raw_broadcast", "raw_p2p")),
                   "bytes_per_engine_rank": statistics.median(e0["bytes"][m])}
     return out
 

@@ -3,7 +3,7 @@
 with each TP rank's slices, side by side.
 
 Four processes on 127.0.0.1, one thread each: trainer ranks 0 and 1 hold half of every tensor
-of the 100M model (its rows, as FSDP2 at dp_shard 2; benchmarks/_weightsync_scale.py's layout),
+of the 100M model (its rows, as FSDP2 at dp_shard 2; benchmarks/_weightsync_ranks.py's layout),
 engine ranks 0 and 1 are the TP ranks of one replica, each holding vLLM's slices of every
 tensor (`engine_slices`). Every repetition times, on trainer rank 0's clock from a barrier to a
 barrier after every rank is done:
@@ -20,20 +20,16 @@ loaders, which both paths call the same way.
 
 from __future__ import annotations
 
-import datetime
-import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+from _weightsync_ranks import HOST, gather_full, halves, layout, spawn, start, timed, timing
 
-HOST = "127.0.0.1"
 METHODS = ("raw_p2p", "slices", "shard")
 
 
 def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_path: str) -> None:
-    from _weightsync_scale import _halves, _layout
     from weightsync import build_model
 
     from tidal.weightsync import BroadcastGroup
@@ -41,18 +37,14 @@ def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_pat
     from tidal.weightsync.shard import ShardReceiver, ShardSender
     from tidal.weightsync.sliced import recv_slices, replica_targets, send_slices
 
-    torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{ports[0]}", rank=i, world_size=4,
-                            timeout=datetime.timedelta(seconds=600))
-    trainers = dist.new_group([0, 1])
+    trainers = start(i, ports[0])
     trainer = i < 2
     model = build_model("100m", random_init=trainer)
     hf = model.config.to_dict()
-    layout = _layout(model)
-    shapes = {n: p.shape for n, p in layout.items()}
-    plan = build_plan(layout, tp_engine_boxes(hf, shapes, 2), bucket, trainer_ranks=2)
-    mine = _halves(model, i) if trainer else None
+    lay = layout(model)
+    shapes = {n: p.shape for n, p in lay.items()}
+    plan = build_plan(lay, tp_engine_boxes(hf, shapes, 2), bucket, trainer_ranks=2)
+    mine = halves(model, i) if trainer else None
     del model
     sgroup = BroadcastGroup.join(HOST, ports[1], i, 4, timeout_s=600, name="bench-tp-s")
     lgroup = BroadcastGroup.join(HOST, ports[2], {0: 0, 2: 1, 3: 2}[i], 3, timeout_s=600, name="bench-tp-l") \
@@ -60,43 +52,29 @@ def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_pat
     shard = ShardSender(sgroup, plan) if trainer else ShardReceiver(sgroup, plan)
     flat = {d: torch.zeros(sum(m.nbytes for m in plan.messages if m.src == i and m.dst == d), dtype=torch.uint8)
             for d in range(2)} if trainer else None
-    times = {m: [] for m in METHODS}
-    got = {m: [] for m in METHODS}
-    for rep in range(reps + 1):  # repetition 0 warms up
-        for method in METHODS:
-            dist.barrier()
-            t0 = time.perf_counter()
-            n = 0
-            if method == "raw_p2p":
-                if trainer:
-                    for d in range(2):
-                        dist.send(flat[d], 2 + d)
-                else:
-                    sizes = [sum(m.nbytes for m in plan.messages if m.src == s and m.dst == i - 2) for s in (0, 1)]
-                    works = [dist.irecv(torch.empty(k, dtype=torch.uint8), s) for s, k in zip((0, 1), sizes)]
-                    for w in works:
-                        w.wait()
-                    n = sum(sizes)
-            elif method == "slices":
-                if trainer:
-                    full = {}
-                    for name, t in mine.items():
-                        parts = [torch.empty_like(t) for _ in range(2)]
-                        dist.all_gather(parts, t, group=trainers)
-                        full[name] = torch.cat(parts)
-                    if i == 0:
-                        tensors, targets, roles = replica_targets(hf, full, 2, ["bench"], served=True)
-                        send_slices(lgroup, rep + 1, tensors, targets, bucket_bytes=bucket, roles=roles)
-                    del full
-                else:
-                    n = recv_slices(lgroup, lambda header, parts: None, f"bench TP rank {i - 2}/2")["bytes"]
-            else:
-                r = shard.send(rep + 1, mine) if trainer else shard.recv()
-                n = r["bytes"]
-            dist.barrier()
-            if rep:
-                times[method].append(time.perf_counter() - t0)
-                got[method].append(n)
+
+    def run(method: str, version: int) -> float:
+        if method == "raw_p2p":
+            if trainer:
+                for d in range(2):
+                    dist.send(flat[d], 2 + d)
+                return 0
+            sizes = [sum(m.nbytes for m in plan.messages if m.src == s and m.dst == i - 2) for s in (0, 1)]
+            works = [dist.irecv(torch.empty(k, dtype=torch.uint8), s) for s, k in zip((0, 1), sizes)]
+            for w in works:
+                w.wait()
+            return sum(sizes)
+        if method == "slices":
+            if not trainer:
+                return recv_slices(lgroup, lambda header, parts: None, f"bench TP rank {i - 2}/2")["bytes"]
+            full = gather_full(mine, trainers)
+            if i == 0:
+                tensors, targets, roles = replica_targets(hf, full, 2, ["bench"], served=True)
+                send_slices(lgroup, version, tensors, targets, bucket_bytes=bucket, roles=roles)
+            return 0
+        return (shard.send(version, mine) if trainer else shard.recv())["bytes"]
+
+    times, got = timed(reps, METHODS, run)
     if i in (0, 2, 3):
         torch.save({"times": times, "bytes": got, "model_bytes": plan.model_bytes(), "plan": plan.summary(),
                     "stage": [plan.peak_staging_bytes(s) for s in (0, 1)]}, f"{out_path}.{i}")
@@ -107,23 +85,11 @@ def _worker(i: int, ports: tuple[int, int, int], reps: int, bucket: int, out_pat
 
 
 def bench_tp(reps: int, bucket: int) -> dict:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    from tidal.engines.served import free_port
-
-    with tempfile.TemporaryDirectory(prefix="tidal-bench-wstp-") as d:
-        path = os.path.join(d, "out")
-        mp.spawn(_worker, args=((free_port(), free_port(), free_port()), reps, bucket, path), nprocs=4, join=True)
-        t0, e = torch.load(f"{path}.0"), [torch.load(f"{path}.{k}") for k in (2, 3)]
-    times = t0["times"]
+    t0, *e = spawn(_worker, reps, bucket, (0, 2, 3), "tidal-bench-wstp-")
     out = {"model_bytes": t0["model_bytes"], "plan": t0["plan"], "reps": reps, "bucket_bytes": bucket,
            "trainer_stage_bytes": t0["stage"]}
     for m in METHODS:
-        out[m] = {"median_s": statistics.median(times[m]), "all_s": times[m],
-                  "ratio_to_raw_p2p": statistics.median(t / r for t, r in zip(times[m], times["raw_p2p"])),
-                  "ratio_to_slices": statistics.median(t / r for t, r in zip(times[m], times["slices"])),
+        out[m] = {**timing(t0["times"], m, ("raw_p2p", "slices")),
                   "bytes_per_engine_rank": [statistics.median(x["bytes"][m]) for x in e]}
     return out
 

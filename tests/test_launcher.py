@@ -5,6 +5,7 @@ The runs under torchrun, mpirun and srun are in tests/test_launcher_runs.py (slo
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from multiprocessing import Pipe
@@ -13,8 +14,9 @@ import pytest
 
 from tidal.config import ConfigError, load_config
 from tidal.runtime import handles
-from tidal.runtime.handles import Handle, Pending, RoleError, gather
-from tidal.runtime.launcher import LocalRank, RemoteRank, config_for
+from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError, gather
+from tidal.runtime.launcher import LocalRank, RemoteRank, config_for, role_of
+from tidal.runtime.rank_link import serve_calls
 from tidal.runtime.ranks import LOOPBACK, PORT_BASE, PORT_SPAN, detect
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -43,6 +45,22 @@ def test_openmpi_on_one_node_meets_on_loopback_at_a_port_of_its_job():
     other_job = detect({**OPENMPI, "OMPI_MCA_ess_base_jobid": "569114626"}, no_scontrol)
     assert other_job.master_port != env.master_port  # two jobs on one node do not meet
     assert detect({**OPENMPI, "MASTER_PORT": "31234"}, no_scontrol).master_port == 31234
+
+
+# What MPICH 4.0's Hydra (Debian's mpich, `mpiexec.mpich -n 2`) put in rank 1's environment, measured: no job id.
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "8"}
+
+
+def test_mpich_on_one_node_meets_at_a_port_of_its_hydra_proxy():
+    env = detect(MPICH, no_scontrol, parent_pid=lambda: 28940)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.master_addr) == ("mpich", 1, 2, 1, LOOPBACK)
+    assert PORT_BASE <= env.master_port < PORT_BASE + PORT_SPAN
+    assert detect({**MPICH, "PMI_RANK": "0", "MPI_LOCALRANKID": "0"}, no_scontrol,
+                  parent_pid=lambda: 28940).master_port == env.master_port  # the job's ranks share the proxy
+    assert detect(MPICH, no_scontrol, parent_pid=lambda: 28941).master_port != env.master_port  # another job
+    several = {**MPICH, "MPI_LOCALNRANKS": "1", "MASTER_ADDR": "10.0.0.5"}  # no proxy shared: the port is asked for
+    with pytest.raises(ConfigError, match=r"mpich gave no job id \(PMI_KVSNAME\).*set MASTER_PORT"):
+        detect(several, no_scontrol, parent_pid=lambda: 28940)
 
 
 def test_openmpi_on_several_nodes_needs_master_addr():
@@ -79,7 +97,6 @@ def test_a_partial_or_wrong_environment_is_named(environ, message):
 @pytest.mark.parametrize("override, key", [
     ("placement.reward_workers=1", "placement.reward_workers"),
     ("placement.env_workers=1", "placement.env_workers"),
-    ("placement.colocate=true", "placement.colocate"),
     ("placement.address=127.0.0.1:6379", "placement.address"),
     ("placement.weight_sync=broadcast", "placement.weight_sync"),
 ])
@@ -99,31 +116,133 @@ def test_the_launcher_decides_the_number_of_ranks():
         config_for(load_config(overrides=["placement.mode=launcher", "train.parallel.tp=4"]), env)
 
 
-# -- rank 0's handle of another rank, over a real connection -------------------------------------------
-def serve(conn, answers: dict) -> None:
-    """A stand-in for serve_rank's loop: answers calls from `answers` (a value, or an exception
-    to send back), and on "die" closes its end as an ended process does."""
-    while True:
-        kind, call, _args, _kwargs = conn.recv()
-        if kind == "exit" or call in ("die", "die_later"):
-            time.sleep(0.3 if call == "die_later" else 0.0)
-            conn.close()
-            return
-        value = answers[call]
-        conn.send(("err", value) if isinstance(value, BaseException) else ("ok", value))
+def test_colocated_engines_are_one_per_rank():
+    env = detect({**SLURM, "SLURM_NTASKS": "2"}, no_scontrol)
+    cfg = config_for(load_config(overrides=["placement.mode=launcher", "placement.colocate=true"]), env)
+    assert (cfg.engine.replicas, cfg.placement.trainer_ranks) == (2, 2)
+    with pytest.raises(ConfigError, match="engine.replicas=3, but slurm started 2"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.colocate=true", "engine.replicas=3"]),
+                   env)
+    # without colocate the replicas stay in rank 0, as many as configured
+    assert config_for(load_config(overrides=["placement.mode=launcher", "engine.replicas=3"]), env).engine.replicas == 3
 
 
-def remote_rank(answers: dict) -> RemoteRank:
+def test_engine_ranks_are_the_last_ranks_and_the_rest_train():
+    env = detect({**SLURM, "SLURM_NTASKS": "3"}, no_scontrol)
+    cfg = config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1"]), env)
+    assert (cfg.placement.trainer_ranks, cfg.engine.replicas) == (2, 1)
+    assert [role_of(cfg, r) for r in range(3)] == ["trainer rank 0", "trainer rank 1", "engine replica0 (rank 2)"]
+    with pytest.raises(ConfigError, match="engine_ranks=3, but slurm started 3 process.*at least one must be a trainer"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=3"]), env)
+    with pytest.raises(ConfigError, match="trainer_ranks=3, but slurm started 3 process.*less placement.engine_ranks=1"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1",
+                                          "placement.trainer_ranks=3"]), env)
+    with pytest.raises(ConfigError, match="engine.replicas=2, but slurm started placement.engine_ranks=1"):
+        config_for(load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1", "engine.replicas=2"]),
+                   env)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement.mode=ray", "placement.engine_ranks=1"], "placement.engine_ranks=1 needs placement.mode=launcher"),
+    (["placement.mode=launcher", "placement.engine_ranks=1", "placement.colocate=true"], "not both"),
+    (["placement.mode=launcher", "placement.engine_ranks=1", "placement.weight_sync=inprocess"],
+     "weight_sync=inprocess with placement.engine_ranks"),
+    (["placement.mode=launcher", "placement.weight_sync=disk"], "need engines on ranks of their own"),
+])
+def test_engine_ranks_refuse_what_cannot_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=overrides)
+    assert load_config(overrides=["placement.mode=launcher", "placement.engine_ranks=1", "placement.weight_sync=disk"])
+
+
+# -- rank 0's handle of another rank, over a real connection: the rank's own loop (serve_calls) ------
+class Worker:
+    """What a rank serves: plain calls (a trainer's: in order, one at a time) and an async one
+    (a colocated engine's generate: at once, many together)."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.order, self.overlap = answers, [], 0
+        self._running = 0
+
+    def __getattr__(self, call):
+        if call not in self.__dict__.get("answers", {}):
+            raise AttributeError(call)
+
+        def run(*_args):
+            self._running += 1
+            self.overlap = max(self.overlap, self._running)
+            time.sleep(0.05)
+            self._running -= 1
+            self.order.append(call)
+            value = self.answers[call]
+            if isinstance(value, BaseException):
+                raise value
+            return value
+        return run
+
+    async def generate(self, seconds: float, tag: str):
+        await asyncio.sleep(seconds)
+        return tag
+
+
+def serve(conn, worker) -> None:
+    """serve_calls, on a thread; "die" / "die_later" close its end as an ended process does."""
+    class Closing:
+        def __init__(self, c):
+            self.c = c
+
+        def recv(self):
+            msg = self.c.recv()
+            if msg[2] in ("die", "die_later"):
+                time.sleep(0.3 if msg[2] == "die_later" else 0.0)
+                self.c.close()
+                raise EOFError
+            return msg
+
+        def send(self, obj):
+            self.c.send(obj)
+
+        def close(self):
+            self.c.close()
+
+    serve_calls(Closing(conn), worker, 1)
+
+
+def remote_rank(answers: dict, worker: Worker | None = None) -> RemoteRank:
     ours, theirs = Pipe()
-    threading.Thread(target=serve, args=(theirs, answers), daemon=True).start()
+    threading.Thread(target=serve, args=(theirs, worker or Worker(answers)), daemon=True).start()
     return RemoteRank(1, ours, pid=1234)
 
 
 def test_a_remote_rank_answers_in_order_and_its_errors_keep_their_type():
-    h = remote_rank({"version": 7, "pid": 1234, "bad": ValueError("shard 3 is empty")})
-    assert gather([h.submit("version"), h.submit("pid")], timeout_s=10) == [7, 1234]
+    worker = Worker({"version": 7, "pid": 1234, "bad": ValueError("shard 3 is empty")})
+    h = remote_rank({}, worker)
+    assert gather([h.submit("version"), h.submit("pid"), h.submit("version")], timeout_s=10) == [7, 1234, 7]
+    assert worker.order == ["version", "pid", "version"] and worker.overlap == 1  # one at a time, in order
     with pytest.raises(RoleError, match=r"trainer rank 1: `bad` at step 5 raised ValueError: shard 3 is empty"):
         gather([h.submit("bad")], step=5, timeout_s=10)
+    with pytest.raises(RoleError, match=r"`nothing` raised AttributeError: Worker has no call 'nothing'"):
+        gather([h.submit("nothing")], timeout_s=10)
+    h.stop()
+
+
+def test_async_calls_run_together_and_are_not_held_behind_a_trainer_call():
+    h = remote_rank({"slow": "trained"})
+
+    async def main():
+        t0 = time.monotonic()
+        slow = h.submit("slow")  # 0.05 s on the rank's in-order thread
+        tags = await asyncio.gather(*(h.acall("generate", 0.5, f"r{i}", timeout_s=10) for i in range(8)))
+        took = time.monotonic() - t0
+        assert gather([slow], timeout_s=10) == ["trained"]
+        return tags, took
+
+    tags, took = asyncio.run(main())
+    assert tags == [f"r{i}" for i in range(8)]  # each answer matched to its own call
+    assert took < 2.0  # together: 8 × 0.5 s one after another would be 4 s
+    with pytest.raises(TimeoutError, match="trainer rank 1 did not answer generate within 0.1 s"):
+        asyncio.run(h.acall("generate", 1.0, "late", timeout_s=0.1))
+    assert gather([h.submit("slow")], timeout_s=10) == ["trained"]  # the late answer was dropped, not misdelivered
     h.stop()
 
 
@@ -135,6 +254,19 @@ def test_a_rank_that_ends_is_named_with_the_call_and_step_at_once():
     assert time.monotonic() - t0 < 10  # the closed connection, not the 60 s bound
     with pytest.raises(RoleError, match=r"trainer rank 1 died during `version`"):  # and every later call
         gather([h.submit("version")], timeout_s=60)
+
+
+def test_a_generation_pending_on_a_rank_that_ends_fails_naming_it():
+    h = remote_rank({})
+
+    async def main():
+        pending = asyncio.ensure_future(h.acall("generate", 30.0, "never", timeout_s=60))
+        await asyncio.sleep(0.1)
+        h.submit("die")
+        await pending
+
+    with pytest.raises(RoleDied, match=r"its process \(pid 1234\) ended"):
+        asyncio.run(main())
 
 
 class Collective:

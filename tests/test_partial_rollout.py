@@ -247,3 +247,28 @@ def test_factory_passes_the_option(tokenizer, partial):
     engine = build_engine("torch", cfg, MODEL, dtype="float32", device="cpu", pad_token_id=tokenizer.pad_token_id)
     assert engine.partial_rollout is partial and engine.update_timeout_s == 42.0
     assert EngineConfig().partial_rollout is True
+
+
+def test_token_versions_of_a_request_that_spans_updates():
+    """vLLM in process records (tokens sampled before, new version) at each update
+    (tidal/engines/vllm_inprocess.py); a switch after the last token changes nothing."""
+    from tidal.engines.vllm_inprocess import token_versions
+
+    assert token_versions(5, 3, []) == [3] * 5
+    assert token_versions(5, 3, [(2, 4)]) == [3, 3, 4, 4, 4]
+    assert token_versions(5, 3, [(0, 4), (4, 6)]) == [4, 4, 4, 4, 6]
+    assert token_versions(3, 3, [(3, 4)]) == [3, 3, 3]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["engine.kind=vllm", "engine.vllm_mode=server", "engine.partial_rollout=true"], "engine.vllm_mode=server"),
+    (["engine.kind=sglang", "engine.partial_rollout=true"], "engine.kind=sglang"),
+])
+def test_an_explicit_partial_rollout_where_the_engine_cannot_is_refused(overrides, says):
+    from tidal.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=says) as err:
+        load_config(overrides=overrides)
+    assert "engine.partial_rollout=true" in str(err.value)
+    if "engine.kind=vllm" in overrides:  # positive control: the default (true) is not refused: the server waits
+        load_config(overrides=overrides[:-1])  # (SGLang's config needs a GPU: not checked here)

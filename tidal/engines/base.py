@@ -9,7 +9,8 @@ inherits it and overrides what it has, so no caller probes for a method.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import ClassVar, Protocol
 
 import torch
@@ -48,3 +49,13 @@ class EngineBase:
 
     def wake_up(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot sleep (can_sleep is False)")
+
+    @contextlib.contextmanager
+    def peer_weights(self) -> Iterator[tuple[int, Mapping[str, torch.Tensor]]]:
+        """(version, {HF name: whole tensor}) readable while the body runs, for a new replica to
+        take (tidal/weightsync/peer.py); no update lands meanwhile. By default the engine keeps
+        no readable copy: PeerUnavailable."""
+        from tidal.weightsync.peer import PeerUnavailable
+
+        raise PeerUnavailable(f"{type(self).__name__} keeps no readable copy of its weights to serve a peer")
+        yield  # a generator, for contextmanager

@@ -77,7 +77,10 @@ def _vllm(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, 
                       gpu_memory_utilization=cfg.gpu_memory_utilization,
                       start_timeout_s=cfg.vllm_start_timeout_s, request_timeout_s=cfg.request_timeout_s,
                       log_dir=log_dir, vision=Vision.load(resolve_model_dir(model_dir)),
-                      tensor_parallel=cfg.tensor_parallel)
+                      tensor_parallel=cfg.tensor_parallel,
+                      # in-process only; the server finishes requests in flight before an update (config refuses
+                      # an explicit engine.partial_rollout=true there)
+                      partial_rollout=cfg.partial_rollout and cfg.vllm_mode == "in_process")
 
 
 def _sglang(cfg: EngineConfig, model_dir: str | Path, *, dtype: str, device: str, pad_token_id: int, seed: int,

@@ -5,6 +5,7 @@ whole process group (engine cores and schedulers outlive their leader otherwise)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -179,8 +180,23 @@ class ServedEngine(EngineBase):
             outs = await self._generate(requests, what, version)
         finally:
             self._gate.exit()
-        return [GenerationResult(r.request_id, toks, lps, reason, version)
-                for r, (toks, lps, reason) in zip(requests, outs, strict=True)]
+        results = []
+        for r, out in zip(requests, outs, strict=True):
+            toks, lps, reason = out[:3]
+            per_token = out[3] if len(out) > 3 else None  # a backend that updates under requests: each token's version
+            if per_token:
+                results.append(GenerationResult(r.request_id, toks, lps, reason, max(per_token),
+                                                per_token if len(set(per_token)) > 1 else None))
+            else:
+                results.append(GenerationResult(r.request_id, toks, lps, reason, version))
+        return results
+
+    def _update_gate(self, too_slow: Callable[[int], Exception]):
+        """What an update holds: the gate (it waits for the calls in flight, holds new ones back),
+        or, with partial rollout, nothing: the backend lands it between two steps and tags tokens."""
+        if getattr(self, "partial_rollout", False):
+            return contextlib.nullcontext()
+        return self._gate.exclusive(self.request_timeout_s, too_slow)
 
     def update_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
         what = f"update_weights(version={version})"
@@ -193,7 +209,7 @@ class ServedEngine(EngineBase):
         too_slow = lambda n: self.error(
             f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} generate calls in flight to "
             "finish (is update_weights called from the event loop that runs them?)")
-        with self._gate.exclusive(self.request_timeout_s, too_slow):
+        with self._update_gate(too_slow):
             try:
                 self._load_weights(named, version)
                 self._version = version

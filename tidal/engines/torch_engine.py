@@ -231,6 +231,14 @@ class TorchEngine(PromptForward, EngineBase):
                 params[name].copy_(t)
             self._version = version
 
+    @contextlib.contextmanager
+    def peer_weights(self):
+        """The parameters as they are, for a new replica to take (tidal/weightsync/peer.py): held
+        shared like a decode step, so no update lands while a peer reads them (decoding goes on)."""
+        self._check_open("peer_weights")
+        with self._weights.shared():
+            yield self._version, {n: p.detach() for n, p in self.model.named_parameters()}
+
     # -- generate ------------------------------------------------------------------------------
     async def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         self._check_open(f"generate ({len(requests)} requests)")

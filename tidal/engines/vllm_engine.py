@@ -33,7 +33,10 @@ caller leaves it out) — vLLM keeps a separately packed output layer on CPU tha
 stays stale. Every update ends with a prefix-cache reset.
 
 Versions: an update waits until every `generate` call in flight has finished and holds
-new calls back until it is done, so each result's `version` produced all of its tokens.
+new calls back until it is done, so each result's `version` produced all of its tokens. With
+`partial_rollout` (in-process only) it lands between two engine steps instead, the requests in
+flight go on with the new weights, and each result's `token_versions` says which version
+sampled each token (tidal/engines/vllm_inprocess.py).
 
 Images (a vision-language model: `vision`, tidal/models/vision.py): a request's prompt holds
 each image's run of pads already expanded by tidal. vLLM expands placeholders itself, and
@@ -135,9 +138,15 @@ class VLLMEngine(ServedEngine):
         log_dir: str | Path | None = None,
         vision: Vision | None = None,
         tensor_parallel: int = 1,
+        partial_rollout: bool = False,
     ):
         if mode not in ("in_process", "server"):
             raise ValueError(f"vLLM engine mode must be 'in_process' or 'server', got {mode!r}")
+        if partial_rollout and mode != "in_process":
+            raise VLLMEngineError("vLLM engine: partial rollout (requests in flight kept across a weight update) needs "
+                                  "mode='in_process' (engine.vllm_mode): the server's update routes run beside its "
+                                  "requests with no way to tell which version sampled which token")
+        self.partial_rollout = partial_rollout
         self.model_dir = Path(model_dir)
         self.mode: Mode = mode
         self.request_timeout_s = request_timeout_s
@@ -174,6 +183,7 @@ class VLLMEngine(ServedEngine):
         env = vllm_env(mode, kv_cache_gib, tensor_parallel, device)
         if mode == "in_process":
             self._backend: InProcessVLLM | VLLMServer = InProcessVLLM(self.model_dir, engine_args, env, vision is not None)
+            self._backend.partial = partial_rollout
         else:
             self._backend = VLLMServer(self.model_dir, engine_args, env, start_timeout_s, request_timeout_s, log_dir,
                                     vision is not None)
@@ -202,7 +212,7 @@ class VLLMEngine(ServedEngine):
             raise VLLMEngineError(f"{self.name}: {what} failed: {type(e).__name__}: {e}") from e
 
     def _load_weights(self, named: dict, version: int) -> None:
-        self._backend.load_weights(named, self.request_timeout_s)
+        self._backend.load_weights(named, self.request_timeout_s, version)
 
     # -- slices: vLLM's weight-transfer API with tidal's backend (vllm_transfer.py) --------------
     def join_weight_group(self, host: str, port: int, world_size: int, rank_offset: int, name: str,
@@ -231,7 +241,7 @@ class VLLMEngine(ServedEngine):
         self._check_open(what)
         too_slow = lambda n: self.error(f"{self.name}: {what} waited {self.request_timeout_s:g} s for {n} "
                                         "generate calls in flight to finish")
-        with self._gate.exclusive(self.request_timeout_s, too_slow):
+        with self._update_gate(too_slow):
             try:
                 reports = self._backend.transfer([
                     ("start_weight_update", {}), ("update_weights", {"update_info": {"timeout_s": timeout_s}}),
@@ -250,6 +260,51 @@ class VLLMEngine(ServedEngine):
         return {"version": self._version, "bytes": sum(r["bytes"] for r in reports),
                 "bytes_per_rank": [r["bytes"] for r in reports],
                 "checksum_ok": None if None in sums else all(sums), "reports": reports}
+
+    def peer_weights(self):
+        """vLLM keeps no readable copy of whole tensors (NO_READABLE_COPY): PeerUnavailable. A
+        replica fed by the shard transport serves from its workers' copies instead (`serve_peer`)."""
+        from tidal.weightsync.peer import NO_READABLE_COPY, PeerUnavailable
+
+        raise PeerUnavailable(f"{self.name} cannot serve its weights as whole tensors: {NO_READABLE_COPY}")
+
+    def _peer_copies(self) -> list:
+        """Each worker's version of the copy of its slices it keeps (None: none)."""
+        self._check_open("peer_version")
+        return self._backend.transfer([("tidal_peer_version", {})], 60.0)
+
+    def peer_version(self) -> int | None:
+        """The version this replica can serve a peer (`serve_peer`): its own, when every worker
+        keeps a copy of its slices at it (fed by the shard transport); else None."""
+        got = self._peer_copies()
+        return self._version if got and all(v == self._version for v in got) else None
+
+    def serve_peer(self, host: str, port: int, world_size: int, name: str, timeout_s: float, dst_tp: int,
+                   bucket_bytes: int, role: str = "vLLM replica", backend: str = "gloo", checksums: bool = False
+                   ) -> list[dict]:
+        """Send this replica's weights to a new replica (tidal/weightsync/peer.py): every worker
+        joins the peer group as its TP rank (the new replica's ranks follow, from `world_size` -
+        `dst_tp`) and sends its own slices from the copy the shard transport keeps; the others'
+        packed weights cannot be read back on CPU, so a replica fed another way raises
+        PeerUnavailable (asked first, before anyone joins). Generation pauses meanwhile (the
+        workers are busy sending), no update lands. Returns each rank's `ShardSender.send` report."""
+        from tidal.weightsync.peer import NO_READABLE_COPY, PeerUnavailable
+
+        got = self._peer_copies()
+        if any(v is None for v in got):
+            raise PeerUnavailable(f"{self.name} cannot serve a peer: its workers hold no copy of their weights "
+                                  f"({NO_READABLE_COPY})")
+        if any(v != self._version for v in got):
+            raise PeerUnavailable(f"{self.name} cannot serve v{self._version}: its workers' copies are "
+                                  f"v{'/'.join(map(str, sorted(set(got))))} (it took newer weights by another path since)")
+        info = {"host": host, "port": port, "world_size": world_size, "name": name, "timeout_s": timeout_s,
+                "dst_tp": dst_tp, "bucket_bytes": bucket_bytes, "role": role, "backend": backend,
+                "version": self._version, "checksums": checksums,
+                "hf_config": json.loads((self.model_dir / "config.json").read_text())}
+        try:
+            return self._backend.transfer([("tidal_serve_peer", {"info": info})], timeout_s)
+        except Exception as e:
+            raise WeightSyncError(f"{self.name}: serving weights v{self._version} to a peer failed: {e}") from e
 
     # -- helpers ---------------------------------------------------------------------------
     def _prepare_vision(self, engine_args: dict[str, Any]) -> tuple[str, ...]:

@@ -6,6 +6,18 @@ unfinished (continuous batching across concurrent calls) and resolves each reque
 when it finishes; weight loads and vLLM's worker calls (`transfer`) run on the same thread
 between steps. At `tensor_parallel_size` > 1 only the engine core is here; vLLM's workers
 are child processes.
+
+Partial rollout (`partial`, engine.partial_rollout): because an update runs between two engine
+steps on this thread, requests in flight need not wait for it. Right after new weights are in,
+each unfinished request's count of sampled tokens is recorded with the new version, and the
+prefix cache is reset with `reset_running_requests=True`: vLLM preempts the running requests
+and recomputes their KV (prompt and tokens so far) with the new weights before they sample on.
+So every token after the switch comes from the new weights over a cache they computed, and each
+result carries the version of every token (`token_versions`). vLLM's own `pause(mode="keep")`
+is AsyncLLM's (engine core in a child process); tidal drives the synchronous LLMEngine and needs
+no pause. Measured here: seeded and unseeded requests continue after the preemption; with the
+running requests' old KV kept instead (no preemption), the tokens after the switch differ from
+what the new weights give over the same text (tests/test_vllm_shard.py fails).
 """
 
 from __future__ import annotations
@@ -24,14 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tidal.engines.vllm_requests import (
-    Completion,
-    VLLMEngineError,
-    check_expanded,
-    checked_finish_reason,
-    vllm_prompt,
-    vllm_sampling_fields,
-)
+from tidal.engines.vllm_requests import Completion, VLLMEngineError, completion, vllm_prompt, vllm_sampling_fields
 from tidal.types import GenerationRequest
 
 if TYPE_CHECKING:
@@ -67,6 +72,11 @@ class InProcessVLLM:
         self._inbox: collections.deque = collections.deque()  # callables run by the worker thread
         self._cv = threading.Condition()
         self._futures: dict[str, concurrent.futures.Future] = {}  # vLLM request id → result (worker thread only)
+        self.partial = False  # partial rollout: updates land between steps, requests in flight go on (docstring)
+        self.loaded_version = 0  # the weights' version now (worker thread)
+        self._internal: dict[str, str] = {}  # request id → vLLM's internal id (its output state's key)
+        self._born: dict[str, int] = {}  # request id → the version its first token is sampled with
+        self._switches: dict[str, list[tuple[int, int]]] = {}  # request id → (tokens sampled before, new version)
         self._ids = itertools.count()
         self._stop = False
         self._error: BaseException | None = None
@@ -168,7 +178,8 @@ class InProcessVLLM:
             try:
                 for r, prompt, p, fut in zip(requests, engine.renderer.render_cmpl(prompts), params, results):
                     rid = f"{next(self._ids)}:{r.request_id}"  # unique even if a caller reuses a request id
-                    engine.add_request(rid, prompt, p)
+                    self._internal[rid] = engine.add_request(rid, prompt, p)
+                    self._born[rid] = self.loaded_version
                     ids.append(rid)
                     self._futures[rid] = fut
             except BaseException:
@@ -183,31 +194,58 @@ class InProcessVLLM:
                 self._run(lambda: self._abort(ids))
             raise
         parsed = []
-        for r, out in zip(requests, outs):
-            if r.images:
-                check_expanded(r, out.prompt_token_ids, vision)
+        for r, out, rid in zip(requests, outs, ids):
             c = out.outputs[0]
-            toks = list(c.token_ids)
-            if c.logprobs is None or len(c.logprobs) != len(toks):
-                raise VLLMEngineError(f"request {r.request_id}: {len(toks)} tokens but "
-                                      f"{len(c.logprobs or ())} log-probs in vLLM's output")
-            lps = [c.logprobs[i][t].logprob for i, t in enumerate(toks)]
-            parsed.append((toks, lps, checked_finish_reason(c.finish_reason, f"request {r.request_id}")))
+            lps = c.logprobs  # per token {token id: Logprob}; the sampled token's own, when one per token
+            if lps is not None and len(lps) == len(c.token_ids):
+                lps = [d[t].logprob for d, t in zip(lps, c.token_ids)]
+            toks, lps, reason = completion(r, c.token_ids, lps, c.finish_reason, vision, out.prompt_token_ids)
+            versions = token_versions(len(toks), self._born.pop(rid), self._switches.pop(rid, []))
+            self._internal.pop(rid, None)
+            parsed.append((toks, lps, reason, versions))
         return parsed
 
     def _abort(self, ids: list[str]) -> None:
         for i in ids:
             self._futures.pop(i, None)
+            self._internal.pop(i, None)
+            self._born.pop(i, None)
+            self._switches.pop(i, None)
         self.llm.llm_engine.abort_request(ids)
 
-    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
+    def _after_update(self, version: int | None) -> None:
+        """On the worker thread, new weights just in: no cache computed by the old ones is reused
+        (with partial rollout the running requests' own KV included: they are preempted and
+        recomputed, each request's switch recorded), and the loaded version moves on."""
+        engine = self.llm.llm_engine
+        if self.partial and version is not None:
+            states = engine.output_processor.request_states
+            for rid in self._futures:
+                state = states.get(self._internal.get(rid, ""))
+                if state is not None:
+                    self._switches.setdefault(rid, []).append((state.detokenizer.num_output_tokens(), version))
+        if not engine.reset_prefix_cache(reset_running_requests=self.partial and bool(self._futures)):
+            log.warning("vLLM kept its prefix cache after a weight update: blocks were in use")
+        if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
+            engine.reset_encoder_cache()
+        if version is not None:
+            self.loaded_version = version
+
+    def tokens_in_flight(self) -> dict[str, int]:
+        """Tokens sampled so far by each unfinished request (request id → count), read between two
+        steps: what a partial-rollout update would record now."""
+        def count() -> dict[str, int]:
+            states = self.llm.llm_engine.output_processor.request_states
+            return {rid.split(":", 1)[1]: states[self._internal[rid]].detokenizer.num_output_tokens()
+                    for rid in self._futures if self._internal.get(rid) in states}
+        return self._run(count).result(60)
+
+    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float, version: int | None = None) -> None:
         weights = [(k, v.detach()) for k, v in named.items()]
 
         def load() -> None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            self.llm.reset_prefix_cache()
-            if self.multimodal:  # image embeddings of the old vision tower ("Encoder cache miss" otherwise)
-                self.llm.llm_engine.reset_encoder_cache()
+            self._after_update(version)
 
         try:
             self._run(load).result(timeout_s)
@@ -222,10 +260,9 @@ class InProcessVLLM:
             out: list = []
             for method, kwargs in calls:
                 out = self.llm.collective_rpc(method, timeout=timeout_s + 30, kwargs=kwargs)
-            if calls[-1][0] == "tidal_sync_report":
-                self.llm.reset_prefix_cache()
-                if self.multimodal:
-                    self.llm.llm_engine.reset_encoder_cache()
+            if calls[-1][0] == "tidal_sync_report":  # a receive: the ranks report the version they took
+                versions = {r.get("version") for r in out}
+                self._after_update(versions.pop() if len(versions) == 1 else None)
             return out
 
         try:
@@ -247,3 +284,12 @@ class InProcessVLLM:
             cleanup_dist_env_and_memory()
         except Exception as e:  # noqa: BLE001
             log.debug("closing the in-process vLLM engine: %s", e)
+
+
+def token_versions(n: int, born: int, switches: list[tuple[int, int]]) -> list[int]:
+    """Each of a request's `n` tokens' weight version: `born` until the first switch, then each
+    switch's version from the count of tokens sampled before it on."""
+    out = [born] * n
+    for before, version in switches:
+        out[before:] = [version] * (n - min(before, n))
+    return out

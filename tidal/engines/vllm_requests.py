@@ -89,6 +89,20 @@ def checked_finish_reason(reason: str | None, where: str) -> str:
     raise VLLMEngineError(f"{where}: vLLM finished it with reason {reason!r} (expected 'stop' or 'length')")
 
 
+def completion(r: GenerationRequest, toks, lps, reason: str | None, vision: Vision | None = None,
+               prompt_ids: list[int] | None = None) -> Completion:
+    """One request's answer as tidal takes it, from either mode: for a request with images vLLM's
+    expansion of its prompt (`prompt_ids`) must be the request's own (check_expanded), one
+    log-prob per token, finish reason `stop` or `length`; else VLLMEngineError naming the request."""
+    where = f"request {r.request_id}"
+    if r.images:
+        check_expanded(r, prompt_ids, vision)
+    toks = list(toks)
+    if lps is None or len(lps) != len(toks):
+        raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps or ())} log-probs in vLLM's answer")
+    return toks, [float(x) for x in lps], checked_finish_reason(reason, where)
+
+
 def vllm_prompt(r: GenerationRequest, vision: Vision | None) -> dict[str, Any]:
     """What vLLM is given for a request: its token ids, and for a request with images each image
     run collapsed to one pad (vLLM expands it again itself), the pictures and their content ids

@@ -22,14 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tidal.engines.served import http_call, server_workspace, stop_process_group, tail, wait_healthy
-from tidal.engines.vllm_requests import (
-    Completion,
-    VLLMEngineError,
-    check_expanded,
-    checked_finish_reason,
-    vllm_prompt,
-    vllm_sampling_fields,
-)
+from tidal.engines.vllm_requests import Completion, VLLMEngineError, completion, vllm_prompt, vllm_sampling_fields
 from tidal.types import GenerationRequest
 
 if TYPE_CHECKING:
@@ -107,13 +100,8 @@ class VLLMServer:
     async def _complete(self, session, r: GenerationRequest, banned: tuple[str, ...] = ()) -> Completion:
         body = {"model": "policy", "prompt": list(r.prompt_ids), **vllm_sampling_fields(r.params, banned),
                 "return_token_ids": True}
-        where = f"request {r.request_id}"
-        choice = (await self._post(session, "/v1/completions", body, where))["choices"][0]
-        toks = list(choice["token_ids"])
-        lps = list(choice["logprobs"]["token_logprobs"])
-        if len(lps) != len(toks):
-            raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
-        return toks, [float(x) for x in lps], checked_finish_reason(choice["finish_reason"], where)
+        choice = (await self._post(session, "/v1/completions", body, f"request {r.request_id}"))["choices"][0]
+        return completion(r, choice["token_ids"], choice["logprobs"]["token_logprobs"], choice["finish_reason"])
 
     async def _complete_images(self, session, r: GenerationRequest, vision: Vision,
                                banned: tuple[str, ...]) -> Completion:
@@ -125,17 +113,12 @@ class VLLMServer:
                   "uuid": b.id} for b in r.images]
         body = {"model": "policy", "token_ids": prompt["prompt_token_ids"], "content_parts": parts,
                 "sampling_params": vllm_sampling_fields(r.params, banned), "return_token_ids": True}
-        where = f"request {r.request_id}"
-        answer = await self._post(session, "/inference/v1/generate", body, where)
-        check_expanded(r, answer.get("prompt_token_ids"), vision)
+        answer = await self._post(session, "/inference/v1/generate", body, f"request {r.request_id}")
         choice = answer["choices"][0]
-        toks = list(choice["token_ids"])
-        lps = [float(c["logprob"]) for c in (choice.get("logprobs") or {}).get("content") or ()]
-        if len(lps) != len(toks):
-            raise VLLMEngineError(f"{where}: {len(toks)} tokens but {len(lps)} log-probs in the answer")
-        return toks, lps, checked_finish_reason(choice["finish_reason"], where)
+        lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or ()]
+        return completion(r, choice["token_ids"], lps, choice["finish_reason"], vision, answer.get("prompt_token_ids"))
 
-    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float) -> None:
+    def load_weights(self, named: dict[str, torch.Tensor], timeout_s: float, version: int | None = None) -> None:
         from safetensors.torch import save_file
 
         # One fixed directory: reload_weights points the server's model config at it.
@@ -150,12 +133,13 @@ class VLLMServer:
             self._http("POST", "/reset_encoder_cache", {}, 60)
 
     def transfer(self, calls: list[tuple[str, dict]], timeout_s: float) -> list:
-        """vLLM's weight-transfer routes (served in dev mode), in order; `tidal_sync_report`
-        goes through /collective_rpc. Returns its per-rank results (else [])."""
+        """vLLM's weight-transfer routes (served in dev mode), in order; tidal's worker methods
+        (`tidal_sync_report`, `tidal_serve_peer`) go through /collective_rpc. Returns the last
+        of those's per-rank results (else [])."""
         out: list = []
         for method, body in calls:
-            if method == "tidal_sync_report":
-                rpc = {"method": method, "timeout": timeout_s}
+            if method.startswith("tidal_"):  # tidal's worker extension methods (vllm_transfer.py)
+                rpc = {"method": method, "timeout": timeout_s, **({"kwargs": body} if body else {})}
                 out = json.loads(self._http("POST", "/collective_rpc", rpc, timeout_s + 30))["results"]
             else:
                 self._http("POST", f"/{method}", body, timeout_s + 30)

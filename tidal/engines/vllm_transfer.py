@@ -195,6 +195,44 @@ class TidalWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         return dict(engine.report) if isinstance(engine, TidalGlooTransferEngine) else {}
 
+    def tidal_peer_version(self) -> int | None:
+        """The version of the copy of its slices this rank could serve a peer, None without one."""
+        receiver = getattr(getattr(self, "weight_transfer_engine", None), "receiver", None)
+        return None if receiver is None else receiver.version
+
+    def tidal_serve_peer(self, info: dict) -> dict:
+        """Send this rank's slices to a new replica (tidal/weightsync/peer.py): join the peer group
+        as its TP rank (the source ranks come first), take the plan from TP rank 0 (which makes it
+        from this replica's boxes and the new replica's `dst_tp`), send, leave. The slices are the
+        shard transport's receiver's copy: the model's own linear weights are packed and unreadable
+        on CPU, so a rank without that copy, or with one of another version than `version`, refuses."""
+        from tidal.weightsync.peer import NO_READABLE_COPY, PeerUnavailable, peer_plan, replica_boxes, serve_peer
+
+        engine = getattr(self, "weight_transfer_engine", None)
+        receiver = getattr(engine, "receiver", None)
+        tp_rank, tp = get_tensor_model_parallel_rank(), self.vllm_config.parallel_config.tensor_parallel_size
+        who = f"{info.get('role', 'vLLM replica')} TP rank {tp_rank}/{tp}"
+        if receiver is None or receiver.version is None:
+            raise PeerUnavailable(f"{who} cannot serve a peer: it holds no copy of its weights ({NO_READABLE_COPY})")
+        if receiver.version != info["version"]:
+            raise PeerUnavailable(f"{who} cannot serve v{info['version']}: its copy is v{receiver.version} (the "
+                                  "replica took newer weights by another path since)")
+        base = receiver.dst - tp_rank  # the replica's TP ranks are consecutive engine ranks of the shard plan
+        plan = None
+        if tp_rank == 0:
+            params = receiver.plan.params
+            plan = peer_plan(params, receiver.plan.engine_boxes[base:base + tp],
+                             replica_boxes(params, info["dst_tp"], info.get("hf_config")), info["bucket_bytes"])
+        group = BroadcastGroup.join(info["host"], info["port"], tp_rank, info["world_size"],
+                                    backend=info.get("backend", "gloo"), timeout_s=info["timeout_s"], name=info["name"])
+        try:
+            out = serve_peer(group, receiver.version, receiver.held, plan)
+        finally:
+            group.close()
+        if info.get("checksums"):  # SHA-256 of each slice it sent from (one pass over them): tests compare
+            out["checksums"] = {n: slice_checksum(n, t) for n, t in receiver.held.items()}
+        return {**out, "role": who}
+
 
 if BACKEND not in WeightTransferEngineFactory._registry:  # importing twice must not raise
     WeightTransferEngineFactory.register_engine(BACKEND, TidalGlooTransferEngine)

@@ -212,10 +212,11 @@ class Controller:
         """The rollout stage of a step: sample + reward (+ DAPO refill)."""
         with self._source_lock:  # the data position a checkpoint of step-1 must restore
             self._source_before[step] = self.source.state_dict()
+        restored = self.pusher.restore(step)  # placement.engine_bootstrap=peer: dead replicas back from a peer
         t0 = time.perf_counter()
         with trace.span("rollout", cat="generate", step=step):
             episodes, train_eps, baselines, metrics = self._sample(step)
-        return Sampled(step, episodes, train_eps, baselines, metrics, t0, time.perf_counter())
+        return Sampled(step, episodes, train_eps, baselines, {**metrics, **restored}, t0, time.perf_counter())
 
     def _learn(self, s: Sampled, trainer_wait: float = 0.0) -> dict[str, float]:
         """The learning stages of a step, in order (the module docstring says what each does)."""

@@ -3,37 +3,43 @@ started, one `tidal train` each; no Ray.
 
 Every process reads its rank and the world size from its launcher (tidal/runtime/ranks.py) and
 meets the others on a torch.distributed TCPStore at the rendezvous address (rank 0 hosts it,
-or torchrun's agent already does). Rank 0 runs the controller: the rollout, the engines
-(in its own process, as placement.mode=local: weights move in process), the rewards and the
-environments, checkpoints and metrics. Every other rank runs `serve_rank`: one TrainerWorker,
-driven by rank 0.
+or torchrun's agent already does). Rank 0 runs the controller: the rollout, the rewards and
+the environments, checkpoints and metrics. Every other rank runs `serve_rank`: one
+TrainerWorker, driven by rank 0. The engines live either in rank 0's process (as
+placement.mode=local: every rank gathers the weights, rank 0 loads its copy), or, with
+placement.colocate, one inside each rank (as Ray's colocated ranks: rank 0's router sends each
+rank's engine its share of the requests over the rank's control connection, and each rank
+loads the weights it gathered into its own engine, so no weights cross the network beyond the
+gather), or, with placement.engine_ranks, one in each of the last ranks, which train nothing
+(as Ray's engine actors: an EngineWorker, weights by broadcast from trainer rank 0 or by disk).
+The last two scale to several nodes: the generation grows with the ranks instead of waiting
+on one process.
 
 The choice for driving the ranks: a control connection per rank (the standard library's
 multiprocessing.connection, HMAC-authenticated with a key rank 0 publishes through the store;
-it listens on the rendezvous address, loopback on one node), over which rank 0 sends each
-call and the rank answers in order. Through it rank 0's TrainerGroup sees the ranks as it sees
-Ray actors (the same Handle, `submit` and `gather`), so the controller, the sharding of
-batches and the checkpoints are the code of placement.mode=ray. Why a connection and not the
-store or a torch collective: a process that ends closes its socket, so rank 0 learns at once
-which rank died (the error names it and the step) instead of waiting for a collective's
-timeout; and batches larger than the store's 8 MiB limit pass. The trainer's own
-collectives (FSDP2) run in a process group on the same store, with
-placement.collective_timeout_s; each call has placement.call_timeout_s; nothing waits
-forever except a rank waiting for rank 0's next call, which ends when rank 0's connection
-closes.
+it listens on the rendezvous address, loopback on one node), over which rank 0 sends numbered
+calls (tidal/runtime/rank_link.py). Through it rank 0's TrainerGroup and router see the ranks
+as they see Ray actors (the same Handle, `submit`, `acall` and `gather`), so the controller,
+the sharding of batches, the weight sync and the checkpoints are the code of
+placement.mode=ray. Why a connection and not the store or a torch collective: a process that
+ends closes its socket, so rank 0 learns at once which rank died (the error names it and the
+step) instead of waiting for a collective's timeout; and batches larger than the store's 8 MiB
+limit pass. The trainer's own collectives (FSDP2) run in a process group on the same store,
+with placement.collective_timeout_s; each call has placement.call_timeout_s (a generation,
+engine.request_timeout_s); nothing waits forever except a rank waiting for rank 0's next call,
+which ends when rank 0's connection closes.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import logging
 import os
-import pickle
 import secrets
 import socket
 import threading
-from concurrent.futures import Future
 from multiprocessing.connection import Client, Listener
 
 from torch.distributed import PrefixStore, TCPStore
@@ -41,29 +47,48 @@ from torch.distributed import PrefixStore, TCPStore
 from tidal.config import ConfigError, TidalConfig
 from tidal.models import load_tokenizer, resolve_model_dir
 from tidal.runtime import topology
-from tidal.runtime.handles import Handle, Pending, RoleDied, RoleError, gather
+from tidal.runtime.handles import Handle, RoleError, gather
+from tidal.runtime.rank_link import LocalRank, RemoteRank, serve_calls
 from tidal.runtime.ranks import LaunchEnv
 from tidal.runtime.trainer_group import TrainerGroup, TrainerWorker
+from tidal.runtime.workers import EngineWorker
 from tidal.trainer.distributed import destroy
 from tidal.trainer.parallel.mesh import ParallelDims
 from tidal.trainer.threads import on_own_thread
 from tidal.weightsync import InProcessSync
 
+__all__ = ["LocalRank", "RemoteRank", "config_for", "join_ranks", "serve_rank"]
+
 log = logging.getLogger("tidal")
 
-ADDRESS_KEY, AUTHKEY_KEY = "control/address", "control/authkey"
+ADDRESS_KEY, AUTHKEY_KEY, ENGINE_KEY = "control/address", "control/authkey", "control/engine"
 
 
 def config_for(cfg: TidalConfig, env: LaunchEnv) -> TidalConfig:
-    """cfg with placement.trainer_ranks = the launcher's world size (validated again: the mesh
-    of train.parallel must fit it). A trainer_ranks given that differs is an error."""
-    pl = cfg.placement
-    if "trainer_ranks" in pl.model_fields_set and pl.trainer_ranks != env.world_size:
+    """cfg fitted to the launcher's world: placement.trainer_ranks = its size less
+    placement.engine_ranks (validated again: the mesh of train.parallel must fit it), and
+    engine.replicas = one per rank with placement.colocate, or placement.engine_ranks. A
+    trainer_ranks or engine.replicas given that differs is an error."""
+    pl, eng = cfg.placement, cfg.engine
+    n_train = env.world_size - pl.engine_ranks
+    if n_train < 1:
+        raise ConfigError(f"placement.engine_ranks={pl.engine_ranks}, but {env.launcher} started {env.world_size} "
+                          f"process(es): at least one must be a trainer rank")
+    if "trainer_ranks" in pl.model_fields_set and pl.trainer_ranks != n_train:
+        engines = f" less placement.engine_ranks={pl.engine_ranks}" if pl.engine_ranks else ""
         raise ConfigError(f"placement.trainer_ranks={pl.trainer_ranks}, but {env.launcher} started {env.world_size} "
-                          f"process(es): give placement.trainer_ranks={env.world_size} or leave it out (under "
+                          f"process(es){engines}: give placement.trainer_ranks={n_train} or leave it out (under "
                           f"placement.mode=launcher the launcher decides)")
+    replicas = env.world_size if pl.colocate else pl.engine_ranks or None
+    if replicas is not None and "replicas" in eng.model_fields_set and eng.replicas != replicas:
+        each = (f"{env.world_size} rank(s), each hosting one replica" if pl.colocate
+                else f"placement.engine_ranks={pl.engine_ranks} engine rank(s)")
+        raise ConfigError(f"engine.replicas={eng.replicas}, but {env.launcher} started {each}: give "
+                          f"engine.replicas={replicas} or leave it out")
     data = cfg.model_dump()
-    data["placement"]["trainer_ranks"] = env.world_size
+    data["placement"]["trainer_ranks"] = n_train
+    if replicas is not None:
+        data["engine"]["replicas"] = replicas
     try:
         return TidalConfig.model_validate(data)
     except ValueError as e:
@@ -90,98 +115,6 @@ def meet(env: LaunchEnv, timeout_s: float):
 
 
 # -- rank 0's side --------------------------------------------------------------------------------
-class LocalRank(Handle):
-    """Rank 0's own TrainerWorker: each call on a thread that ends with it, so that it runs while
-    the other ranks are sent theirs (the call is a collective) and keeps no OpenMP team alive
-    on a long-lived thread (tidal/trainer/threads.py says why)."""
-
-    def __init__(self, worker):
-        super().__init__("trainer rank 0", worker, remote=True)
-
-    def submit(self, call: str, *args, **kwargs) -> Pending:
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(getattr(self.target, call)(*args, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed to gather
-                future.set_exception(e)
-
-        threading.Thread(target=run, name=f"tidal-rank0-{call}", daemon=True).start()
-        return Pending(self, call, future=future)
-
-    def kill(self) -> None:
-        pass
-
-
-class RemoteRank(Handle):
-    """Rank r > 0 over its control connection. Calls are sent in order and answered in order;
-    one reader thread resolves them. The connection closing (the process ended) fails every
-    call pending and every later one with RoleDied, naming the rank."""
-
-    def __init__(self, rank: int, conn, pid: int):
-        super().__init__(f"trainer rank {rank}", None, remote=True)
-        self.rank, self.conn, self.rank_pid = rank, conn, pid
-        self._send_lock = threading.RLock()  # _died runs under it from submit
-        self._pending: list[Future] = []
-        self.dead: str | None = None
-        threading.Thread(target=self._read, name=f"tidal-rank{rank}-reader", daemon=True).start()
-
-    def submit(self, call: str, *args, **kwargs) -> Pending:
-        future: Future = Future()
-        with self._send_lock:
-            if self.dead is None:
-                try:
-                    self._pending.append(future)
-                    self.conn.send(("call", call, args, kwargs))
-                except (OSError, EOFError, ValueError) as e:
-                    self._died(f"its control connection failed ({type(e).__name__}: {e})")
-            if self.dead is not None:
-                return Pending(self, call, error=RoleDied(self.dead))
-        return Pending(self, call, future=future)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                kind, value = self.conn.recv()
-            except (OSError, EOFError, ValueError):
-                self._died(f"its process (pid {self.rank_pid}) ended: its control connection closed")
-                return
-            with self._send_lock:
-                future = self._pending.pop(0) if self._pending else None
-            if future is None:
-                continue
-            if kind == "ok":
-                future.set_result(value)
-            else:  # the rank's own exception (or its text, where it did not pickle)
-                future.set_exception(value if isinstance(value, BaseException) else RuntimeError(value))
-
-    def _died(self, why: str) -> None:
-        with self._send_lock:
-            if self.dead is None:
-                self.dead = why
-                # at once, though the run stops only at its next call to the trainer (a rollout may be under way)
-                log.error("launcher: trainer rank %d (pid %d) ended: %s", self.rank, self.rank_pid, why)
-            pending, self._pending = self._pending, []
-        for f in pending:
-            if not f.done():
-                f.set_exception(RoleDied(self.dead))
-
-    def stop(self) -> None:
-        """Ask the rank to exit (it leaves its loop), then close the connection."""
-        if self.dead is None:
-            try:
-                with self._send_lock:
-                    self.conn.send(("exit", None, (), {}))
-            except (OSError, EOFError, ValueError):
-                pass
-        self.dead = self.dead or "stopped"
-        self.conn.close()
-
-    def kill(self) -> None:
-        self.stop()
-
-
 class Launched:
     """Rank 0's view of the job: its store, its listener, a handle per rank."""
 
@@ -192,6 +125,7 @@ class Launched:
         for h in self.ranks[1:]:
             h.stop()
         self.listener.close()
+        self.ranks[0].target.close_engine()  # rank 0's colocated engine, if any
         alive = all(getattr(h, "dead", None) in (None, "stopped") for h in self.ranks[1:])
         if alive:  # with a rank gone, rank 0 may still be inside a collective: the process ends instead
             destroy()
@@ -224,7 +158,7 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
             if theirs != mine:
                 problems.append(f"rank {rank} runs another config (digest {theirs}, rank 0's {mine}): every rank "
                                 "must be started with the same config and overrides")
-            found[rank] = RemoteRank(rank, conn, pid)
+            found[rank] = RemoteRank(rank, conn, pid, role=role_of(cfg, rank))
 
     thread = threading.Thread(target=accept_all, name="tidal-accept", daemon=True)
     thread.start()
@@ -244,11 +178,18 @@ def connect_ranks(env: LaunchEnv, store, worker, cfg: TidalConfig, timeout_s: fl
     return Launched(env, store, ranks, listener)
 
 
+def role_of(cfg: TidalConfig, rank: int) -> str:
+    """What rank `rank` is: a trainer rank, or (placement.engine_ranks, the last ranks) an engine replica."""
+    n_train = cfg.placement.trainer_ranks
+    return f"trainer rank {rank}" if rank < n_train else f"engine replica{rank - n_train} (rank {rank})"
+
+
 def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -> list[str]:
     """The launcher placed the ranks: say which tp × cp × ep group spans nodes (topology.py)."""
-    dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
+    n_train = cfg.placement.trainer_ranks  # the engine ranks, if any, come after them
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
     size = topology.group_size(dims.tp, dims.cp, dims.ep)
-    split = topology.split_groups(topology.node_groups(env.world_size, size), hosts)
+    split = topology.split_groups(topology.node_groups(n_train, size), hosts)
     for message in split:
         log.warning("launcher: %s; start each node's ranks together, a multiple of %d per node (torchrun "
                     "--nproc-per-node, srun --ntasks-per-node, mpirun --map-by ppr:N:node)", message, size)
@@ -257,13 +198,16 @@ def warn_split_groups(cfg: TidalConfig, env: LaunchEnv, hosts: dict[int, str]) -
 
 # -- the other ranks' side -------------------------------------------------------------------------
 def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
-    """Rank r > 0: meet, connect to rank 0, set up its TrainerWorker when told, then answer
-    rank 0's calls in order until told to exit (0) or rank 0's connection closes (1)."""
+    """Rank r > 0: meet, connect to rank 0, set up its TrainerWorker (and, placement.colocate,
+    its engine) when told, or as one of the last placement.engine_ranks ranks load its
+    EngineWorker, then answer rank 0's calls (tidal/runtime/rank_link.py) until told to exit
+    (0) or rank 0's connection closes (1)."""
     pl = cfg.placement
     store = meet(env, pl.start_timeout_s)
     try:  # published by rank 0 once its run has started (its inputs checked, its run directory open)
         host, port = store.get(ADDRESS_KEY).decode().rsplit(":", 1)
         authkey = bytes.fromhex(store.get(AUTHKEY_KEY).decode())
+        engine = json.loads(store.get(ENGINE_KEY).decode())  # set before the address: there already
     except RuntimeError as e:  # the store's timeout, or rank 0 (its host) gone
         raise ConfigError(f"placement.mode=launcher: rank {env.rank}: rank 0 did not publish its control address "
                           f"within {pl.start_timeout_s:g} s (placement.start_timeout_s); it may have stopped at its "
@@ -271,51 +215,50 @@ def serve_rank(cfg: TidalConfig, env: LaunchEnv) -> int:
     conn = Client((host, int(port)), authkey=authkey)
     conn.send(("hello", env.rank, os.getpid(), digest(cfg), socket.gethostname()))
     model_dir = resolve_model_dir(cfg.model.path)
-    worker = TrainerWorker(cfg, str(model_dir), load_tokenizer(model_dir).pad_token_id, rank=env.rank,
-                           world_size=env.world_size)
-    worker.store = PrefixStore("trainer", store)
-    log.info("launcher: rank %d of %d (%s) serving rank 0 at %s:%s", env.rank, env.world_size, env.launcher, host, port)
-    while True:
-        try:
-            kind, call, args, kwargs = conn.recv()
-        except (OSError, EOFError):
-            log.error("launcher: rank %d: rank 0 (the controller) went away; stopping", env.rank)
-            return 1
-        if kind == "exit":
-            conn.close()
-            destroy()
-            return 0
-        try:
-            reply = ("ok", getattr(worker, call)(*args, **kwargs))
-        except Exception as e:  # noqa: BLE001 - sent to rank 0, which names this rank and the step
-            reply = ("err", e)
-        try:
-            try:
-                conn.send(reply)
-            except (pickle.PicklingError, TypeError, AttributeError):  # an exception that does not pickle: its text
-                conn.send(("err", f"{type(reply[1]).__name__}: {reply[1]}"))
-        except (OSError, EOFError):
-            log.error("launcher: rank %d: rank 0 (the controller) went away; stopping", env.rank)
-            return 1
+    pad_token_id = load_tokenizer(model_dir).pad_token_id
+    role = role_of(cfg, env.rank)
+    if env.rank >= pl.trainer_ranks:  # an engine rank: its engine loads now (rank 0 waits for it)
+        worker = EngineWorker(cfg, engine["engine_kind"], str(model_dir), pad_token_id, log_dir=engine["log_dir"])
+    else:
+        worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=env.rank, world_size=pl.trainer_ranks,
+                               **(engine if pl.colocate else {}))
+        worker.store = PrefixStore("trainer", store)
+    hosting = f", hosting engine replica{env.rank} ({engine['engine_kind']})" if pl.colocate else ""
+    log.info("launcher: rank %d of %d (%s) serving rank 0 at %s:%s as %s%s", env.rank, env.world_size, env.launcher,
+             host, port, role, hosting)
+    try:
+        code = serve_calls(conn, worker, env.rank)
+    finally:
+        worker.close_engine()
+    if code == 0:
+        destroy()
+    return code
 
 
 # -- rank 0's trainer and weight sync (placement.py builds the roles from them) ------------------
-def join_ranks(cfg: TidalConfig, model_dir, pad_token_id: int, env: LaunchEnv):
-    """Rank 0's TrainerGroup over every rank of the job, set up (the process group formed), and
-    the job (closed with the roles)."""
+def join_ranks(cfg: TidalConfig, model_dir, pad_token_id: int, env: LaunchEnv, engine_kind: str, run_dir):
+    """Rank 0's TrainerGroup over the trainer ranks of the job, set up (the process group
+    formed, and with placement.colocate each rank's engine loaded), the engine ranks' handles
+    (placement.engine_ranks; their engines loaded), and the job (closed with the roles)."""
     pl = cfg.placement
+    n_train = pl.trainer_ranks
     store = meet(env, pl.start_timeout_s)
-    worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=0, world_size=env.world_size)
+    engine = {"engine_kind": engine_kind, "log_dir": str(run_dir / "engine")}
+    store.set(ENGINE_KEY, json.dumps(engine))  # before the control address, which the ranks wait for
+    worker = TrainerWorker(cfg, str(model_dir), pad_token_id, rank=0, world_size=n_train,
+                           **(engine if pl.colocate else {}))
     worker.store = PrefixStore("trainer", store)
+    worker.host = env.master_addr  # weight-sync groups meet at the rendezvous host, reachable from every node
     job = connect_ranks(env, store, worker, cfg, pl.start_timeout_s)
     try:
-        gather([h.submit("setup", env.master_addr) for h in job.ranks], timeout_s=pl.start_timeout_s)
+        gather([h.submit("setup", env.master_addr) for h in job.ranks[:n_train]]
+               + [h.submit("pid") for h in job.ranks[n_train:]], timeout_s=pl.start_timeout_s)
     except BaseException:
         job.close()
         raise
-    dims = ParallelDims.from_config(cfg.train.parallel, env.world_size)
-    return TrainerGroup(job.ranks, timeout_s=pl.call_timeout_s,
-                        dp_index=[dims.dp_index(r) for r in range(env.world_size)]), job
+    dims = ParallelDims.from_config(cfg.train.parallel, n_train)
+    return TrainerGroup(job.ranks[:n_train], timeout_s=pl.call_timeout_s,
+                        dp_index=[dims.dp_index(r) for r in range(n_train)]), job.ranks[n_train:], job
 
 
 def push_in_process(trainer, engine, timeout_s: float):

@@ -213,21 +213,44 @@ def _local_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
 
 
 def _launcher_roles(cfg, model_dir, pad_token_id, engine_kind, run_dir) -> Roles:
-    """Rank 0 of a launcher's job: a TrainerGroup over every rank, the engines in this process
-    (as local mode), weights gathered on every rank and loaded here (tidal/runtime/launcher.py)."""
+    """Rank 0 of a launcher's job: a TrainerGroup over the trainer ranks (tidal/runtime/launcher.py),
+    and the engines in this process (as local mode: weights gathered on every rank and loaded
+    here), or with placement.colocate one in each rank, reached as Ray's colocated ranks are
+    (weights loaded by each rank into its own engine), or with placement.engine_ranks one in each
+    engine rank, reached as Ray's engine actors are (weights by placement.weight_sync)."""
     env = ranks.detect(os.environ)
-    trainer, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env)
-    try:
-        engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
-                   for _ in range(cfg.engine.replicas)]
-    except BaseException:
-        job.close()
-        raise
-    engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
-    pusher = WeightPusher(launcher.push_in_process(trainer, engine, cfg.placement.call_timeout_s),
-                          f"in process (rank 0 of {env.launcher})")
-    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d hosts %d engine replica(s)",
-             env.launcher, env.world_size, env.master_addr, env.master_port, len(engines))
+    pl = cfg.placement
+    trainer, engine_ranks, job = launcher.join_ranks(cfg, model_dir, pad_token_id, env, engine_kind, run_dir)
+    if pl.colocate or engine_ranks:
+        handles = job.ranks if pl.colocate else engine_ranks
+        names = [f"engine replica{i} (in trainer rank {i})" for i in range(env.world_size)] if pl.colocate else \
+            [h.role for h in engine_ranks]
+        remotes = [RemoteEngine(h, n, timeout_s=cfg.engine.request_timeout_s) for h, n in zip(handles, names)]
+        engine = Router(remotes, names=names, max_inflight=cfg.engine.max_inflight, timeout_s=cfg.engine.request_timeout_s)
+        transport = choose_transport(pl.weight_sync, pl.colocate, cfg.engine.tensor_parallel, cfg.engine.kind,
+                                     lora=cfg.train.lora.rank > 0)
+        sync_dir = Path(pl.weight_sync_dir) if pl.weight_sync_dir else run_dir / "weights"
+        try:
+            pusher = WeightPusher.remote(cfg, trainer, engine, handles, transport, sync_dir)
+            pusher.prepare()
+        except BaseException:
+            job.close()
+            raise
+        where = "each rank hosts 1 engine replica" if pl.colocate else \
+            f"ranks {pl.trainer_ranks}-{env.world_size - 1} host 1 engine replica each, weights by {transport}"
+    else:
+        try:
+            engines = [make_engine(cfg, engine_kind, model_dir, pad_token_id, run_dir / "engine")
+                       for _ in range(cfg.engine.replicas)]
+        except BaseException:
+            job.close()
+            raise
+        engine = _router(cfg, engines, [f"replica{i}" for i in range(len(engines))])
+        pusher = WeightPusher(launcher.push_in_process(trainer, engine, cfg.placement.call_timeout_s),
+                              f"in process (rank 0 of {env.launcher})")
+        where = f"rank 0 hosts {len(engines)} engine replica(s)"
+    log.info("placement: launcher (%s), %d trainer rank(s), rank 0 at %s:%d, %s", env.launcher, pl.trainer_ranks,
+             env.master_addr, env.master_port, where)
     return Roles(trainer, engine, pusher, launched=job)
 
 

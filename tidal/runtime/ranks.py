@@ -16,12 +16,14 @@ The rendezvous (where rank 0 hosts torch.distributed's store): MASTER_ADDR / MAS
 set (torchrun always sets them; `mpirun -x MASTER_ADDR=...` passes them on); otherwise, when
 every rank is on one node, 127.0.0.1 (loopback, nothing leaves the machine), and on several
 Slurm nodes the first host of the step's node list. The port, where none is given, is derived
-from the job's id (Slurm's job and step id, Open MPI's job id) so two jobs on one node do not
-meet, as `tidal launch slurm` derives Ray's port.
+from the job's id (Slurm's job and step id, Open MPI's job id; under MPICH's Hydra, which
+gives none, on one node the pid of its proxy, the parent of every rank) so two jobs on one node
+do not meet, as `tidal launch slurm` derives Ray's port.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import zlib
@@ -81,11 +83,14 @@ def which_launcher(environ: Mapping[str, str]) -> str:
                       "start `tidal train` with one of them, or use placement.mode=local or ray")
 
 
-def derived_port(launcher: str, environ: Mapping[str, str]) -> int:
-    """A port from the job's id, the same on every rank of the job."""
+def derived_port(launcher: str, environ: Mapping[str, str], fallback: str = "") -> int:
+    """A port from the job's id, the same on every rank of the job (`fallback`: an id of the job
+    found elsewhere, used where the launcher's variables give none)."""
     ids = LAUNCHERS[launcher][4]
     job = "/".join(environ.get(v, "") for v in ids)
     if not job.strip("/"):
+        job = fallback
+    if not job:
         raise ConfigError(f"placement.mode=launcher: {launcher} gave no job id ({', '.join(ids)}) to derive the "
                           f"rendezvous port from: set MASTER_PORT")
     return PORT_BASE + zlib.crc32(job.encode()) % PORT_SPAN
@@ -105,9 +110,11 @@ def first_slurm_host(nodelist: str, timeout_s: float = 30.0) -> str:
     return hosts[0]
 
 
-def detect(environ: Mapping[str, str], first_host: Callable[[str], str] = first_slurm_host) -> LaunchEnv:
+def detect(environ: Mapping[str, str], first_host: Callable[[str], str] = first_slurm_host,
+           parent_pid: Callable[[], int] = os.getppid) -> LaunchEnv:
     """This process's LaunchEnv from `environ` (os.environ). `first_host` expands a Slurm node
-    list (a parameter so the rule is testable without Slurm)."""
+    list, `parent_pid` gives this process's parent (parameters so the rules are testable without
+    Slurm or MPICH)."""
     launcher = which_launcher(environ)
     rank_var, size_var, local_var, local_size_var, _ = LAUNCHERS[launcher]
     rank, world = _int(environ, rank_var, launcher), _int(environ, size_var, launcher)
@@ -117,9 +124,9 @@ def detect(environ: Mapping[str, str], first_host: Callable[[str], str] = first_
     if launcher == "torchrun" and not {"MASTER_ADDR", "MASTER_PORT"} <= set(environ):
         raise ConfigError("placement.mode=launcher: torchrun set RANK but not MASTER_ADDR / MASTER_PORT")
     addr = environ.get("MASTER_ADDR")
+    one_node = (_int(environ, local_size_var, launcher) == world) if local_size_var and local_size_var in environ \
+        else launcher == "slurm" and environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES")) == "1"
     if addr is None:
-        one_node = (_int(environ, local_size_var, launcher) == world) if local_size_var and local_size_var in environ \
-            else launcher == "slurm" and environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES")) == "1"
         if one_node:
             addr = LOOPBACK
         elif launcher == "slurm" and environ.get("SLURM_STEP_NODELIST"):
@@ -127,7 +134,11 @@ def detect(environ: Mapping[str, str], first_host: Callable[[str], str] = first_
         else:
             raise ConfigError(f"placement.mode=launcher: the {world} ranks of {launcher} span several nodes and "
                               f"MASTER_ADDR is not set: give rank 0's host (e.g. mpirun -x MASTER_ADDR=HOST)")
-    port = _int(environ, "MASTER_PORT", launcher) if "MASTER_PORT" in environ else derived_port(launcher, environ)
+    # MPICH's Hydra (4.0) puts no job id in the ranks' environment; on one node its proxy process
+    # is the parent of every rank of the job (each rank a session of its own), so its pid is one.
+    fallback = f"hydra-proxy-{parent_pid()}" if launcher == "mpich" and one_node else ""
+    port = _int(environ, "MASTER_PORT", launcher) if "MASTER_PORT" in environ else \
+        derived_port(launcher, environ, fallback)
     if not 0 < port < 65536:
         raise ConfigError(f"placement.mode=launcher: MASTER_PORT={port} is not a port")
     return LaunchEnv(launcher, rank, world, local_rank, addr, port,

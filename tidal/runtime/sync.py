@@ -17,16 +17,22 @@ Each engine answers with the version it now holds; the router's view is set from
 
 A dead engine replica (the router marked it down) is replaced before the push when
 `placement.restart_engines` is on: a new actor is started in the same bundle, receives
-the current weights with the others, and only then takes requests again.
+the current weights with the others, and only then takes requests again. With
+`placement.engine_bootstrap=peer` the rollout replaces it sooner (`restore()`, before each
+step's rollout): the new actor takes the version its live peers serve from one of them
+(tidal/weightsync/peer.py), the trainer not involved, and takes requests at once; where no
+peer can serve (none keeps a readable copy, docs/weightsync.md), it waits for the next push.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
+from tidal.runtime.bootstrap import bootstrap_replica
 from tidal.runtime.handles import Handle, RoleError, gather
 from tidal.runtime.workers import RemoteEngine
 from tidal.trainer.threads import on_own_thread
@@ -69,6 +75,12 @@ class WeightPusher:
 
     def push(self, step: int | None = None) -> dict[str, float]:
         return self._push(step)
+
+    def restore(self, step: int | None = None) -> dict[str, float]:
+        """placement.engine_bootstrap=peer: replace the replicas marked down now, each taking the
+        weights from a live peer (`_RemoteSync.restore`); nothing otherwise."""
+        state = getattr(self, "_state", None)
+        return state.restore(step) if state is not None else {}
 
     def prepare(self) -> None:
         if hasattr(self, "_state"):
@@ -247,14 +259,17 @@ class _RemoteSync:
         self.options = {"bucket_mb": pl.weight_sync_bucket_mb, "checksum": pl.weight_sync_checksum,
                         "dir": str(self.sync_dir)}
         self.timeout_s = pl.call_timeout_s
+        self._lock = threading.Lock()  # push and restore: one at a time (restore runs on the rollout's thread)
+        self._fresh: set[int] = set()  # replicas replaced by restore() that still wait for weights
 
-    def _replace_dead(self, step: int | None) -> list[int]:
-        """Start a new actor for every replica the router marked down; return their indices."""
+    def _replace_dead(self, step: int | None, source: str = "") -> list[int]:
+        """Start a new actor for every replica the router marked down; return their indices.
+        `source`: where it takes its weights (the log's words); the trainer's version by default."""
         replaced = []
         if self.respawn is None:
             return replaced
         for i, up in enumerate(self.router.up):
-            if up:
+            if up or i in self._fresh:
                 continue
             why = self.router.down_reason[i]
             old = self.handles[i]
@@ -264,7 +279,7 @@ class _RemoteSync:
             self.router.replace(i, RemoteEngine(self.handles[i], gone.name, timeout_s=gone.timeout_s, version=-1))
             self.owner.restarts += 1
             msg = (f"step {step}: {self.router.names[i]} was down ({why}); replaced by a new actor "
-                   f"that receives weights v{self.trainer.version} before it takes requests")
+                   f"that receives {source or f'weights v{self.trainer.version}'} before it takes requests")
             log.warning(msg)
             self.owner.events.append(msg)
             self.owner.restart_events.append({"role": self.router.names[i], "restart": self.owner.restarts,
@@ -322,9 +337,14 @@ class _RemoteSync:
             return self.transport.deliver(self, targets, step)
 
     def push(self, step: int | None) -> dict[str, float]:
+        with self._lock:
+            return self._push(step)
+
+    def _push(self, step: int | None) -> dict[str, float]:
         t0 = time.perf_counter()
         self._check_alive(step)
-        self._pending_up = {i: True for i in self._replace_dead(step)}
+        self._pending_up = {i: True for i in [*self._replace_dead(step), *self._fresh]}
+        self._fresh.clear()
         targets = [i for i, up in enumerate(self.router.up) if up or self._pending_up.get(i)]
         versions = self._deliver(targets, step)
         want = self.trainer.version
@@ -338,6 +358,26 @@ class _RemoteSync:
                 log.warning("step %s: %s is back with weights v%d", step, self.router.names[i], v)
         return {"time/weight_sync_s": time.perf_counter() - t0, "engines/restarted": float(len(self._pending_up)),
                 **getattr(self.transport, "metrics", {})}
+
+    def restore(self, step: int | None) -> dict[str, float]:
+        """placement.engine_bootstrap=peer: replace every replica the router marked down and bring
+        it to the version its live peers serve, from one of them (tidal/weightsync/peer.py), the
+        trainer not involved; it takes requests at once. One a peer cannot serve waits for the
+        next push (the trainer); one whose transfer failed is replaced again there. Skipped while
+        a push runs (that push replaces them)."""
+        if (self.cfg.placement.engine_bootstrap != "peer" or self.respawn is None or all(self.router.up)
+                or not self._lock.acquire(blocking=False)):
+            return {}
+        try:
+            t0 = time.perf_counter()
+            live = [i for i, up in enumerate(self.router.up) if up]
+            new = self._replace_dead(step, "the weights of a live peer (or, failing that, of the next sync)")
+            self._fresh.update(new)
+            done = [i for i in new if bootstrap_replica(self, i, live, per_rank_tp(self.cfg), step)]
+            return {"engines/bootstrapped_from_peer": float(len(done)),
+                    "time/engine_bootstrap_s": time.perf_counter() - t0} if new else {}
+        finally:
+            self._lock.release()
 
     def prepare(self) -> None:
         """Form the transport's group now (the shard transport's plan is logged at start)."""

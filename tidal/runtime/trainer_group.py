@@ -63,6 +63,7 @@ class TrainerWorker(SyncReceiver):
         self.engine_kind, self.log_dir = engine_kind, log_dir
         self.trainer = None
         self.store = None  # placement.mode=launcher: the store the launcher's ranks met on (tidal/runtime/launcher.py)
+        self.host: str | None = None  # placement.mode=launcher: the rendezvous host (where weight-sync groups meet)
         if cfg.run.trace and not trace.enabled():  # in its own process (Ray); in the driver it is on already
             trace.enable(f"trainer rank {rank}")
         # Colocated and synchronous: the engine sleeps while this rank trains (memory back
@@ -83,8 +84,9 @@ class TrainerWorker(SyncReceiver):
             self._asleep = False
 
     def where(self) -> tuple[str, int]:
-        """(node address, a free port there): where the ranks' rendezvous listens."""
-        ip = node_ip()
+        """(node address, a free port there): where the ranks' rendezvous listens (under a
+        launcher, its rendezvous host: tidal/runtime/launcher.py sets `host`)."""
+        ip = self.host or node_ip()
         return ip, free_port(ip)
 
     def setup(self, master_addr: str | None = None, master_port: int | None = None) -> int:

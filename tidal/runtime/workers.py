@@ -31,6 +31,7 @@ from tidal.engines.factory import build_engine
 from tidal.envs.base import optional
 from tidal.monitor import trace
 from tidal.rewards.pool_process import ProcessPool
+from tidal.runtime.bootstrap import PeerRole
 from tidal.runtime.handles import RoleDied
 from tidal.runtime.tasks import build_task
 from tidal.types import GenerationRequest, GenerationResult
@@ -68,8 +69,9 @@ def make_engine(cfg: TidalConfig, kind: str, model_dir: str | Path, pad_token_id
                         pad_token_id=pad_token_id, seed=cfg.run.seed, log_dir=log_dir)
 
 
-class SyncReceiver:
-    """The receiving end of weight sync, for whatever holds an engine."""
+class SyncReceiver(PeerRole):
+    """The receiving end of weight sync, for whatever holds an engine (and a peer's source or new
+    replica in a bootstrap: PeerRole)."""
 
     engine = None
     _group = None

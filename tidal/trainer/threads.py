@@ -1,5 +1,5 @@
 """The trainer's computation on a thread that ends with each call, when it shares a process with
-an engine (placement.mode=local, or rank 0 under a launcher).
+an engine (placement.mode=local, or any rank under a launcher).
 
 With libgomp, every thread that runs a parallel torch op keeps an OpenMP team for as long as it
 lives; `on_own_thread` keeps the trainer's team from outliving its call (the reason and the
