@@ -176,6 +176,22 @@ def run_one(argv: list[str]) -> None:
     print(json.dumps(rows))
 
 
+def _run_group(cmd: list[str], timeout: float, env: dict):
+    """Run `cmd` in a process group of its own; past `timeout`, end the whole group (the ranks it
+    spawned too, which would otherwise outlive it) and return None."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def _summary(mesh: str, length: int, rows: list[dict], n_params: int) -> dict:
     worst = lambda k: round(max(r[k] for r in rows), 1)
     seconds = max(r["seconds"] for r in rows)
@@ -226,12 +242,17 @@ def main(argv: list[str]) -> None:
                        str(length)]
                 env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
                 load = os.getloadavg()[0]
-                out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.timeout, env=env)
+                out = _run_group(cmd, args.timeout, env)
+                if out is None:
+                    print(f"L={length} {mesh}: no result in {args.timeout:.0f} s", flush=True)
+                    continue
                 if out.returncode:
                     print(f"L={length} {mesh} failed: {out.stderr[-2000:]}", flush=True)
                     continue
                 row = _summary(mesh, length, json.loads(out.stdout.strip().splitlines()[-1]), n_params)
                 row["load_before"] = load
+                # read again: another run of this benchmark (other lengths, other meshes) may have written since
+                results = json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []
                 results = [r for r in results if (r["mesh"], r["length"]) != (mesh, length)] + [row]
                 RESULTS.parent.mkdir(exist_ok=True)
                 RESULTS.write_text(json.dumps({"model": {**MODEL, "parameters": n_params}, "rows": results}, indent=1))

@@ -1,6 +1,6 @@
 """Context parallelism with activation checkpointing: the backward pass recomputes each block's
-attention, which must find the micro-batch's whole-row mask (tidal/trainer/parallel/context.py
-keeps it after the forward). cp 2 with `train.activation_checkpointing` against one process
+attention, which must find the micro-batch's spans and length (tidal/trainer/parallel/context.py
+keeps them after the forward). cp 2 with `train.activation_checkpointing` against one process
 without it, on the golden batch of tests/test_parallel.py."""
 
 from __future__ import annotations

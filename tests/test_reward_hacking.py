@@ -516,13 +516,13 @@ def test_code_that_writes_its_own_frames_to_the_grader(grade, name):
 
 
 def test_the_forged_answer_is_well_formed():
-    from tidal.rewards._code_grader import _Reader, dumps
+    from tidal.rewards._code_wire import Reader, dumps
 
     out = [b""]
     dumps(["ok", ["b", True]], out)
     frame = b"".join(out)
     assert eval(FORGED_FRAMES["a well-formed answer of its own"]) == len(frame).to_bytes(4, "big") + frame
-    assert _Reader(frame).value() == ["ok", ["b", True]]
+    assert Reader(frame).value() == ["ok", ["b", True]]
 
 
 def test_code_that_kills_the_grader(grade):

@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidal.rewards._code_grader import COMPILED_NAME
+from tidal.rewards._code_grader import COMPILED_NAME, PARTS
 from tidal.rewards.contract import RewardParts
 from tidal.sandbox import SandboxConfig, SandboxPool, SandboxResult, SandboxStatus, SandboxUnavailable
 from tidal.sandbox.launch import resolve_python
 
 FENCE_RE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-GRADER_SOURCE = Path(__file__).with_name("_code_grader.py").read_text()
+GRADER_SOURCE = "\n\n".join(Path(__file__).with_name(part).read_text() for part in PARTS)  # one script
 # The sandbox's main script: it runs the grader compiled by the host (the sandbox's
 # interpreter compiles it once per process: each grading would spend two compiles on it).
 GRADER_MAIN = ("import marshal\n"

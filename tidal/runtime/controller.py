@@ -16,8 +16,8 @@ with DAPO's refill. `_learn` learns from it in named stages, in this order:
 `train_step` runs the two parts one after the other on the calling thread. `train` is
 `train_step` in a plain loop at `rollout.max_staleness` k=0 (a debugger steps through a
 step from top to bottom); only for k>0 does a producer thread roll out ahead, admitted by
-weight version and joined to this thread by a bounded queue. The controller owns no tensors
-beyond what it passes between roles.
+weight version and joined to this thread by a bounded queue (ahead_loop.py). The controller
+owns no tensors beyond what it passes between roles.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import gc
 import json
 import logging
 import math
-import queue
 import shutil
 import threading
 import time
@@ -51,6 +50,7 @@ from tidal.monitor.samples import sample_table
 from tidal.monitor.sinks import open_sinks
 from tidal.monitor.step_metrics import episode_metrics, staleness_metrics
 from tidal.runtime import inflight, sources
+from tidal.runtime.ahead_loop import Overlap, train_ahead
 from tidal.runtime.assemble import build_run
 from tidal.runtime.batch import build_batch, informative, shape_rewards
 from tidal.runtime.checkpoints import RunPaths, file_system_error, prune, read_best, write_best, write_manifest
@@ -134,8 +134,7 @@ class Controller:
         self.updates_per_step = cfg.train.epochs * cfg.train.mini_batches  # trainer versions per step
         self._source_lock = threading.Lock()
         self._source_before: dict[int, dict] = {}  # step → data position before its prompts were taken
-        self._generating: list[tuple[float, float]] = []  # when the producer was rolling out (k > 0)
-        self._generating_since = 0.0
+        self._overlap = Overlap()  # when the producer was rolling out (k > 0)
         self._last_learn_end = self._t_start = time.perf_counter()
         self._ahead = inflight.Ahead()  # steps rolled out ahead of the learner (tidal/runtime/inflight.py)
         self._restored: dict[int, Sampled] = {}  # steps a checkpoint kept ahead, trained as they were
@@ -290,7 +289,8 @@ class Controller:
                         "generated_tokens_per_s": sum(e.num_policy_tokens for e in episodes) / max(t_rollout, 1e-9),
                         "time/trainer_wait_s": trainer_wait, "time/engine_wait_s": s.admission_wait,
                         "time/elapsed_s": t1 - self._t_start,  # wall clock since the controller started
-                        "time/overlap": self._overlap(t0, t1)})
+                        # at k=0 nothing generates while a step learns
+                        "time/overlap": self._overlap.fraction(t0, t1) if cfg.rollout.max_staleness else 0.0})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0:
             metrics.update(self._evaluate(step))
         fired = self.health.watch(step, episodes, metrics)  # they read the metrics: before they are written
@@ -355,14 +355,6 @@ class Controller:
             except Exception as e:  # noqa: BLE001 - a trace must not stop the run
                 log.warning("run.trace: %s's spans could not be collected (%s: %s)", handle.role, type(e).__name__, e)
         trace.append(self.paths.root / "trace.jsonl", events)
-
-    def _overlap(self, t0: float, t1: float) -> float:
-        """Fraction of [t0, t1] (this step's learning) during which the engines were generating."""
-        with self._source_lock:
-            spans = list(self._generating) + ([(self._generating_since, t1)] if self._generating_since else [])
-            self._generating = [(a, b) for a, b in self._generating if b > t1]
-        busy = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in spans)
-        return busy / max(t1 - t0, 1e-9)
 
     # -- sampling -----------------------------------------------------------------------------
     def _sample(self, step: int) -> tuple[list[Episode], list[Episode], dict[str, float], dict[str, float]]:
@@ -469,72 +461,10 @@ class Controller:
         return last
 
     def _train_ahead(self, bar: Progress) -> dict[str, float]:
-        """k > 0: a producer thread rolls out step s as soon as the engines hold the weights of
-        step s-1-k (admission control: nothing is generated that could not be trained within the
-        bound) and hands it over through a bounded queue; this thread learns from the steps in
-        order."""
-        k, last = self.cfg.rollout.max_staleness, {}
-        handoff: queue.Queue = queue.Queue(maxsize=k + 1)
-        stop = threading.Event()
-        published = threading.Condition()
-        self._published = self.step
-
-        def hand_over(item) -> None:
-            """Put into the bounded queue, giving up once the learning thread has stopped."""
-            while not stop.is_set():
-                try:
-                    handoff.put(item, timeout=0.1)
-                    return
-                except queue.Full:
-                    continue
-
-        def produce() -> None:
-            try:
-                for step in range(self.step + 1, self.cfg.train.steps + 1):
-                    if step in self._restored:  # rolled out before the resume, with the weights of then
-                        hand_over(self._take_restored(step))
-                        continue
-                    t0 = time.perf_counter()
-                    with published:  # admission: weights of step-1-k are on the engines
-                        while self._published < step - 1 - k and not stop.is_set():
-                            published.wait(0.1)
-                    if stop.is_set():
-                        return
-                    wait = time.perf_counter() - t0
-                    with self._source_lock:
-                        self._generating_since = time.perf_counter()
-                    sampled = self._produce(step)
-                    with self._source_lock:
-                        self._generating.append((self._generating_since, time.perf_counter()))
-                        self._generating_since = 0.0
-                    sampled.admission_wait = wait
-                    self._ahead.add(sampled)
-                    hand_over(sampled)
-            except BaseException as e:  # noqa: BLE001 - the learning thread raises it
-                hand_over(e)
-            finally:
-                self._ahead.stop()
-
-        producer = threading.Thread(target=produce, name="tidal-rollout", daemon=True)
+        """k > 0: the asynchronous loop (tidal/runtime/ahead_loop.py) over this run's two parts."""
         self._last_learn_end = time.perf_counter()
-        self._ahead.start()
-        producer.start()
-        try:
-            while self.step < self.cfg.train.steps:
-                t0 = time.perf_counter()
-                item = handoff.get()
-                if isinstance(item, BaseException):
-                    raise item
-                last = self._learn(item, trainer_wait=time.perf_counter() - t0)
-                self._ahead.learned(self.step)
-                with published:
-                    self._published = self.step
-                    published.notify_all()
-                bar.update(self.step, last)
-        finally:
-            stop.set()
-            producer.join(timeout=5.0)  # mid-rollout it ends when the engines close
-        return last
+        return train_ahead(self.step + 1, self.cfg.train.steps, self.cfg.rollout.max_staleness, self._produce,
+                           self._learn, self._take_restored, self._ahead, self._overlap, bar)
 
     def close(self) -> None:
         """Stop the reward workers, the gateway, the engines (a vLLM server process ends with its
@@ -614,9 +544,12 @@ class Controller:
         last = min(self.step + self.cfg.rollout.max_staleness, self.cfg.train.steps)
         return self._ahead.wait(self.step + 1, last) if last > self.step else []
 
-    def _take_restored(self, step: int) -> Sampled:
-        """A step the checkpoint kept ahead: its episodes go to the store as a rolled-out step's do."""
-        s = self._restored.pop(step)
+    def _take_restored(self, step: int) -> Sampled | None:
+        """A step the checkpoint kept ahead (None when it kept no such step): its episodes go to
+        the store as a rolled-out step's do."""
+        s = self._restored.pop(step, None)
+        if s is None:
+            return None
         s.t_start = s.t_end = time.perf_counter()
         if self.episode_writer is not None and not self._writes_whole_steps:
             for e in s.episodes:

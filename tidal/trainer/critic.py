@@ -36,7 +36,7 @@ def load_value_model(path: str | Path, dtype: str, device: str):
         model = AutoModelForTokenClassification.from_pretrained(str(p), config=cfg, dtype=DTYPES[dtype])
     finally:
         hf_logging.set_verbosity(verbosity)
-    if not (p / "model.safetensors").is_file() or _has_no_head(p):
+    if _has_no_head(p):
         torch.nn.init.zeros_(model.score.weight)  # V ≡ 0 at the start: GAE starts as Monte Carlo returns
         if model.score.bias is not None:
             torch.nn.init.zeros_(model.score.bias)
@@ -44,6 +44,15 @@ def load_value_model(path: str | Path, dtype: str, device: str):
 
 
 def _has_no_head(p: Path) -> bool:
+    """Whether the directory's weights hold no value head (`score.*`): one model.safetensors, or
+    the files its index names (a sharded trainer writes several: tidal/trainer/parallel/hf_model.py)."""
+    import json
+
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        return not any(k.startswith("score.") for k in json.loads(index.read_text())["weight_map"])
+    if not (p / "model.safetensors").is_file():
+        return True
     from safetensors import safe_open
 
     with safe_open(str(p / "model.safetensors"), "pt") as f:

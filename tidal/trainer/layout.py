@@ -148,7 +148,7 @@ def shared_micro_batches(tokens: list[list[int]], prompts: list[int], token_budg
 
 
 def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int, device="cpu",
-                  max_len: int | None = None):
+                  max_len: int | None = None, spans: bool = False):
     """The sequences laid out by unit (`shared_units`, groups split to `max_len`), units packed
     first-fit into rows as long as the longest unit: input ids and position ids [rows, S], the
     attention mask [rows, 1, S, S] (bool, True where a query may attend a key), and for every
@@ -157,7 +157,12 @@ def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int
 
     A unit is its prompt (positions 0..p-1, causal), then each member's own tokens (positions p..,
     attending to the whole prompt and causally to themselves). A row's unused tail attends to
-    itself alone, so its rows of the softmax stay finite."""
+    itself alone, so its rows of the softmax stay finite.
+
+    `spans=True`: instead of the [rows, S, S] mask (quadratic in S), each row's spans, in order
+    and covering the row: (start, end, prefix_start, prefix_end), the positions [start, end)
+    attending causally to themselves and to the whole prefix (none: prefix_start is None); the
+    tail is one span of its own (tidal/trainer/parallel/context.py attends span by span)."""
     units = shared_units(tokens, prompts, max_len)
     sizes = [p + sum(len(tokens[i]) - p for i in members) for p, members in units]
     capacity = max(sizes)
@@ -166,9 +171,10 @@ def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int
     # microseconds each here, where each would be a torch op of its own.
     ids = np.full((len(rows), capacity), pad_token_id, dtype=np.int64)
     pos = np.zeros((len(rows), capacity), dtype=np.int64)
-    allowed = np.zeros((len(rows), capacity, capacity), dtype=np.bool_)
+    allowed = None if spans else np.zeros((len(rows), capacity, capacity), dtype=np.bool_)
+    row_spans: list[list[tuple]] = [[] for _ in rows]
     index = np.zeros((len(tokens), max(len(t) for t in tokens) - 1), dtype=np.int64)
-    causal = np.tri(capacity, dtype=np.bool_)
+    causal = None if spans else np.tri(capacity, dtype=np.bool_)
     for r, placed in enumerate(rows):
         offset = 0
         for u in placed:
@@ -176,24 +182,31 @@ def shared_inputs(tokens: list[list[int]], prompts: list[int], pad_token_id: int
             prompt = slice(offset, offset + p)
             ids[r, prompt] = tokens[members[0]][:p]
             pos[r, prompt] = np.arange(p)
-            allowed[r, prompt, prompt] = causal[:p, :p]
+            row_spans[r].append((offset, offset + p, None, None))
+            if not spans:
+                allowed[r, prompt, prompt] = causal[:p, :p]
             at = offset + p
             for i in members:
                 n = len(tokens[i]) - p
                 own = slice(at, at + n)
                 ids[r, own] = tokens[i][p:]
                 pos[r, own] = np.arange(p, p + n)
-                allowed[r, own, prompt] = True
-                allowed[r, own, own] = causal[:n, :n]
+                row_spans[r].append((at, at + n, offset, offset + p))
+                if not spans:
+                    allowed[r, own, prompt] = True
+                    allowed[r, own, own] = causal[:n, :n]
                 base = r * capacity
                 index[i, :p] = base + np.arange(offset, offset + p)
                 index[i, p:p + n - 1] = base + np.arange(at, at + n - 1)
                 at += n
             offset = at
-        tail = np.arange(offset, capacity)
-        allowed[r, tail, tail] = True
-    ids, pos, allowed, index = (torch.from_numpy(a) for a in (ids, pos, allowed, index))
-    return ids.to(device), pos.to(device), allowed[:, None].to(device), index.to(device)
+        if offset < capacity:
+            row_spans[r].append((offset, capacity, None, None))
+            if not spans:
+                tail = np.arange(offset, capacity)
+                allowed[r, tail, tail] = True
+    ids, pos, index = (torch.from_numpy(a).to(device) for a in (ids, pos, index))
+    return ids, pos, row_spans if spans else torch.from_numpy(allowed)[:, None].to(device), index
 
 
 def at_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -238,12 +238,16 @@ class Trainer:
             keep = torch.arange(T, device=self.device)[None, :] < lengths[:, None]
         seqs, vis = self._with_images(tokens, images)
         kept = targets[keep]
-        pos = attn = allowed = None
+        pos = allowed = None
         kw = {}
         if prompts is not None and len(seqs) > 1:
-            ids, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len)
+            # context parallel: the spans of the layout, not its [rows, S, S] mask
+            ids, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len,
+                                                     spans=self.context is not None)
             flat = index[:B, :T]
-            kw = {"position_ids": pos, "attention_mask": self._mask_4d(allowed), "use_cache": False}
+            kw = {"position_ids": pos, "use_cache": False}
+            if self.context is None:
+                kw["attention_mask"] = self._mask_4d(allowed)
         elif self.train_cfg.packing and len(seqs) > 1:
             rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
             ids, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
@@ -278,7 +282,7 @@ class Trainer:
                 self._records = self.routing.records(flat, [len(t) for t in tokens])
         else:  # context parallel: this rank's slice of the positions; the scores come back whole
             out = self.context.forward(
-                model, ids, pos, attn, allowed, rows,
+                model, ids, pos, allowed, rows,
                 lambda m, ids, pos, rows, sel: run(m, ids, rows, kept[sel], position_ids=pos, use_cache=False))
         return at_mask(keep, out[:, 0]), at_mask(keep, out[:, 1])
 
