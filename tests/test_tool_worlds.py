@@ -98,7 +98,7 @@ def test_compact_template_renders_each_tool_on_a_line_and_is_prefix_preserving()
     assert scripted_segments(items, CALL_TEMPLATE) != segments
 
 
-@pytest.mark.slow  # 12 s at a low load, 2.5 min at a load of 20 (tokenizer training, two tiny two-phase builds)
+@pytest.mark.slow  # 2 s on a quiet machine, 2.5 min at a load of 20 (tokenizer training, two tiny two-phase builds)
 def test_general_build_is_deterministic(tmp_path):
     """A few steps of `tidal build-general-tool-model` twice: the same tokenizer and weights, a
     summary that records what the build cost."""
