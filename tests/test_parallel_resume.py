@@ -82,6 +82,7 @@ def _held_while_saving(tmp) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tidal.trainer import distributed as dp
+    from tidal.trainer.parallel import hf_model
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=1024, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
@@ -89,9 +90,9 @@ def _held_while_saving(tmp) -> dict:
     total = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     dp.shard_model(model)
     gc.collect()
-    dp.save_hf(model, tmp / "warm")  # the first save imports and sets up what the measured ones reuse
-    return {"total": total, "sharded": _held(lambda: dp.save_hf(model, tmp / "big")),
-            "gathered": _held(lambda: dp._save_hf_gathered(model, tmp / "big_gathered"))}
+    hf_model.save_hf(model, tmp / "warm")  # the first save imports and sets up what the measured ones reuse
+    return {"total": total, "sharded": _held(lambda: hf_model.save_hf(model, tmp / "big")),
+            "gathered": _held(lambda: hf_model._save_hf_gathered(model, tmp / "big_gathered"))}
 
 
 def _same_model_dir(got: Path, want: Path) -> None:

@@ -255,10 +255,9 @@ def build_general_tool_model(
     design, are half of what it is trained on.
     """
     habits = check_habits(habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1})
-    if not 0 <= world_frac <= 1:
-        raise ValueError(f"world_frac must be in [0, 1], got {world_frac}")
-    if template not in TEMPLATES:
-        raise ValueError(f"template must be one of {sorted(TEMPLATES)}, got {template!r}")
+    if not 0 <= world_frac <= 1 or template not in TEMPLATES:
+        raise ValueError(f"world_frac must be in [0, 1] (got {world_frac}) and template one of {sorted(TEMPLATES)} "
+                         f"(got {template!r})")
     random.seed(seed)
     torch.manual_seed(seed)
     rng = random.Random(seed)

@@ -21,6 +21,7 @@ from tidal.config import CriticConfig
 from tidal.models import DTYPES, resolve_model_dir
 from tidal.trainer import distributed as dp
 from tidal.trainer.parallel import parallelize
+from tidal.trainer.parallel.hf_model import save_hf
 
 
 def load_value_model(path: str | Path, dtype: str, device: str):
@@ -100,7 +101,7 @@ class Critic:
         return {"optimizer": dp.optimizer_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict()}
 
     def save(self, path: Path) -> None:
-        dp.save_hf(self.model, path)
+        save_hf(self.model, path)
 
     def load(self, path: Path, state: dict) -> None:
         missing, unexpected = dp.load_hf_weights(self.model, path)

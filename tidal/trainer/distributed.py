@@ -183,32 +183,6 @@ def _full_options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def save_hf(model: nn.Module, path) -> None:
-    """Write `model` as a normal HF directory. Sharded: a collective (every rank calls it); each
-    rank writes its part from its shards (tidal/trainer/parallel/hf_model.py), or, for a model
-    whose saving converts weights (fused MoE experts), rank 0 gathers the full state dict on CPU
-    and writes it."""
-    if not is_sharded(model):
-        model.save_pretrained(path, safe_serialization=True)
-        return
-    from pathlib import Path
-
-    from tidal.trainer.parallel.hf_model import save_hf_sharded
-
-    if not save_hf_sharded(model, Path(path)):
-        _save_hf_gathered(model, path)
-
-
-def _save_hf_gathered(model: nn.Module, path) -> None:
-    """Rank 0 gathers the whole state dict on CPU and writes it (a collective)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    reshard(model)
-    state = get_model_state_dict(model, options=_full_options(cpu_offload=True))  # empty off rank 0
-    if rank() == 0:
-        model.save_pretrained(path, state_dict=state, safe_serialization=True)
-
-
 def load_hf_weights(model: nn.Module, path) -> tuple[list[str], list[str]]:
     """Load `path/model.safetensors` (a full state dict) into `model`, sharded or not; every
     rank reads the file. Returns (missing, unexpected) keys; tied weights are re-tied."""

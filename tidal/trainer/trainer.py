@@ -61,6 +61,7 @@ from tidal.trainer.parallel import ParallelDims, parallelize
 from tidal.trainer.parallel.checkpoint import DIRNAME as SHARDS
 from tidal.trainer.parallel.checkpoint import load_sharded, save_sharded
 from tidal.trainer.parallel.context import ContextParallel
+from tidal.trainer.parallel.hf_model import save_hf
 from tidal.trainer.parallel.logprob import head_scores
 from tidal.trainer.routing import TrainerRouting
 
@@ -255,15 +256,7 @@ class Trainer:
             kw = {"position_ids": pos, "use_cache": False,
                   **({} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs])))}
         else:
-            ids, attn = self._inputs(seqs)
-            kw = {"attention_mask": attn}
-            if vis is not None:  # padding positions: 0 (masked out)
-                vpos = torch.zeros((3, *ids.shape), dtype=torch.long)
-                for i, (t, im) in enumerate(zip(seqs, vis)):
-                    vpos[:, i, :len(t)] = self._rope(t, im, i)
-                kw |= {"position_ids": vpos.to(self.device), "use_cache": False, **self._pixels(vis, range(len(seqs)))}
-            # flat positions of the targets in [B, longest] hidden states
-            flat = torch.arange(B, device=self.device)[:, None] * ids.shape[1] + torch.arange(T, device=self.device)
+            ids, kw, flat = self._padded_inputs(seqs, vis, B, T)
         rows = flat[keep]
 
         def run(model, ids, rows, targets, **kw):
@@ -285,6 +278,19 @@ class Trainer:
                 model, ids, pos, allowed, rows,
                 lambda m, ids, pos, rows, sel: run(m, ids, rows, kept[sel], position_ids=pos, use_cache=False))
         return at_mask(keep, out[:, 0]), at_mask(keep, out[:, 1])
+
+    def _padded_inputs(self, seqs, vis, B: int, T: int):
+        """The padded layout of `_forward`: (input ids [B, longest], the model's keyword arguments,
+        the flat positions of the [B, T] targets in [B, longest] hidden states)."""
+        ids, attn = self._inputs(seqs)
+        kw = {"attention_mask": attn}
+        if vis is not None:  # padding positions: 0 (masked out)
+            vpos = torch.zeros((3, *ids.shape), dtype=torch.long)
+            for i, (t, im) in enumerate(zip(seqs, vis)):
+                vpos[:, i, :len(t)] = self._rope(t, im, i)
+            kw |= {"position_ids": vpos.to(self.device), "use_cache": False, **self._pixels(vis, range(len(seqs)))}
+        flat = torch.arange(B, device=self.device)[:, None] * ids.shape[1] + torch.arange(T, device=self.device)
+        return ids, kw, flat
 
     def _mask_4d(self, allowed: torch.Tensor) -> torch.Tensor:
         """A 4-D attention mask as the attention takes it: sdpa a boolean one (True: attend), eager
@@ -640,7 +646,7 @@ class Trainer:
                 self.model.get_base_model().save_pretrained(path / "model", state_dict=merged, safe_serialization=True)
                 self.model.save_pretrained(path / "adapter", state_dict=adapter, safe_serialization=True)
         else:
-            dp.save_hf(self.model, path / "model")
+            save_hf(self.model, path / "model")
         state = {"scheduler": self.scheduler.state_dict(), "version": self.version, "rng": rng_state()}
         if self.world_size > 1 and not self.lora:  # every rank writes its shards (tidal/trainer/parallel/checkpoint.py)
             save_sharded(self.model, self.optimizer, path / SHARDS)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tidal.trainer.distributed import reshard
+from tidal.trainer.distributed import _full_options, is_sharded, rank, reshard
 
 SHARDED = "sharded"  # HuggingFaceStorageWriter's own name for the pieces' directory
 
@@ -113,3 +113,25 @@ def write_config(model: nn.Module, path: Path) -> None:
     cfg.save_pretrained(path)
     if model.can_generate():
         model.generation_config.save_pretrained(path)
+
+
+def save_hf(model: nn.Module, path) -> None:
+    """Write `model` as a normal HF directory. Sharded: a collective (every rank calls it); each
+    rank writes its part from its shards (`save_hf_sharded`), or, for a model
+    whose saving converts weights (fused MoE experts), rank 0 gathers the full state dict on CPU
+    and writes it."""
+    if not is_sharded(model):
+        model.save_pretrained(path, safe_serialization=True)
+        return
+    if not save_hf_sharded(model, Path(path)):
+        _save_hf_gathered(model, path)
+
+
+def _save_hf_gathered(model: nn.Module, path) -> None:
+    """Rank 0 gathers the whole state dict on CPU and writes it (a collective)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    reshard(model)
+    state = get_model_state_dict(model, options=_full_options(cpu_offload=True))  # empty off rank 0
+    if rank() == 0:
+        model.save_pretrained(path, state_dict=state, safe_serialization=True)
