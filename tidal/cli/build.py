@@ -83,43 +83,37 @@ def cmd_train_rm(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _builder(sub, name: str, help: str, out: str | None, fn, threads: int, shipped: bool = False):
+    """A `build-*` command's parser: --out (required when `out` is None), --seed, --threads."""
+    p = sub.add_parser(name, help=help)
+    p.add_argument("--out", **({"required": True} if out is None else {"default": out}))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=threads,
+                   help="torch threads (the result is deterministic per count"
+                        + (f"; the shipped model: {threads})" if shipped else ")"))
+    p.set_defaults(fn=fn, args=[])
+    return p
+
+
 def add_parsers(sub) -> None:
     b = sub.add_parser("build-default-model", help="rebuild the embedded tiny model deterministically")
     b.add_argument("--out", default=str(DEFAULT_MODEL_DIR))
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(fn=cmd_build)
-    bt = sub.add_parser("build-tool-model", help="rebuild the tiny tool-calling model (tool_arith) deterministically")
-    bt.add_argument("--out", default=str(TOOL_MODEL_DIR))
-    bt.add_argument("--seed", type=int, default=0)
-    bt.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
-    bt.set_defaults(fn=cmd_build_tool, args=[])
-    bg = sub.add_parser("build-general-tool-model",
-                        help="build a tiny tool model warm-started on generated tools (not shipped: docs/agents.md)")
-    bg.add_argument("--out", required=True)
-    bg.add_argument("--seed", type=int, default=0)
+    _builder(sub, "build-tool-model", "rebuild the tiny tool-calling model (tool_arith) deterministically",
+             str(TOOL_MODEL_DIR), cmd_build_tool, threads=1)
+    bg = _builder(sub, "build-general-tool-model",
+                  "build a tiny tool model warm-started on generated tools (not shipped: docs/agents.md)", None,
+                  cmd_build_general_tool, threads=1)
     bg.add_argument("--steps", type=int, default=2000, help="SFT steps of the first phase (docs/agents.md)")
     bg.add_argument("--tune-steps", type=int, default=1000,
                     help="SFT steps of the second phase, which calls the tool more often (0: none)")
-    bg.add_argument("--threads", type=int, default=1, help="torch threads (the result is deterministic per count)")
-    bg.set_defaults(fn=cmd_build_general_tool, args=[])
-    bb = sub.add_parser("build-browser-model", help="rebuild the tiny browser model (click_button) deterministically")
-    bb.add_argument("--out", default=str(BROWSER_MODEL_DIR))
-    bb.add_argument("--seed", type=int, default=0)
-    bb.add_argument("--threads", type=int, default=2,
-                    help="torch threads (the result is deterministic per count; the shipped model: 2)")
-    bb.set_defaults(fn=cmd_build_browser, args=[])
-    bv = sub.add_parser("build-default-vlm",
-                        help="rebuild the embedded tiny vision-language model (image tasks) deterministically")
-    bv.add_argument("--out", default=str(DEFAULT_VLM_DIR))
-    bv.add_argument("--seed", type=int, default=0)
-    bv.add_argument("--threads", type=int, default=2, help="torch threads (the result is deterministic per count)")
-    bv.set_defaults(fn=cmd_build_vlm, args=[])
-    bm = sub.add_parser("build-moe", help="rebuild the embedded tiny mixture of experts (default-moe) deterministically")
-    bm.add_argument("--out", default=str(MOE_MODEL_DIR))
-    bm.add_argument("--seed", type=int, default=0)
-    bm.add_argument("--threads", type=int, default=1,
-                    help="torch threads (the result is deterministic per count; the shipped model: 1)")
-    bm.set_defaults(fn=cmd_build_moe, args=[])
+    _builder(sub, "build-browser-model", "rebuild the tiny browser model (click_button) deterministically",
+             str(BROWSER_MODEL_DIR), cmd_build_browser, threads=2, shipped=True)
+    _builder(sub, "build-default-vlm", "rebuild the embedded tiny vision-language model (image tasks) deterministically",
+             str(DEFAULT_VLM_DIR), cmd_build_vlm, threads=2)
+    _builder(sub, "build-moe", "rebuild the embedded tiny mixture of experts (default-moe) deterministically",
+             str(MOE_MODEL_DIR), cmd_build_moe, threads=1, shipped=True)
     r = sub.add_parser("train-rm", help="train a tiny reward model (Bradley-Terry) on synthetic arithmetic preferences")
     r.add_argument("--out", default="runs/reward-model", help="output HF directory (default: runs/reward-model)")
     r.add_argument("--pairs", type=int, default=4000, help="training pairs, from the task's train split")
