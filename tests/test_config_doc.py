@@ -10,7 +10,8 @@ from pydantic import Field
 
 from tidal import config_doc
 from tidal.cli import main as cli_main
-from tidal.config import ConfigError, RolloutConfig, TidalConfig, _flat, load_config
+from tidal.config import ConfigError, RolloutConfig, TidalConfig, load_config
+from tidal.config.resume import _flat
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

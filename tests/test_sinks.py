@@ -112,7 +112,7 @@ def test_console_lines_and_samples_are_in_train_log(run_with_every_sink):
 
 
 def test_a_missing_extra_is_named_when_the_config_loads(monkeypatch):
-    import importlib.util  # what config (tidal/config.py) asks whether a sink's package is installed
+    import importlib.util  # what config (tidal/config/run.py) asks whether a sink's package is installed
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

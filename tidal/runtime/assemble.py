@@ -147,7 +147,7 @@ def build_run(cfg: TidalConfig, purpose: str, *, model: str | Path | None = None
 
 def check_moe(cfg: TidalConfig, model_dir: Path, engine_kind: str, purpose: str) -> None:
     """train.moe asks for routing replay or a balancing loss only of a mixture of experts, and R3
-    only of an engine that records its experts (the torch engine: tidal/config.py says why); a
+    only of an engine that records its experts (the torch engine: tidal/config/tidal_config.py says why); a
     mixture of experts trains with the torch engine (vLLM's weight updates of experts: docs/moe.md)."""
     moe = cfg.train.moe
     if moe.routing_replay == "R3" and engine_kind != "torch":

@@ -32,7 +32,7 @@ SKIP, FULL, DELTA = 0, 1, 2  # what one sync sends one engine rank
 CODECS = ("zstd", "lz4")
 
 
-DeltaConfig = WeightSyncDeltaConfig  # placement.weight_sync_delta (tidal/config.py)
+DeltaConfig = WeightSyncDeltaConfig  # placement.weight_sync_delta (tidal/config/placement.py)
 
 
 def xor_(out: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
