@@ -1,5 +1,5 @@
 """Every config key with its type, default and description, read from the pydantic models of
-tidal/config.py: `tidal config` prints it, docs/config.md is it as Markdown, and "did you mean"
+tidal/config/: `tidal config` prints it, docs/config.md is it as Markdown, and "did you mean"
 suggestions for an unknown key come from the same walk.
 
 The choice: the models are the only source. docs/config.md is generated from them (`tidal config
@@ -117,7 +117,7 @@ def render_markdown() -> str:
     """docs/config.md."""
     out = ["# Configuration reference", "",
            "Every key of a tidal config, with its type, default and description. Generated from the pydantic",
-           "models of `tidal/config.py` by `tidal config --markdown > docs/config.md` (do not edit by hand;",
+           "models of `tidal/config/` by `tidal config --markdown > docs/config.md` (do not edit by hand;",
            "tests/test_config_doc.py fails when this page and the models differ). `tidal config [SECTION]`",
            "prints the same in the terminal.", "",
            "A key is set in a YAML file (`section:` then `key: value`) or on the command line as",
