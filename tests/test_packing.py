@@ -14,8 +14,8 @@ from test_trainer import GRAD_TOL
 
 from tidal.algorithms import AGGREGATIONS
 from tidal.config import AlgorithmConfig, TrainConfig
-from tidal.trainer.layout import shared_inputs, shared_micro_batches, shared_units
-from tidal.trainer.trainer import TrainBatch, Trainer, pack_rows, packed_inputs
+from tidal.trainer.layout import pack_rows, packed_inputs, shared_inputs, shared_micro_batches, shared_units
+from tidal.trainer.trainer import TrainBatch, Trainer
 
 
 def _long_tailed_batch(n=12, seed=0) -> TrainBatch:

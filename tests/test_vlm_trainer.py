@@ -28,7 +28,8 @@ from tidal.models import load_model, resolve_model_dir
 from tidal.models.vision import Vision, image_processor, image_runs
 from tidal.recipes.tiny_vlm import build_untrained_vlm
 from tidal.runtime.batch import build_batch
-from tidal.trainer.trainer import TrainBatch, Trainer, micro_batches, pack_rows, packed_inputs, packed_order
+from tidal.trainer.layout import micro_batches, pack_rows, packed_inputs, packed_order
+from tidal.trainer.trainer import TrainBatch, Trainer
 from tidal.types import Episode
 
 SIZES = [(56, 56), (100, 60), (84, 84)]  # grids (1,4,4), (1,4,8), (1,6,6): 4, 8 and 9 image tokens

@@ -215,6 +215,13 @@ def at_mask(mask: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
 
 
+def padded(tokens: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids right-padded to the longest sequence ([B, longest]), and their attention mask (1 on tokens)."""
+    ids = pad_rows(tokens, pad_token_id, torch.long, device)
+    attn = pad_rows([[1] * len(t) for t in tokens], 0, torch.long, device)
+    return ids, attn
+
+
 def pad_rows(rows: list[list], value, dtype, device="cpu") -> torch.Tensor:
     """Right-pad ragged rows into one [len(rows), longest] tensor."""
     L = max(len(r) for r in rows)

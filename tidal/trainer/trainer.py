@@ -18,13 +18,12 @@ sequence's images; a forward gets every sequence's mRoPE positions (computed fro
 images, as the torch engine computes them) and the micro-batch's pixels, and the vision special
 tokens' logits are masked out of every forward's distribution, as the engines mask them. The
 vision tower trains with the rest unless LoRA freezes it. Data parallel, a micro-batch with no
-image runs the tower on a dummy image (`_with_images`) so that every rank joins its collectives.
-A critic (algorithm.advantage=gae) is refused for these models.
+image runs the tower on a dummy image (`_with_images`, tidal/trainer/forward.py) so that every
+rank joins its collectives. A critic (algorithm.advantage=gae) is refused for these models.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import shutil
@@ -38,31 +37,20 @@ from tidal.algorithms import build_estimator, kl_estimate, needs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
 from tidal.durable import disk_error
-from tidal.images import as_image
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
 from tidal.models.moe import install_routers
 from tidal.models.vision import Vision
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
-from tidal.trainer.layout import (
-    at_mask,
-    keep_rows,
-    micro_batches,
-    pack_rows,  # noqa: F401 - re-exported: tests import it from here
-    packed_inputs,
-    packed_order,
-    pad_rows,
-    shared_inputs,
-    shared_micro_batches,
-)
+from tidal.trainer.forward import MicroBatchForward
+from tidal.trainer.layout import micro_batches, pad_rows, padded, shared_micro_batches
 from tidal.trainer.lora import add_lora, load_adapter, merged_weights
 from tidal.trainer.parallel import ParallelDims, parallelize
 from tidal.trainer.parallel.checkpoint import DIRNAME as SHARDS
 from tidal.trainer.parallel.checkpoint import load_sharded, save_sharded
 from tidal.trainer.parallel.context import ContextParallel
 from tidal.trainer.parallel.hf_model import save_hf
-from tidal.trainer.parallel.logprob import head_scores
 from tidal.trainer.routing import TrainerRouting
 
 
@@ -147,7 +135,6 @@ class Trainer:
         self.model_dir = resolve_model_dir(model_path)
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
-        self._banned = None if self.vision is None else torch.tensor(self.vision.banned_token_ids, device=self.device)
         _refuse_what_cannot_work(train, algo, self.dims, self.vision is not None, self.needs_values, dtype, model_path)
         # Eager attention under CPU mixed precision: torch's fused CPU attention backward is slow in
         # bfloat16 (train.attention).
@@ -157,7 +144,6 @@ class Trainer:
         # A mixture of experts: float32 routers that record and replay (tidal/trainer/routing.py),
         # installed before LoRA and sharding wrap the model.
         self.routing = TrainerRouting(self.model, train.moe.routing_replay, train.moe.aux_loss_coef)
-        self._records: list | None = None  # the last forward's routing per sequence, when asked (R2)
         self._hidden = int(getattr(self.model.config, "hidden_size", 0) or 0)  # train.share_prompts' unit length
         self.model.config.use_cache = False
         self.lora = train.lora.rank > 0
@@ -172,7 +158,6 @@ class Trainer:
         # follows them). Sharded, FSDP2 casts per group and reduces gradients in float32;
         # otherwise autocast casts per op (matmuls in bfloat16, reductions and softmax in float32).
         mixed = train.mixed_precision
-        self._autocast = mixed and not self.dims.fsdp
         self.context = None  # context parallelism (train.parallel.cp): tidal/trainer/parallel/context.py
         if self.dims.cp > 1:
             self.context = ContextParallel(self.dims.cp_mesh)
@@ -198,107 +183,15 @@ class Trainer:
             weight_decay=train.weight_decay, **({"foreach": False} if self.dims.tp > 1 else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(train))
         self.version = 0
+        # one micro-batch through a model: layout, images, routing, the head's scores (tidal/trainer/forward.py)
+        self._forward = MicroBatchForward(
+            self.model, train, temperature=self.temperature, pad_token_id=pad_token_id, device=self.device,
+            vision=self.vision, attention=self.attention, autocast=mixed and not self.dims.fsdp, context=self.context,
+            routing=self.routing, world_size=self.world_size, model_dir=self.model_dir)
 
     # -- forward passes -------------------------------------------------------------------
     def _inputs(self, tokens: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = pad_rows(tokens, self.pad_token_id, torch.long, self.device)
-        attn = pad_rows([[1] * len(t) for t in tokens], 0, torch.long, self.device)
-        return ids, attn
-
-    def _forward(self, model, tokens: list[list[int]], keep: torch.Tensor | None = None,
-                 images: list[list] | None = None, prompts: list[int] | None = None, unit_len: int | None = None,
-                 routing: dict | None = None):
-        """(log-probs, entropy) [B, longest - 1] of every sequence's targets under softmax(logits /
-        temperature), float32, 0 outside `keep` ([B, longest - 1] bool, the targets' layout;
-        default: every sequence's own targets). Only the kept positions reach the output head
-        (`keep_rows`), and the head computes their log-probs and entropy from the hidden states
-        `train.logprob_chunk_tokens` at a time, on its vocabulary shards under tensor parallelism
-        (`head_scores`, tidal/trainer/parallel/logprob.py): no tokens x vocabulary logits exist.
-
-        `train.packing`: the model runs on the packed rows (`packed_inputs`), attention kept
-        within each sequence by transformers' packed-sequence mask, which it derives from
-        position ids that restart at 0 (no attention mask passed).
-
-        `prompts` (`train.share_prompts`: each sequence's prompt length, `_prompts`): sequences
-        that open with the same prompt run it once (`shared_inputs`, units of at most `unit_len`
-        tokens: `_unit_len`), under a 4-D attention mask.
-
-        A vision-language model (`images`: per sequence, one per image run of its tokens) also
-        gets each sequence's mRoPE positions and the micro-batch's pixels in the order its image
-        pads appear, and its vision special tokens' logits are masked (`banned`): the policy's
-        distribution is the one the engines sample from.
-
-        A mixture of experts (`routing`: `TrainerRouting.forward`'s keyword arguments: `records` to
-        replay, `policy_BT` and `engine` to count, `aux`, and `keep_records` to keep this forward's
-        routing per sequence in `self._records`): the policy's routers run inside it, given each
-        token's flat position in the laid-out rows (tidal/trainer/routing.py)."""
-        targets = pad_rows(tokens, self.pad_token_id, torch.long, self.device)[:, 1:]
-        B, T = targets.shape
-        if keep is None:
-            lengths = torch.tensor([len(t) - 1 for t in tokens], device=self.device)
-            keep = torch.arange(T, device=self.device)[None, :] < lengths[:, None]
-        seqs, vis = self._with_images(tokens, images)
-        kept = targets[keep]
-        pos = allowed = None
-        kw = {}
-        if prompts is not None and len(seqs) > 1:
-            # context parallel: the spans of the layout, not its [rows, S, S] mask
-            ids, pos, allowed, index = shared_inputs(seqs, prompts, self.pad_token_id, self.device, unit_len,
-                                                     spans=self.context is not None)
-            flat = index[:B, :T]
-            kw = {"position_ids": pos, "use_cache": False}
-            if self.context is None:
-                kw["attention_mask"] = self._mask_4d(allowed)
-        elif self.train_cfg.packing and len(seqs) > 1:
-            rope = None if vis is None else [self._rope(t, im, i) for i, (t, im) in enumerate(zip(seqs, vis))]
-            ids, pos, index = packed_inputs(seqs, self.pad_token_id, self.device, rope)
-            flat = index[:B, :T]  # index[:B]: a dummy image's sequence (data parallel) is not scored
-            kw = {"position_ids": pos, "use_cache": False,
-                  **({} if vis is None else self._pixels(vis, packed_order([len(t) for t in seqs])))}
-        else:
-            ids, kw, flat = self._padded_inputs(seqs, vis, B, T)
-        rows = flat[keep]
-
-        def run(model, ids, rows, targets, **kw):
-            head = head_scores(model, targets, self.temperature, self.train_cfg.logprob_chunk_tokens, self._banned)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self._autocast), \
-                    keep_rows(model, rows), head:
-                return model(input_ids=ids, **kw).logits
-
-        if self.context is None:
-            routed = routing is not None and model is self.model and self.routing
-            with self.routing.forward(flat_BT=flat, lengths=[len(t) for t in tokens], numel=ids.numel(),
-                                      **{k: v for k, v in routing.items() if k != "keep_records"}) \
-                    if routed else contextlib.nullcontext():
-                out = run(model, ids, rows, kept, **kw)
-            if routed and routing.get("keep_records"):
-                self._records = self.routing.records(flat, [len(t) for t in tokens])
-        else:  # context parallel: this rank's slice of the positions; the scores come back whole
-            out = self.context.forward(
-                model, ids, pos, allowed, rows,
-                lambda m, ids, pos, rows, sel: run(m, ids, rows, kept[sel], position_ids=pos, use_cache=False))
-        return at_mask(keep, out[:, 0]), at_mask(keep, out[:, 1])
-
-    def _padded_inputs(self, seqs, vis, B: int, T: int):
-        """The padded layout of `_forward`: (input ids [B, longest], the model's keyword arguments,
-        the flat positions of the [B, T] targets in [B, longest] hidden states)."""
-        ids, attn = self._inputs(seqs)
-        kw = {"attention_mask": attn}
-        if vis is not None:  # padding positions: 0 (masked out)
-            vpos = torch.zeros((3, *ids.shape), dtype=torch.long)
-            for i, (t, im) in enumerate(zip(seqs, vis)):
-                vpos[:, i, :len(t)] = self._rope(t, im, i)
-            kw |= {"position_ids": vpos.to(self.device), "use_cache": False, **self._pixels(vis, range(len(seqs)))}
-        flat = torch.arange(B, device=self.device)[:, None] * ids.shape[1] + torch.arange(T, device=self.device)
-        return ids, kw, flat
-
-    def _mask_4d(self, allowed: torch.Tensor) -> torch.Tensor:
-        """A 4-D attention mask as the attention takes it: sdpa a boolean one (True: attend), eager
-        an additive one (0, or float32's minimum where masked; transformers adds it to the scores)."""
-        if self.attention == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(torch.float32).min)
+        return padded(tokens, self.pad_token_id, self.device)
 
     def _prompts(self, batch: TrainBatch, idx: list[int] | None = None) -> list[int] | None:
         """`train.share_prompts`: each sequence's prompt length (its tokens before the first policy
@@ -322,55 +215,6 @@ class Trainer:
         if not self.train_cfg.share_prompts or not len(batch):
             return None
         return max(self._hidden, max(len(t) for t in batch.tokens))
-
-    def _with_images(self, tokens: list[list[int]], images: list[list] | None):
-        """The sequences to run and, for a vision-language model, each one's images (else None).
-
-        Data parallel, a micro-batch without any image gets one more sequence holding a dummy
-        image: FSDP gathers the vision tower's blocks in the forward and reduce-scatters their
-        gradients in the backward only on a rank that runs it, so every rank runs it in every
-        pass, or the ranks' collectives would pair up wrongly. The dummy sequence is never
-        scored: its logits leave the loss, so its gradient (and so its share of every
-        parameter's gradient) is exactly 0, while its activations stay in the graph, so the
-        vision tower's (zero) gradients are reduced with the other ranks'."""
-        if self.vision is None:
-            if images is not None and any(images):
-                raise ValueError(f"the batch carries images, but `{self.model_dir}` is a text-only model")
-            return tokens, None
-        vis = [list(im) for im in images] if images is not None else [[] for _ in tokens]
-        if len(vis) != len(tokens):
-            raise ValueError(f"{len(tokens)} sequences but images for {len(vis)}")
-        if self.world_size > 1 and not any(vis):
-            blob = self._dummy_image()
-            return [*tokens, self._dummy_image_tokens(blob)], [*vis, [blob]]
-        return tokens, vis
-
-    def _dummy_image(self):
-        from PIL import Image
-
-
-        return as_image(Image.new("RGB", (56, 56)))  # the processor's usual minimum: 4 tokens
-
-    def _dummy_image_tokens(self, blob) -> list[int]:
-        spec = self.vision.spec
-        return [spec.vision_start_token_id, *[spec.image_token_id] * self.vision.num_tokens(blob),
-                spec.vision_end_token_id]
-
-    def _rope(self, tokens: list[int], images: list, i: int) -> torch.Tensor:
-        try:
-            return self.vision.positions(tokens, images)
-        except ValueError as e:
-            raise ValueError(f"sequence {i} of a micro-batch ({len(tokens)} tokens): {e}; TrainBatch.images must hold "
-                             "one image per run of image pads, in order") from None
-
-    def _pixels(self, images: list[list], order) -> dict:
-        """The vision tower's inputs: the images of the sequences in `order` (the order their
-        image pads take in the input ids), concatenated; nothing when there are none."""
-        blobs = [b for i in order for b in images[i]]
-        if not blobs:
-            return {}
-        pixel_values, grid = self.vision.pixels(blobs)
-        return {"pixel_values": pixel_values.to(self.device), "image_grid_thw": grid.to(self.device)}
 
     def _micro_batches(self, batch: TrainBatch) -> list[list[int] | None]:
         """This batch's micro-batches. Data parallel: padded with `None` (a dummy pass) to the
@@ -433,7 +277,7 @@ class Trainer:
             out = self._forward(self.model, toks, images=ims, prompts=prompts, unit_len=unit_len, routing=routing)[0]
             if routing.get("keep_records"):
                 for row, i in enumerate(idx):
-                    records[i] = self._records[row]
+                    records[i] = self._forward.records[row]
             return out
 
         return self._per_position(batch, self.model, fn)
