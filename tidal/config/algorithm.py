@@ -13,16 +13,16 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from tidal.algorithms import AGGREGATIONS, ESTIMATORS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS
-from tidal.config.section import _Section
+from tidal.config.section import Section
 
 
-class CriticConfig(_Section):
+class CriticConfig(Section):
     path: str | None = Field(None, description="Critic initialization: an HF model directory; None: the policy's own weights with a fresh value head.")
     lr: float = Field(1e-3, gt=0.0, description="Critic AdamW learning rate (constant after train.warmup_steps).")
     value_clip: float | None = Field(0.2, gt=0.0, description="Clip of the value update around the pre-update values (PPO2); None: plain squared error.")
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     advantage: str = Field("grpo", description=f"Advantage estimator: one of {ESTIMATORS} (`gae` trains a critic, PPO proper; `remax` adds one greedy rollout per prompt as baseline), or a dotted or file path (`my_pkg.adv:MyEstimator`) to a class built with this section and `advantage_args`, or a function of tidal.algorithms.AdvantageInputs, declaring `needs_values` / `needs_greedy_baseline` (tidal/algorithms/advantages.py).")
     advantage_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of an `advantage` estimator of your own (a class gets them after this section; a function after its inputs).")
     std_scale: Literal["group", "batch", "none"] = Field("group", description="GRPO reward scaling: group std, batch std or none (Dr.GRPO).")

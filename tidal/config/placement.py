@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from tidal.config.section import _Section
+from tidal.config.section import Section
 
 
-class EngineConfig(_Section):
+class EngineConfig(Section):
     kind: str = Field("auto", description="Rollout engine: torch (built in), vllm, sglang (a supervised SGLang server; CUDA only, untested), auto: vllm on a GPU box where vLLM is installed, else torch (the choice and its reason are logged; auto never picks sglang); or a dotted or file path to a builder of your own (`my_pkg.engines:build`, called as tidal.engines.factory.build_engine calls the built-in ones).")
 
     @field_validator("kind")
@@ -38,13 +38,13 @@ class EngineConfig(_Section):
     partial_rollout: bool = Field(True, description="When new weights arrive during generation (the asynchronous loop): True, in-flight requests pause between decode steps, take the new weights and continue (each token records the version that produced it); False, the update waits until the requests in flight finish on the old weights (new requests wait for the update). The torch engine and vLLM in process (engine.vllm_mode=in_process: the update lands between two engine steps, vLLM recomputes the running requests' KV with the new weights); vLLM's server mode and SGLang finish in-flight requests before an update, and refuse an explicit true.")
 
 
-class RoleResources(_Section):
+class RoleResources(Section):
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs one actor of this role reserves.")
     num_gpus: float = Field(0.0, ge=0.0, description="GPUs one actor of this role reserves (fractions share a GPU).")
     resources: dict[str, float] = Field(default_factory=dict, description="Custom Ray resources one actor needs, e.g. {node_type_a: 1}: pins the role to nodes that offer them.")
 
 
-class WeightSyncDeltaConfig(_Section):
+class WeightSyncDeltaConfig(Section):
     """Delta weight sync (docs/weightsync.md#delta-sync): each engine gets the XOR of the new
     weights with the version it holds, compressed, with a checksum per piece; a full sync when a
     checksum fails, when an engine is new or restarted, and every `full_every` versions. Bit for
@@ -56,7 +56,7 @@ class WeightSyncDeltaConfig(_Section):
     level: int = Field(1, ge=-5, le=19, description="Compression level (zstd: 1 is its fast default; lz4: 0 fast, 3+ high-compression mode).")
 
 
-class PlacementConfig(_Section):
+class PlacementConfig(Section):
     mode: Literal["local", "ray", "launcher"] = Field("local", description="local: every role in the driver process (breakpoints work). ray: trainer ranks and engine replicas are Ray actors. launcher: `tidal train` started once per trainer rank by torchrun, mpirun or srun, which give the rank and world size; rank 0 runs the controller and the engines (with placement.colocate, each rank one engine), no Ray (docs/clusters.md).")
     address: str | None = Field(None, description="ray: join this running cluster (`ray start --head` printed it, e.g. 10.0.0.1:6379, or 'auto'); None: start a local Ray instance for this run.")
     host: str = Field("127.0.0.1", description="ray, local instance: the address Ray and every service it starts listen on. 127.0.0.1 keeps everything on loopback.")
@@ -90,7 +90,7 @@ class PlacementConfig(_Section):
         return {"enabled": v} if isinstance(v, bool) else v
 
 
-class GatewayConfig(_Section):
+class GatewayConfig(Section):
     enabled: bool | None = Field(None, description="Serve the policy being trained through the OpenAI-compatible gateway during the run (tidal/runtime/gateway.py). None: only when the task runs agents (task.env=openai_agent).")
     host: str = Field("127.0.0.1", description="Address the gateway binds. Off loopback every call needs the token (gateway.token, or a random one written to <run dir>/gateway.json, readable by the owner only).")
     port: int = Field(0, ge=0, le=65535, description="Port (0: a free one; the URL is logged and written to <run dir>/gateway.json).")

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from tidal.config.section import _Section
+from tidal.config.section import Section
 
 # The names of the monitors' parts (tidal/monitor/), held here so that a config is validated
 # without importing the monitors: they sit above config in the package order and read these.
@@ -25,7 +25,7 @@ HACKING_KINDS = ("divergence", "length_correlation", "part_dominance", "verifier
 SINK_EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     dir: str | None = Field(None, description="Run directory; default runs/<name>-<time>.")
     name: str = Field("arith-grpo", description="Run name.")
     seed: int = Field(0, description="Seed of data order, sampling and initialization.")
@@ -59,7 +59,7 @@ class RunConfig(_Section):
         return list(dict.fromkeys(v))
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     n: int = Field(500, ge=1, description="Held-out problems evaluated.")
     k: int = Field(8, ge=1, description="Samples per problem for pass@k.")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature of the pass@k samples.")
@@ -72,7 +72,7 @@ class EvalConfig(_Section):
     best_mode: Literal["max", "min"] = Field("max", description="keep_best: whether higher (max) or lower (min) is better.")
 
 
-class AlertsConfig(_Section):
+class AlertsConfig(Section):
     """Health alerts (tidal/monitor/alerts.py; docs/observability.md#health-alerts)."""
 
     enabled: bool = Field(True, description="Health alerts: each an event in RUN/events.jsonl, a warning on the console and in train.log, and `alerts/<name>` in the metrics of its step.")

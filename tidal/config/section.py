@@ -10,5 +10,5 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

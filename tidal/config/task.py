@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from tidal.config.section import _Section
+from tidal.config.section import Section
 from tidal.importing import adapter_of, check_extra
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = Field("default", description="Local HF model directory, tidal checkpoint, LoRA adapter directory, or a Hugging Face Hub id (`Qwen/Qwen3-0.6B`: downloaded into the Hub cache with a network, read from it offline, as transformers does); 'default' is the embedded tiny model.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of trainer and engine.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto: cuda when a GPU is present, else cpu.")
@@ -29,7 +29,7 @@ class ModelConfig(_Section):
         return self.device
 
 
-class RewardSpec(_Section):
+class RewardSpec(Section):
     fn: str = Field(..., description="The reward: a dotted path `pkg.module:function` or a file path `path/to/rewards.py:function`. A class or factory is called with `args` first.")
     form: Literal["tidal", "trl", "verl"] = Field("tidal", description="Calling convention (tidal/rewards/contract.py): tidal `fn(completion, **columns)`, trl `fn(prompts, completions, completion_ids, **columns) -> list`, verl `compute_score(data_source, solution_str, ground_truth, extra_info)`.")
     weight: float = Field(1.0, description="Weight of this reward in the episode's reward.")
@@ -40,7 +40,7 @@ class RewardSpec(_Section):
 AGENT_ENVS = ("openai_agent", "tidal.envs.openai_agent", "tidal.envs.openai_agent:OpenAIAgentEnv")
 
 
-class TaskConfig(_Section):
+class TaskConfig(Section):
     name: str | None = Field(None, description="Task name recorded on every episode (Episode.env); None: the environment's name (arithmetic for the default task).")
     env: str = Field("single_turn", description="Environment class: a built-in name (single_turn, tool_arith, code, shell) or a dotted path `my_pkg.envs:MyEnv` or a file path `path/to/envs.py:MyEnv`; built as `Env(row, seed=..., **env_args)`.")
     env_args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the environment class and of its row generator `Env.rows` (when there is no dataset), split by their signatures: rows() gets the keys it names, the class the keys it names and, if it takes **kwargs, the rest (docs/agents.md); for the generated arithmetic task, its problem distribution: min_digits, max_digits, ops (tidal/envs/arithmetic.py).")
@@ -102,7 +102,7 @@ class TaskConfig(_Section):
         return [RewardSpec(fn=path, form=self.reward_form)] if path else []
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     isolation: Literal["process", "inline"] = Field("process", description="Where reward code runs: process, a pool of worker processes whose hung calls are killed and replaced (Ray actors when placement.reward_workers > 0 in ray mode); inline, in the rollout's own process (debugging with breakpoints: a hung synchronous reward cannot be killed there).")
     workers: int = Field(2, ge=1, description="Worker processes of the local process pool (ray mode: placement.reward_workers actors instead).")
     timeout_s: float = Field(30.0, gt=0.0, description="Most seconds one reward call may take; past it the call is killed and its episode ends `timeout`.")
@@ -120,7 +120,7 @@ class RewardConfig(_Section):
     monitor_args: dict[str, Any] = Field(default_factory=dict, description="Bounds of the monitors: keyword arguments of tidal.monitor.hacking.HackingMonitor (e.g. length_corr_max, part_share_max, error_jump).")
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     prompts_per_step: int = Field(32, ge=1, description="Prompts per training step.")
     samples_per_prompt: int = Field(8, ge=1, description="Episodes per prompt (the GRPO group size).")
     max_new_tokens: int = Field(32, ge=1, description="Token budget of one policy turn.")

@@ -16,12 +16,12 @@ from tidal.algorithms.advantages import BUILTIN_NEEDS
 from tidal.config.algorithm import AlgorithmConfig
 from tidal.config.placement import EngineConfig, GatewayConfig, PlacementConfig
 from tidal.config.run import AlertsConfig, EvalConfig, RunConfig
-from tidal.config.section import _Section
+from tidal.config.section import Section
 from tidal.config.task import ModelConfig, RewardConfig, RolloutConfig, TaskConfig
 from tidal.config.train import TrainConfig
 
 
-class TidalConfig(_Section):
+class TidalConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)

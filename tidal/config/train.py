@@ -12,10 +12,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tidal.config.section import _Section
+from tidal.config.section import Section
 
 
-class LoraConfig(_Section):
+class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank r (peft); 0: full fine-tuning. With r > 0 the policy trains low-rank adapters on `targets` only, the reference model (algorithm.kl_coef > 0) is the same weights with the adapters off (no second copy), engines receive the merged weights, and checkpoints hold the adapter beside the merged model (docs/algorithms.md).")
     alpha: float = Field(16.0, gt=0.0, description="LoRA scaling numerator: the update is (alpha / rank) · B·A.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (peft's lora_dropout).")
@@ -23,7 +23,7 @@ class LoraConfig(_Section):
                                min_length=1, description="Names of the linear modules that get adapters (peft's target_modules; module names as in the model).")
 
 
-class ParallelConfig(_Section):
+class ParallelConfig(Section):
     """How the trainer ranks are laid out as a named device mesh (tidal/trainer/parallel/mesh.py,
     docs/parallel.md). The degrees multiply to placement.trainer_ranks."""
 
@@ -67,7 +67,7 @@ class ParallelConfig(_Section):
         return {"dp_replicate": self.dp_replicate, "dp_shard": shard, "cp": self.cp, "tp": self.tp, "ep": self.ep}
 
 
-class MoeConfig(_Section):
+class MoeConfig(Section):
     """Mixture-of-experts training (a model with top-k routers, e.g. Qwen3-MoE; docs/moe.md). The
     router always runs in float32 (tidal/models/moe.py)."""
 
@@ -76,7 +76,7 @@ class MoeConfig(_Section):
     measure_unreplayed: bool = Field(False, description="With routing replay on, also run each micro-batch once without replay (no gradient) to report the engine/trainer log-prob mismatch the replay removed (moe/logprob_abs_diff_unreplayed): one more forward per micro-batch.")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(60, ge=1, description="Training steps (one rollout batch each).")
     lr: float = Field(3e-4, gt=0.0, description="Peak AdamW learning rate.")
     warmup_steps: int = Field(5, ge=0, description="Linear warm-up over this many optimizer steps.")
