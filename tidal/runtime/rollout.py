@@ -25,7 +25,8 @@ counted (`rollout/prefix_breaks`).
 
 Rewards: once the environment is done, the configured rewards score the episode through a
 `Scorer` (tidal/rewards/contract.py; worker processes with hard timeouts), per episode, or per
-group when a reward is of the batched (TRL) form. The environment's per-turn rewards add to it.
+group when a reward is of the batched (TRL) form (tidal/rewards/episode_scoring.py: the input,
+the group's meeting point, the outcome and the accuracy). The environment's per-turn rewards add to it.
 `close()` is called on every environment however its episode ended.
 """
 
@@ -38,7 +39,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tidal.envs.base import Action, Env, Message, RewardError, SamplingOverride, is_agent_env, optional
@@ -47,7 +48,7 @@ from tidal.models.moe import append_routing
 from tidal.monitor import trace
 from tidal.monitor.episodes import reference_of
 from tidal.rewards import step_budget
-from tidal.rewards.contract import RewardInput, RewardOutcome
+from tidal.rewards.episode_scoring import GroupScoring, reward_input, score_episode, set_accuracy
 from tidal.types import Episode, GenerationRequest, GenerationResult, SamplingParams, Status, Turn
 
 log = logging.getLogger("tidal")
@@ -135,42 +136,6 @@ class _Conversation:
     last_text: str = ""
     gen_time: float = 0.0
     env_time: float = 0.0
-
-
-class _GroupScoring:
-    """The members of one group meet here when a batched (TRL-form) reward scores them
-    together: scoring starts once every member has either arrived or left (failed earlier)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.arrived: list[tuple[RewardInput, asyncio.Future]] = []
-        self.submitted: set[str] = set()  # episode ids that reached scoring (the others leave)
-        self.left = 0
-        self.task: asyncio.Task | None = None  # held: the loop keeps only a weak reference to tasks
-
-    def _maybe_start(self, scorer) -> None:
-        if len(self.arrived) + self.left == self.size and self.arrived:
-            self.task = asyncio.get_running_loop().create_task(self._score(scorer, list(self.arrived)))
-            self.arrived = []
-
-    async def _score(self, scorer, members) -> None:
-        try:
-            outcomes = await scorer.score([i for i, _ in members])
-        except Exception as e:  # noqa: BLE001 - a scorer bug types the episodes, never hangs them
-            outcomes = [RewardOutcome("reward_error", error=f"reward scorer failed: {type(e).__name__}({e})")] * len(members)
-        for (_, fut), out in zip(members, outcomes):
-            if not fut.done():
-                fut.set_result(out)
-
-    async def submit(self, scorer, inp: RewardInput) -> RewardOutcome:
-        fut = asyncio.get_running_loop().create_future()
-        self.arrived.append((inp, fut))
-        self._maybe_start(scorer)
-        return await fut
-
-    def leave(self, scorer) -> None:
-        self.left += 1
-        self._maybe_start(scorer)
 
 
 class Rollout:
@@ -263,7 +228,7 @@ class Rollout:
 
     # -- one episode --------------------------------------------------------------------------
     async def run_episode(self, spec: EpisodeSpec, client: BatchingClient, step: int,
-                          groups: dict[str, _GroupScoring] | None = None) -> Episode:
+                          groups: dict[str, GroupScoring] | None = None) -> Episode:
         ep = new_episode(spec, step)
         group = (groups or {}).get(spec.group_id)
         try:
@@ -275,7 +240,7 @@ class Rollout:
                 group.leave(self.scorer)  # failed (or cancelled) before scoring: the others go on
 
     async def _run_episode(self, spec: EpisodeSpec, ep: Episode, client: BatchingClient,
-                           group: _GroupScoring | None) -> Episode:
+                           group: GroupScoring | None) -> Episode:
         """Reset, then turns (generate, the environment's step, its answer appended) until the
         environment is done or the turns or tokens run out; then the rewards."""
         t0 = time.perf_counter()
@@ -431,44 +396,19 @@ class Rollout:
             ep.images.append(b.id)
             ep.image_blobs[b.id] = b
 
-    async def _score(self, ep: Episode, spec: EpisodeSpec, group: _GroupScoring | None, prompt_text: str,
+    async def _score(self, ep: Episode, spec: EpisodeSpec, group: GroupScoring | None, prompt_text: str,
                      prompt_messages: list[Message], conversation: list[Message], last_text: str, t0: float) -> Episode:
-        """The task's rewards on a finished episode, then its accuracy."""
+        """The task's rewards on a finished episode, then its accuracy (tidal/rewards/episode_scoring.py)."""
         if self.scorer is not None:
-            t3 = time.perf_counter()
-            inp = self._reward_input(ep, spec, prompt_text, prompt_messages, conversation, last_text)
-            async with trace.async_span("reward", spec.episode_id):
-                if group is not None:
-                    group.submitted.add(ep.episode_id)
-                    outcome = await step_budget.unless_spent(group.submit(self.scorer, inp))
-                else:
-                    outcomes = await step_budget.unless_spent(self.scorer.score([inp]))
-                    outcome = None if outcomes is None else outcomes[0]
-            ep.metrics["reward_s"] = time.perf_counter() - t3
-            if outcome is None:  # the step's rewards failed past reward.failure_budget: not waited for
-                budget = step_budget.current()
-                return self._fail(ep, Status.REWARD_ERROR, budget.why() if budget else "not scored")
-            if outcome.status != "ok":
-                st = Status.TIMEOUT if outcome.status == "timeout" else Status.REWARD_ERROR
-                return self._fail(ep, st, outcome.error)
-            ep.outcome_reward = outcome.reward
-            ep.reward += outcome.reward
-            for k, v in outcome.parts.items():
-                ep.reward_parts[k] = ep.reward_parts.get(k, 0.0) + v
-            ep.metrics.update(outcome.metrics)
-        # Accuracy: the reward functions' unweighted `correct` (parts are stored weighted), else
-        # the `correct` part of the environment's rewards, else, for an environment that is its
-        # own reward, whether the reward is positive. Rewards without a `correct` part (a reward
-        # model, a judge) say nothing of correctness: the episode has no `correct` then.
-        correct = ep.metrics.get("correct") if "correct" in ep.metrics else correct_part(ep.reward_parts)
-        if correct is None and self.scorer is None:
-            correct = float(ep.reward > 0)
-        if correct is not None:
-            ep.metrics["correct"] = correct
+            inp = reward_input(ep, spec.row, prompt_text, prompt_messages, conversation, last_text)
+            failed = await score_episode(self.scorer, ep, inp, group)
+            if failed is not None:
+                return self._fail(ep, *failed)
+        set_accuracy(ep, scored=self.scorer is not None)
         ep.metrics["episode_s"] = time.perf_counter() - t0
         return ep
 
-    async def _run_agent_episode(self, spec: EpisodeSpec, ep: Episode, group: _GroupScoring | None) -> Episode:
+    async def _run_agent_episode(self, spec: EpisodeSpec, ep: Episode, group: GroupScoring | None) -> Episode:
         """An agent environment (tidal/envs/openai_agent.py): the agent calls the gateway under
         the episode's session; its recorded calls become the episode's tokens and turns."""
         env, name, t0 = spec.env, spec.env.name, time.perf_counter()
@@ -509,15 +449,6 @@ class Rollout:
         ep.status = status
         return await self._score(ep, spec, group, first.prompt_text, prompt_messages, conversation, answer, t0)
 
-    def _reward_input(self, ep: Episode, spec: EpisodeSpec, prompt_text: str, prompt_messages: list[Message],
-                      history: list[Message], last_text: str) -> RewardInput:
-        policy_ids = [t for tr in ep.turns for t in ep.tokens[tr.start:tr.end]]
-        turns = [{"index": t.index, "text": t.text, "finish_reason": t.finish_reason, "reward": t.reward,
-                  "tool_calls": [asdict(c) for c in t.tool_calls]} for t in ep.turns]
-        columns = {k: v for k, v in spec.row.items() if k != "prompt"}
-        return RewardInput(ep.episode_id, ep.group_id, ep.task_id, ep.step, prompt_text, prompt_messages, last_text,
-                           policy_ids, list(history), turns, columns)
-
     @staticmethod
     def _fail(ep: Episode, status: Status, error: str) -> Episode:
         """A typed failure: not trained on, and never scored as reward 0 (reward is unset)."""
@@ -551,11 +482,11 @@ class Rollout:
         """Run `specs` concurrently; `on_episode(ep)` is called as each episode finishes (the
         episode store streams them). Results are in the order of `specs`."""
         client = BatchingClient(engine)
-        groups: dict[str, _GroupScoring] | None = None
+        groups: dict[str, GroupScoring] | None = None
         if self.scorer is not None and getattr(self.scorer, "per_group", False):
             groups = {}
             for s in specs:
-                groups.setdefault(s.group_id, _GroupScoring(0)).size += 1
+                groups.setdefault(s.group_id, GroupScoring(0)).size += 1
 
         async def one(spec: EpisodeSpec) -> Episode:
             ep = await self._bounded(spec, client, step, groups)
@@ -575,16 +506,6 @@ class Rollout:
 def _short(e: BaseException, n: int = 300) -> str:
     text = str(e)
     return text if len(text) <= n else text[:n] + "..."
-
-
-def correct_part(parts: dict[str, float]) -> float | None:
-    """The reward part that defines accuracy: `correct`, else the first `<name>/correct`."""
-    if "correct" in parts:
-        return parts["correct"]
-    for k, v in parts.items():
-        if k.endswith("/correct"):
-            return v
-    return None
 
 
 def group_specs(
