@@ -96,16 +96,16 @@ def _wrap(monkeypatch, obj, name, before):
 
 
 def _fill_before_torch_save(disk, monkeypatch, ctl):
-    import tidal.trainer.trainer as trainer_module
+    import tidal.trainer.trainer_state as state_module  # where the trainer's checkpoint is written
 
-    real = trainer_module.torch.save
+    real = state_module.torch.save
 
     def save(obj, path, *a, **kw):
         disk.fill()
         if disk.kind == "injected":  # what torch.save's zip writer raises on a short write, with no errno
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
         return real(obj, path, *a, **kw)
-    monkeypatch.setattr(trainer_module.torch, "save", save)
+    monkeypatch.setattr(state_module.torch, "save", save)
     return "trainer_state.pt"
 
 

@@ -24,19 +24,14 @@ rank joins its collectives. A critic (algorithm.advantage=gae) is refused for th
 
 from __future__ import annotations
 
-import math
-import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tidal.algorithms import build_estimator, kl_estimate, needs
 from tidal.algorithms.objective import LossInputs, build_objective
 from tidal.config import AlgorithmConfig, TrainConfig
-from tidal.durable import disk_error
 from tidal.importing import import_object
 from tidal.models import load_model, resolve_model_dir
 from tidal.models.moe import install_routers
@@ -45,13 +40,11 @@ from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
 from tidal.trainer.forward import MicroBatchForward
 from tidal.trainer.layout import micro_batches, pad_rows, padded, shared_micro_batches
-from tidal.trainer.lora import add_lora, load_adapter, merged_weights
+from tidal.trainer.lora import add_lora, merged_weights
 from tidal.trainer.parallel import ParallelDims, parallelize
-from tidal.trainer.parallel.checkpoint import DIRNAME as SHARDS
-from tidal.trainer.parallel.checkpoint import load_sharded, save_sharded
 from tidal.trainer.parallel.context import ContextParallel
-from tidal.trainer.parallel.hf_model import save_hf
 from tidal.trainer.routing import TrainerRouting
+from tidal.trainer.trainer_state import load_checkpoint, lr_factor, save_checkpoint
 
 
 @dataclass
@@ -475,93 +468,16 @@ class Trainer:
         dp.reshard(self.model)
         return {n: dp.full_tensor(p.detach()) for n, p in self.model.named_parameters()}
 
-    # -- checkpoints ----------------------------------------------------------------------
+    # -- checkpoints (what they hold and where: tidal/trainer/trainer_state.py) ----------------
     def save(self, path: str | Path, tokenizer=None) -> None:
-        """model/ is a normal HF directory (loadable by every engine and `tidal eval`). The
-        optimizer's state: several ranks (without LoRA) write their shards of it and of the
-        policy under shards/ (torch.distributed.checkpoint); one process (or LoRA) puts it whole,
-        by parameter name, in trainer_state.pt. Either resumes on any number of ranks and any
-        mesh. Data parallel: a collective."""
-        path = Path(path)
-        if self.lora:  # model/: merged, for every engine and reader; adapter/: what trains (peft's format)
-            merged = merged_weights(self.model)  # data parallel: collectives, in the same order on every rank
-            adapter = {n: dp.full_tensor(p.detach()) for n, p in self.model.named_parameters() if "lora_" in n}
-            if dp.rank() == 0:
-                self.model.get_base_model().save_pretrained(path / "model", state_dict=merged, safe_serialization=True)
-                self.model.save_pretrained(path / "adapter", state_dict=adapter, safe_serialization=True)
-        else:
-            save_hf(self.model, path / "model")
-        state = {"scheduler": self.scheduler.state_dict(), "version": self.version, "rng": rng_state()}
-        if self.world_size > 1 and not self.lora:  # every rank writes its shards (tidal/trainer/parallel/checkpoint.py)
-            save_sharded(self.model, self.optimizer, path / SHARDS)
-        else:
-            state["optimizer"] = dp.optimizer_state(self.model, self.optimizer)
-        if self.critic is not None:
-            self.critic.save(path / "critic")
-            state["critic"] = self.critic.state_dict()
-        if dp.rank() == 0:
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path / "model")
-            if self.vision is not None:  # the image processor's settings: engines and the trainer load it from model/
-                shutil.copy2(self.model_dir / "preprocessor_config.json", path / "model" / "preprocessor_config.json")
-            try:
-                torch.save(state, path / "trainer_state.pt")
-            except RuntimeError as e:  # a short write of its zip writer names no file (tidal/durable.py)
-                cause = disk_error(e)
-                if cause is None:
-                    raise
-                raise OSError(cause.errno, cause.strerror, str(path / "trainer_state.pt")) from e
-        dp.barrier()  # nobody reads the checkpoint before it is whole
+        """Write a checkpoint that resumes on any number of ranks and any mesh: model/ is a normal
+        HF directory (loadable by every engine and `tidal eval`). Data parallel: a collective."""
+        save_checkpoint(Path(path), self.model, self.optimizer, self.scheduler, version=self.version,
+                        critic=self.critic, lora=self.lora, world_size=self.world_size, tokenizer=tokenizer,
+                        processor=None if self.vision is None else self.model_dir / "preprocessor_config.json")
 
     def load(self, path: str | Path) -> None:
         """Restore a checkpoint saved by any number of ranks on any mesh. Data parallel: a
-        collective; every rank reads the files (the checkpoint directory must be visible to all).
-        A sharded checkpoint (saved by several ranks) restores the policy and its optimizer from
-        the shards; one saved by one process from model/ and trainer_state.pt."""
-        path = Path(path)
-        st = torch.load(path / "trainer_state.pt", weights_only=False, map_location=self.device)
-        sharded = (path / SHARDS).is_dir() and not self.lora
-        if sharded:
-            load_sharded(self.model, self.optimizer, path / SHARDS)
-        elif self.lora:
-            load_adapter(self.model, path / "adapter")
-        else:
-            missing, unexpected = dp.load_hf_weights(self.model, path / "model")
-            tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-            if set(missing) - tied or unexpected:
-                raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-        if "optimizer" in st:
-            dp.load_optimizer_state(self.model, self.optimizer, st["optimizer"])
-        elif not sharded:
-            raise ValueError(f"checkpoint {path} has neither {SHARDS}/ nor an optimizer state in trainer_state.pt")
-        self.scheduler.load_state_dict(st["scheduler"])
-        self.version = st["version"]
-        if self.critic is not None:
-            if "critic" not in st:
-                raise ValueError(f"checkpoint {path} has no critic, but algorithm.advantage={self.algo.advantage} needs one")
-            self.critic.load(path / "critic", st["critic"])
-        set_rng_state(st["rng"])
-
-
-def lr_factor(train: TrainConfig):
-    """Multiplier of the peak lr at optimizer step s: linear warm-up, then constant or cosine."""
-    total = max(train.steps * train.mini_batches * train.epochs, 1)
-
-    def factor(s: int) -> float:
-        warm = min(1.0, (s + 1) / train.warmup_steps) if train.warmup_steps > 0 else 1.0
-        if train.lr_schedule == "constant":
-            return warm
-        progress = min(max(s - train.warmup_steps, 0) / max(total - train.warmup_steps, 1), 1.0)
-        return warm * (train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    return factor
-
-
-def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+        collective; every rank reads the files (the checkpoint directory must be visible to all)."""
+        self.version = load_checkpoint(Path(path), self.model, self.optimizer, self.scheduler, critic=self.critic,
+                                       lora=self.lora, device=self.device, advantage=self.algo.advantage)
