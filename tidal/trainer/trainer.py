@@ -24,7 +24,6 @@ rank joins its collectives. A critic (algorithm.advantage=gae) is refused for th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,76 +38,13 @@ from tidal.models.vision import Vision
 from tidal.trainer import distributed as dp
 from tidal.trainer.critic import Critic
 from tidal.trainer.forward import MicroBatchForward
+from tidal.trainer.inputs import TrainBatch, refuse_what_cannot_work
 from tidal.trainer.layout import micro_batches, pad_rows, padded, shared_micro_batches
 from tidal.trainer.lora import add_lora, merged_weights
 from tidal.trainer.parallel import ParallelDims, parallelize
 from tidal.trainer.parallel.context import ContextParallel
 from tidal.trainer.routing import TrainerRouting
 from tidal.trainer.trainer_state import load_checkpoint, lr_factor, save_checkpoint
-
-
-@dataclass
-class TrainBatch:
-    """What the trainer needs of a set of episodes. Lists are per sequence.
-
-    `tokens`, `loss_mask` and `behaviour_logprobs` are aligned with the tokens; the
-    per-position lists (`advantages`, `old_logprobs`, `returns`, `old_values`) are
-    aligned with the trainer's targets: entry t belongs to token t+1 (one shorter)."""
-
-    tokens: list[list[int]]
-    loss_mask: list[list[bool]]
-    advantages: list[list[float]]
-    behaviour_logprobs: list[list[float]]  # engine log-probs, 0 off the mask
-    old_logprobs: list[list[float]] | None = None  # proximal policy; None: on-policy (= current, detached)
-    returns: list[list[float]] | None = None  # critic targets (gae)
-    old_values: list[list[float]] | None = None  # critic values before the update (value clipping)
-    # Vision-language models: per sequence, its images (tidal.images.ImageBlob), one per run of
-    # image pads in its tokens, in order. None: no sequence has an image.
-    images: list[list] | None = None
-    # A mixture of experts (tidal/trainer/routing.py): per sequence, the engine's experts per token
-    # ([len, layers, k], tidal/models/moe.py's compact record; None: none), replayed under R3 and
-    # compared with the trainer's own; `trainer_routing`: the log-prob pass's, replayed under R2.
-    routed_experts: list | None = None
-    trainer_routing: list | None = None
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def select(self, idx: list[int]) -> TrainBatch:
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]
-        return TrainBatch(pick(self.tokens), pick(self.loss_mask), pick(self.advantages),
-                          pick(self.behaviour_logprobs), pick(self.old_logprobs), pick(self.returns),
-                          pick(self.old_values), pick(self.images), pick(self.routed_experts),
-                          pick(self.trainer_routing))
-
-    def totals(self) -> tuple[float, float]:
-        """(masked tokens, sequences with any masked token): the loss denominators of this
-        batch. A data-parallel rank passes the totals of the global batch instead."""
-        masks = [m[1:] for m in self.loss_mask]
-        return float(sum(sum(m) for m in masks)), float(sum(1 for m in masks if any(m)))
-
-
-def _refuse_what_cannot_work(train: TrainConfig, algo: AlgorithmConfig, dims, vision: bool, needs_values: bool,
-                             dtype: str, model_path: str) -> None:
-    """A ValueError naming the keys for a combination the trainer cannot build, before any model loads."""
-    if dims.tp > 1 and train.lora.rank > 0:
-        raise ValueError(f"train.parallel.tp={dims.tp} with train.lora: adapters under tensor parallelism are "
-                         "not supported; use tp=1 (FSDP) with LoRA")
-    if vision and needs_values:
-        raise ValueError(f"algorithm.advantage={algo.advantage} trains a critic (a token-classification value model), which "
-                         f"tidal cannot build for the vision-language model `{model_path}` (transformers has no "
-                         "such head for Qwen2-VL): use an outcome estimator (grpo, rloo, reinforce++, ...)")
-    if train.share_prompts and vision:
-        raise ValueError(f"train.share_prompts is for text models; `{model_path}` is a vision-language model, whose "
-                         "positions and pictures are laid out per sequence: turn it off (or use train.packing)")
-    if train.mixed_precision and dtype != "float32":
-        raise ValueError(f"train.mixed_precision needs float32 parameters (got {dtype})")
-    if vision and dims.tp > 1:
-        raise ValueError(f"train.parallel.tp={dims.tp}: `{model_path}` is a vision-language model, which has no "
-                         "tensor-parallel plan yet (tidal/trainer/parallel/tensor.py); use FSDP (train.parallel.tp=1)")
-    if dims.cp > 1 and (vision or train.lora.rank > 0 or algo.advantage == "gae"):
-        raise ValueError(f"train.parallel.cp={dims.cp} is for text models, without LoRA or a critic "
-                         f"(algorithm.advantage=gae): `{model_path}`")
 
 
 class Trainer:
@@ -128,7 +64,7 @@ class Trainer:
         self.model_dir = resolve_model_dir(model_path)
         # A vision-language model's images, placeholders and positions; None: a text model (module docstring)
         self.vision = Vision.load(self.model_dir)
-        _refuse_what_cannot_work(train, algo, self.dims, self.vision is not None, self.needs_values, dtype, model_path)
+        refuse_what_cannot_work(train, algo, self.dims, self.vision is not None, self.needs_values, dtype, model_path)
         # Eager attention under CPU mixed precision: torch's fused CPU attention backward is slow in
         # bfloat16 (train.attention).
         self.attention = train.attention if train.attention != "auto" else (
