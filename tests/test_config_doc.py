@@ -1,5 +1,5 @@
 """`tidal config` and docs/config.md: every key of the config with its type, default and
-description, from the models themselves (tidal/config_doc.py); "did you mean" for unknown keys."""
+description, from the models themselves (tidal/config/doc.py); "did you mean" for unknown keys."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from tidal import config_doc
 from tidal.cli import main as cli_main
 from tidal.config import ConfigError, RolloutConfig, TidalConfig, load_config
+from tidal.config import doc as config_doc
 from tidal.config.resume import _flat
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"

@@ -21,7 +21,7 @@ TIDAL = Path(__file__).resolve().parent.parent / "tidal"
 # package itself (tidal/__init__.py: cache_root) is in the lowest layer.
 LAYERS = [
     {"tidal", "types", "algorithms", "net", "importing", "images", "durable"},
-    {"config", "config_doc"},
+    {"config"},
     {"models", "sandbox"},
     {"engines", "trainer", "envs", "rewards", "weightsync", "monitor"},
     {"runtime", "plan"},

@@ -24,7 +24,7 @@ from tidal.cli.common import (
     split_args,
 )
 from tidal.config import ConfigError, TidalConfig, load_config, load_resume_config, parse_overrides
-from tidal.config_doc import render_markdown, render_text, select
+from tidal.config.doc import render_markdown, render_text, select
 from tidal.durable import disk_error
 from tidal.monitor.run_status import write_exit
 from tidal.runtime.checkpoints import latest_good

@@ -4,7 +4,7 @@ Every field has a description. Everything is validated before any work starts; a
 names the offending key and the reason. Batch sizes are derived: the user gives the
 global batch (prompts × samples per prompt) and a token budget per micro-batch.
 
-The parts, each a module of this package (every name is imported from `tidal.config`):
+The parts, each a module of this package (every name but `doc`'s is imported from `tidal.config`):
 
 - `section`: the base of every section (unknown keys refused);
 - `task`: model, task, reward, rollout;
@@ -14,7 +14,9 @@ The parts, each a module of this package (every name is imported from `tidal.con
 - `run`: run, eval, alerts, and the names the monitors define;
 - `tidal_config`: TidalConfig, the whole, and the checks across its sections;
 - `load`: YAML files and overrides into a validated TidalConfig, with errors that name the key;
-- `resume`: the config a run directory keeps and what a resume may change.
+- `resume`: the config a run directory keeps and what a resume may change;
+- `doc`: every key with its type, default and description, for `tidal config` and docs/config.md
+  (imported as `tidal.config.doc`: the reference of a config, not a part of one).
 """
 
 from tidal.config.algorithm import AlgorithmConfig, CriticConfig

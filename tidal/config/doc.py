@@ -1,5 +1,5 @@
 """Every config key with its type, default and description, read from the pydantic models of
-tidal/config/: `tidal config` prints it, docs/config.md is it as Markdown, and "did you mean"
+this package: `tidal config` prints it, docs/config.md is it as Markdown, and "did you mean"
 suggestions for an unknown key come from the same walk.
 
 The choice: the models are the only source. docs/config.md is generated from them (`tidal config
@@ -19,7 +19,8 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from tidal.config import TidalConfig, did_you_mean
+from tidal.config.load import did_you_mean
+from tidal.config.tidal_config import TidalConfig
 
 
 @dataclass(frozen=True)
