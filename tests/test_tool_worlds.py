@@ -20,7 +20,7 @@ from tidal.recipes.general_tool_model import (
     scripted_segments,
     world_turns,
 )
-from tidal.recipes.tool_worlds import RESERVED_NAMES, WorldEnv, make_worlds, score
+from tidal.recipes.tool_worlds import COINED, RESERVED_NAMES, WorldEnv, make_worlds, score
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def test_general_build_is_deterministic(tmp_path):
     assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
     assert a["tokens_per_example"] == b["tokens_per_example"] and a["cpu_s"] > 0
     assert a["tune"]["stopped_after"] == 2 and a["tune"]["losses"] == b["tune"]["losses"]
-    assert "- {{ f['name'] }}(" in (tmp_path / "a" / "chat_template.jinja").read_text()  # the compact template
+    assert '- {{ \'{\' }}"name": ' in (tmp_path / "a" / "chat_template.jinja").read_text()  # the call template
 
 
 def test_train_lookup_refuses_more_questions_than_it_has():
@@ -126,3 +126,84 @@ def test_train_lookup_refuses_more_questions_than_it_has():
     assert len({r["prompt"] for r in rows}) == 1232
     with pytest.raises(ValueError, match="1233 train questions .* only 1232"):
         train_lookup.TrainLookupEnv.rows("train", 1233, 0)
+
+
+def test_words_apart_tokenizes_a_word_the_same_wherever_it_stands(tmp_path):
+    """`build_tokenizer(words_apart=True)`: a name or value is the same tokens after a space, a
+    quote, a parenthesis or an underscore (what lets a call copy it token by token), in the
+    built tokenizer and in the one transformers loads back; without it, it is not (the control)."""
+    from transformers import AutoTokenizer
+
+    from tidal.recipes.tool_model import build_tokenizer
+
+    corpus = [f'- convert(value: number): Convert {w}. {{"name": "convert", "arguments": {{"to_unit": "{w}"}}}}'
+              for w in ("Paris", "miles", "feet", "Oslo")] * 5
+
+    def pieces(tok, text: str) -> list[str]:
+        return [tok.decode([i]) for i in tok(text, add_special_tokens=False)["input_ids"]]
+
+    apart, joined = build_tokenizer(corpus, 330, words_apart=True), build_tokenizer(corpus, 330)
+    apart.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    for tok in (apart, loaded):
+        word = pieces(tok, "convert")
+        assert pieces(tok, " convert")[1:] == word and pieces(tok, '"convert"')[1:-1] == word
+        assert pieces(tok, "to_unit") == pieces(tok, '"to_unit')[1:] and pieces(tok, " miles")[1:] == pieces(tok, "miles")
+    assert pieces(joined, " convert")[1:] != pieces(joined, "convert")
+
+
+def test_copy_drills_ask_for_what_the_user_named():
+    """Every drill's answer holds the names and values of its question, and only those."""
+    from tidal.recipes.general_tool_model import copy_drill
+
+    rng = random.Random(3)
+    for _ in range(50):
+        (user, u_trained), (answer, a_trained) = copy_drill(rng)
+        assert u_trained and a_trained and answer.endswith("<|im_end|>")
+        said = user.split("\n")[1].removesuffix("<|im_end|>")
+        body = answer.removesuffix("<|im_end|>")
+        if body.startswith("<tool_call>"):
+            call = json.loads(body.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+            assert said == f"Call {call['name']} with " + ", ".join(f"{k} {v}" for k, v in call["arguments"].items()) + "."
+        else:
+            assert said == "Repeat: " + " ".join(map(str, json.loads(body)))
+
+
+def test_coined_names_cannot_be_remembered():
+    """At the default `COINED`, most tool names of held-out worlds never occur in 3,000 training
+    worlds: a model sees each name too rarely to remember it and has to copy it. Without coined
+    words (the control) most of them do occur."""
+    def unseen(coined: float) -> float:
+        train = {t.name for w in make_worlds("train", 3000, 0, coined=coined) for t in w.tools}
+        test = [w.tools[w.target].name for w in make_worlds("test", 100, 0, coined=coined)]
+        return sum(n not in train for n in test) / len(test)
+
+    assert unseen(COINED) > 0.6 and unseen(0.0) < 0.4
+
+
+@pytest.mark.slow  # about 90 s quiet: the recording of 64,000 demonstrations and 100 SFT steps
+def test_build_general_tool_model_rebuilds_the_shipped_one(tmp_path):
+    """`tidal build-general-tool-model` still builds the shipped `default-tool`: the same
+    tokenizer (integer work: the same vocabulary and merges on any machine), the same demonstrations
+    (tokens per example) and, over the first 100 of its steps, the same losses (the whole build,
+    about 50 CPU minutes, is too long for CI). A change of the worlds, the drills, the template,
+    the tokenizer or the loss mask changes one of these; the positive control is the loss
+    check failing for a build without the prompt loss."""
+    import torch
+
+    from tidal.models import GENERAL_TOOL_MODEL_DIR
+
+    torch.set_num_threads(1)  # the shipped model was built with 1 thread
+    shipped = json.loads((GENERAL_TOOL_MODEL_DIR / "tidal_build.json").read_text())
+    summary = build_general_tool_model(tmp_path / "m", stop_after=100, evaluate=lambda *a: {})
+    built, ours = (json.loads((d / "tokenizer.json").read_text())["model"] for d in (tmp_path / "m", GENERAL_TOOL_MODEL_DIR))
+    assert built["vocab"] == ours["vocab"] and built["merges"] == ours["merges"]
+    assert summary["tokens_per_example"] == shipped["tokens_per_example"]
+    # The same batches in the same order: only the order in which two CPUs of this kind sum
+    # floats differs (MKL picks kernels by CPU), which moves a batch loss by far less than 0.02
+    # in 100 steps; the losses logged are rounded to 4 decimals.
+    want = dict(map(tuple, shipped["losses"]))
+    for step, loss in summary["losses"]:
+        assert loss == pytest.approx(want[step], abs=0.02), (step, loss, want[step])
+    without = build_general_tool_model(tmp_path / "n", stop_after=50, evaluate=lambda *a: {}, prompt_loss=False)
+    assert abs(dict(map(tuple, without["losses"]))[50] - want[50]) > 0.02

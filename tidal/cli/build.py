@@ -13,7 +13,14 @@ import sys
 import torch
 
 from tidal.cli.common import no_extra_args
-from tidal.models import BROWSER_MODEL_DIR, DEFAULT_MODEL_DIR, DEFAULT_VLM_DIR, MOE_MODEL_DIR, TOOL_MODEL_DIR
+from tidal.models import (
+    BROWSER_MODEL_DIR,
+    DEFAULT_MODEL_DIR,
+    DEFAULT_VLM_DIR,
+    GENERAL_TOOL_MODEL_DIR,
+    MOE_MODEL_DIR,
+    TOOL_MODEL_DIR,
+)
 
 
 def cmd_build(ns: argparse.Namespace) -> int:
@@ -103,11 +110,11 @@ def add_parsers(sub) -> None:
     _builder(sub, "build-tool-model", "rebuild the tiny tool-calling model (tool_arith) deterministically",
              str(TOOL_MODEL_DIR), cmd_build_tool, threads=1)
     bg = _builder(sub, "build-general-tool-model",
-                  "build a tiny tool model warm-started on generated tools (not shipped: docs/agents.md)", None,
-                  cmd_build_general_tool, threads=1)
-    bg.add_argument("--steps", type=int, default=2000, help="SFT steps of the first phase (docs/agents.md)")
-    bg.add_argument("--tune-steps", type=int, default=1000,
-                    help="SFT steps of the second phase, which calls the tool more often (0: none)")
+                  "rebuild the embedded tool model that calls tools from their schemas (default-tool: docs/agents.md)",
+                  str(GENERAL_TOOL_MODEL_DIR), cmd_build_general_tool, threads=1, shipped=True)
+    bg.add_argument("--steps", type=int, default=3000, help="SFT steps of the first phase (docs/agents.md)")
+    bg.add_argument("--tune-steps", type=int, default=3000,
+                    help="SFT steps of the second phase, on the same mixture with a fresh schedule (0: none)")
     _builder(sub, "build-browser-model", "rebuild the tiny browser model (click_button) deterministically",
              str(BROWSER_MODEL_DIR), cmd_build_browser, threads=2, shipped=True)
     _builder(sub, "build-default-vlm", "rebuild the embedded tiny vision-language model (image tasks) deterministically",

@@ -23,9 +23,11 @@ ASSETS_DIR = Path(__file__).parent / "assets"
 DEFAULT_MODEL_DIR = ASSETS_DIR / "tiny-arith"  # `tidal build-default-model` (recipes/tiny.py)
 DEFAULT_VLM_DIR = ASSETS_DIR / "tiny-vlm"  # `tidal build-default-vlm` (recipes/vlm_build.py)
 TOOL_MODEL_DIR = ASSETS_DIR / "tiny-tool"  # `tidal build-tool-model` (recipes/tool_model.py)
+GENERAL_TOOL_MODEL_DIR = ASSETS_DIR / "tiny-tool-general"  # `tidal build-general-tool-model` (general_tool_model.py)
 BROWSER_MODEL_DIR = ASSETS_DIR / "tiny-browser"  # `tidal build-browser-model` (recipes/browser_model.py)
 MOE_MODEL_DIR = ASSETS_DIR / "tiny-moe"  # `tidal build-moe` (recipes/moe_model.py)
-NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR, "default-moe": MOE_MODEL_DIR}
+NAMED_MODELS = {"default": DEFAULT_MODEL_DIR, "default-vlm": DEFAULT_VLM_DIR, "default-moe": MOE_MODEL_DIR,
+                "default-tool": GENERAL_TOOL_MODEL_DIR}
 
 
 class ModelLoadError(ValueError):
@@ -36,7 +38,8 @@ def resolve_model_dir(path: str | Path) -> Path:
     """A model directory, or the `model/` folder inside a tidal checkpoint directory, or a peft
     LoRA adapter directory (`merged_adapter_dir`), or a Hugging Face Hub id (its snapshot in the
     Hub cache: tidal/models/hub.py). `default` names the embedded text model, `default-vlm` the
-    embedded vision-language model, `default-moe` the embedded mixture of experts."""
+    embedded vision-language model, `default-moe` the embedded mixture of experts, `default-tool`
+    the embedded tool model that calls tools from their schemas (`tiny-tool-general`)."""
     p = Path(path)
     if str(path) in NAMED_MODELS:
         p = NAMED_MODELS[str(path)]

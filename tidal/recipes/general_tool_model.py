@@ -44,7 +44,7 @@ from tidal.recipes.tool_model import (
     sft_train,
     teacher_turns,
 )
-from tidal.recipes.tool_worlds import VALUE_WORDS, World, WorldEnv, make_worlds
+from tidal.recipes.tool_worlds import VALUE_WORDS, World, WorldEnv, _coined, make_worlds
 
 # CHAT_TEMPLATE with each tool on one line as a signature,
 # `name(arg: type, opt?: type, pick: "a" | "b"): description` (as OpenAI's harmony format renders
@@ -169,14 +169,44 @@ def scripted_segments(items: list[tuple[Any, list[str]]], chat_template: str = C
     return asyncio.run(all_of())
 
 
-def tokenize_segments(tokenizer, segments: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+def tokenize_segments(tokenizer, segments: list[tuple[str, bool]], every: bool = False
+                      ) -> tuple[list[int], list[bool]]:
+    """Token ids and loss mask of (text, trained) segments; `every`: every token trained."""
     ids: list[int] = []
     mask: list[bool] = []
     for text, trained in segments:
         new = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += new
-        mask += [trained] * len(new)
+        mask += [trained or every] * len(new)
     return ids, mask
+
+
+def _drill_item(rng: random.Random) -> Any:
+    """A name, an argument name or a value, as the worlds draw them."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        return rng.randint(0, 10 ** rng.randint(1, 4))
+    if kind == 1:
+        return rng.choice(VALUE_WORDS)
+    return "_".join(_coined(rng) for _ in range(rng.choice((1, 1, 2))))
+
+
+def copy_drill(rng: random.Random) -> list[tuple[str, bool]]:
+    """A copying drill, every token trained: the user names a tool and its arguments in prose,
+    the assistant writes them as the call (or lists words back as JSON). Names and values stand
+    in other contexts on the two sides (after a space; after a quote), as a schema's and a
+    question's do against a call, so what the drill teaches is to find and copy, the skill a
+    call of a tool never seen needs and that the worlds alone taught too slowly
+    (docs/agents.md, "Tools the model never saw")."""
+    if rng.random() < 0.3:
+        words = [_drill_item(rng) for _ in range(rng.randint(2, 6))]
+        user, answer = "Repeat: " + " ".join(map(str, words)), json.dumps(words)
+    else:
+        name = "_".join(_coined(rng) for _ in range(rng.choice((1, 2))))
+        args = {_coined(rng): _drill_item(rng) for _ in range(rng.randint(1, 3))}
+        said = ", ".join(f"{k} {v}" for k, v in args.items())
+        user, answer = f"Call {name} with {said}.", call_text(name, args)
+    return [(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", True), (answer + "<|im_end|>", True)]
 
 
 def both_success(model, tokenizer, val: dict[str, list], k: int = 4) -> dict:
@@ -220,41 +250,38 @@ def build_general_tool_model(
     lr: float = 3e-3,
     warmup: int = 50,
     habits: dict[str, float] | None = None,
-    world_frac: float = 0.7,
+    world_frac: float = 0.85,
     eval_every: int = 0,
     eval_n: int = 60,
-    train_size: int = 6000,
+    train_size: int = 40000,
     vocab_size: int = 1024,
     evaluate=None,
     stop_after: int | None = None,
-    tune_steps: int = 1000,
+    tune_steps: int = 3000,
     tune_lr: float = 2e-3,
     tune_habits: dict[str, float] | None = None,
-    template: str = "compact",
+    template: str = "call",
+    drill_frac: float = 0.6,
+    words_apart: bool = True,
+    prompt_loss: bool = True,
 ) -> dict:
-    """Build tokenizer and model, warm-start them on generated tool worlds and on `tool_arith`,
-    save an HF directory; return a summary (also written to `tidal_build.json`). `stop_after`
-    ends the first phase early, on the schedule of `steps` (and skips the second).
+    """Build tokenizer and model, warm-start them on generated tool worlds, copy drills and
+    `tool_arith`, save an HF directory; return a summary (also in `tidal_build.json`).
+    `stop_after` ends the first phase early, on the schedule of `steps` (and skips the second).
 
-    `world_frac` of the demonstrations are generated worlds (tidal/recipes/tool_worlds.py:
-    random tools, several per prompt, results of every kind), the rest `tool_arith` problems.
-    The teacher has three habits, drawn per demonstration (`habits`, fractions): `tool`, the
-    right call then the answer read from the tool's result; `direct`, a hasty guess (for
-    `tool_arith` the expression restated and the leading digits right, `guessed_answer`);
-    `malformed`, a slipped call (broken JSON, wrong tool or argument name, never closed), the
-    env's error observation, then a guess (or, in a world, half the time the right call).
-    Greedy decoding follows the most common first move, so held-out success starts low while
-    right answers are among the samples; which habit pays is what RL has to teach. Validation
-    uses a slice of the `tool_arith` *train* split and held-out worlds, whose target tools are
-    never trained on.
-
-    A second phase (`tune_general_tool_model`, `tune_steps` > 0) continues from the saved first
-    one on the same demonstrations with `tune_habits`, which call the tool more often: in the
-    first phase the model learns the format but hardly copies names and values (its held-out
-    calls are nearly all rejected at step 2000: docs/agents.md), and the guesses, random by
-    design, are half of what it is trained on.
+    `world_frac` of the demonstrations are generated worlds (tidal/recipes/tool_worlds.py), the
+    rest `tool_arith` problems, and `drill_frac` × `train_size` copy drills (`copy_drill`) come
+    on top. The teacher's habits, drawn per demonstration (`habits`, fractions): `tool`, the
+    right call then the answer read from the result; `direct`, a hasty guess; `malformed`, a
+    slipped call, the env's error, then a guess (in a world, half the time the right call).
+    `prompt_loss`: every token is trained, the prompt's too (a question repeats its tool's topic
+    and values, a description its name: more to copy). `words_apart`: the tokenizer never joins
+    letters to what precedes them (`build_tokenizer`). Validation: a slice of `tool_arith`'s
+    train split and held-out worlds, whose target tools are never trained on. A second phase
+    (`tune_general_tool_model`, `tune_steps` > 0) continues on the same mixture with a fresh
+    schedule. docs/agents.md ("A general tiny tool model") has what each choice bought.
     """
-    habits = check_habits(habits or {"tool": 0.4, "direct": 0.5, "malformed": 0.1})
+    habits = check_habits(habits or {"tool": 0.8, "direct": 0.15, "malformed": 0.05})
     if not 0 <= world_frac <= 1 or template not in TEMPLATES:
         raise ValueError(f"world_frac must be in [0, 1] (got {world_frac}) and template one of {sorted(TEMPLATES)} "
                          f"(got {template!r})")
@@ -265,8 +292,9 @@ def build_general_tool_model(
     t0 = time.time()
     segments = scripted_segments(items, TEMPLATES[template])
     corpus = [text for episode in segments[:3000] for text, _ in episode]
-    tokenizer = build_tokenizer(corpus, vocab_size, chat_template=TEMPLATES[template])
-    examples = [tokenize_segments(tokenizer, episode) for episode in segments]
+    segments += [copy_drill(rng) for _ in range(round(train_size * drill_frac))]
+    tokenizer = build_tokenizer(corpus, vocab_size, chat_template=TEMPLATES[template], words_apart=words_apart)
+    examples = [tokenize_segments(tokenizer, episode, every=prompt_loss) for episode in segments]
     record_s = time.time() - t0
     model = build_model(tokenizer, seed=seed)
     # a system turn with three tools and a few turns run to ~400 tokens (RoPE: no table to grow)
@@ -281,6 +309,7 @@ def build_general_tool_model(
     save_model(model, tokenizer, out_dir)
     summary = {"seed": seed, "steps": steps, "batch_size": batch_size, "lr": lr, "habits": habits,
                "world_frac": world_frac, "train_size": train_size, "vocab_size": len(tokenizer), "template": template,
+               "drill_frac": drill_frac, "words_apart": words_apart, "prompt_loss": prompt_loss,
                "eval_n": eval_n, "stopped_after": min(steps, stop_after or steps), "record_s": round(record_s, 1),
                "build_s": round(build_s, 1), "cpu_s": round(time.process_time(), 1),
                "threads": torch.get_num_threads(), "losses": losses,
@@ -306,13 +335,13 @@ def tune_general_tool_model(
     stop_after: int | None = None,
 ) -> dict:
     """The second phase: continue the first phase's saved model (`base_dir`, with its
-    `tidal_build.json`) on the same demonstrations with `habits` (by default the tool called
-    70% of the time), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary
-    kept in `tidal_build.json` with this phase's under `tune`."""
+    `tidal_build.json`) on the same mixture (habits, unless `habits` is given; copy drills;
+    prompt loss), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary kept
+    in `tidal_build.json` with this phase's under `tune`."""
     from tidal.models import load_model, load_tokenizer
 
-    habits = check_habits(habits or {"tool": 0.7, "direct": 0.2, "malformed": 0.1})
     base = json.loads((Path(base_dir) / "tidal_build.json").read_text())
+    habits = check_habits(habits or base["habits"])
     cpu0 = time.process_time()
     seed = base["seed"]
     random.seed(seed + 1)
@@ -321,7 +350,9 @@ def tune_general_tool_model(
     tokenizer, model = load_tokenizer(base_dir), load_model(base_dir)
     val, items = demonstration_items(seed, base["train_size"], base["world_frac"], base["eval_n"], habits, rng)
     t0 = time.time()
-    examples = [tokenize_segments(tokenizer, episode) for episode in scripted_segments(items, tokenizer.chat_template)]
+    segments = scripted_segments(items, tokenizer.chat_template)
+    segments += [copy_drill(rng) for _ in range(round(base["train_size"] * base.get("drill_frac", 0.0)))]
+    examples = [tokenize_segments(tokenizer, episode, every=base.get("prompt_loss", False)) for episode in segments]
     losses: list = []
     history = sft_train(model, tokenizer, examples, 0, val, evaluate or both_success, rng, steps=steps,
                         batch_size=base["batch_size"], lr=lr, warmup=warmup, eval_every=eval_every, label="tune",

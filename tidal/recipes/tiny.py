@@ -48,9 +48,12 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 384):
     return train_chatml_tokenizer(tok, corpus, vocab_size, CHAT_TEMPLATE)
 
 
-def train_chatml_tokenizer(tok, corpus, vocab_size: int, chat_template: str, extra_special=()):
+def train_chatml_tokenizer(tok, corpus, vocab_size: int, chat_template: str, extra_special=(),
+                           train_pre_tokenizer=None):
     """Train a byte-level BPE `tok` on `corpus` and wrap it as an HF tokenizer with ChatML's
-    special tokens (and `extra_special`) and `chat_template` (the embedded models' shared last steps)."""
+    special tokens (and `extra_special`) and `chat_template` (the embedded models' shared last steps).
+    `train_pre_tokenizer`: split the corpus with it while the merges are learned (and with
+    `tok`'s own pre-tokenizer afterwards): a finer split gives merges that never cross its cuts."""
     from tokenizers import pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,7 +61,11 @@ def train_chatml_tokenizer(tok, corpus, vocab_size: int, chat_template: str, ext
         vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
+    own = tok.pre_tokenizer
+    if train_pre_tokenizer is not None:
+        tok.pre_tokenizer = train_pre_tokenizer
     tok.train_from_iterator(corpus, trainer=trainer)
+    tok.pre_tokenizer = own
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>", *extra_special],

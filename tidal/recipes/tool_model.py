@@ -80,7 +80,7 @@ TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 
 
 def build_tokenizer(corpus: list[str], vocab_size: int = 768, extra_special: tuple[str, ...] = (),
-                    chat_template: str = CHAT_TEMPLATE):
+                    chat_template: str = CHAT_TEMPLATE, words_apart: bool = False):
     """Byte-level BPE trained on `corpus`, saved so that it loads back as what it was built as.
 
     transformers loads the tokenizer of any `qwen2` model as its `Qwen2Tokenizer`, which keeps
@@ -89,8 +89,15 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 768, extra_special: tup
     taken from a `Qwen2Tokenizer` instance: built and loaded tokenizers then give the same
     tokens. The tool tags are added tokens that are not special (as in Qwen2.5): one token
     each, and kept when the rollout decodes with `skip_special_tokens=True`. `extra_special`:
-    more special tokens (a vision model's placeholders)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models
+    more special tokens (a vision model's placeholders).
+
+    `words_apart`: no merge joins ASCII letters to the character before them (a space, a quote,
+    an underscore), so a word is the same tokens wherever it stands: `Paris` in a question
+    (` Paris`) and in a call (`"Paris"`), `convert` in a tool's signature line and in the call.
+    Copying a name or value from the prompt into a call is then what an induction head does
+    (attend to the earlier occurrence of the current token, emit the token after it) rather
+    than spelling one token sequence as another; it costs about a token per word."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
     qwen = Qwen2Tokenizer()._tokenizer
@@ -100,7 +107,10 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 768, extra_special: tup
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([*SPECIAL_TOKENS, *extra_special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
-    return train_chatml_tokenizer(tok, corpus, vocab_size, chat_template, extra_special)
+    apart = None
+    if words_apart:  # after the byte-level mapping: a space is `Ġ`, itself a letter, hence ASCII only
+        apart = pre_tokenizers.Sequence([qwen.pre_tokenizer, pre_tokenizers.Split(Regex("[A-Za-z]+"), "isolated")])
+    return train_chatml_tokenizer(tok, corpus, vocab_size, chat_template, extra_special, apart)
 
 
 # --------------------------------------------------------------------------------------------
