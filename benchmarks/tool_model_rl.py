@@ -1,7 +1,8 @@
 """Held-out success of a tiny tool model before and after a short GRPO run, on `tool_arith` and
 on two environments it was never built on (examples/unit_convert.yaml,
 examples/train_lookup.yaml): the check docs/agents.md ("Tools the model never saw") asks of a
-general tool model (`tidal build-general-tool-model --out DIR`, then `--model DIR`).
+general tool model (the embedded `default-tool`, `--model tidal/models/assets/tiny-tool-general`,
+or a rebuild of it: `tidal build-general-tool-model --out DIR`, then `--model DIR`).
 
     python benchmarks/tool_model_rl.py [--steps N] [--n N] [--k K] [--out DIR] [--model DIR]
         [--envs a,b] [--set section.key=value ...]

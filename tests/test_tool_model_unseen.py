@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.models import GENERAL_TOOL_MODEL_DIR, TOOL_MODEL_DIR
+from tidal.models import GENERAL_TOOL_MODEL_DIR, TOOL_MODEL_DIR, resolve_model_dir
 from tidal.recipes.tool_model import call_text
 from tidal.recipes.tool_probe import _spans, first_turn_calls
 
@@ -36,6 +36,7 @@ def test_default_tool_calls_an_unseen_tool_from_its_schema():
     that another CPU's float sums may turn. The positive control: the tool_arith-only `tiny-tool`
     calls `convert` on none (every call a parse error or an unknown name)."""
     unit_convert, _ = _examples()
+    assert resolve_model_dir("default-tool") == GENERAL_TOOL_MODEL_DIR  # the name the examples use
     assert first_turn_calls(GENERAL_TOOL_MODEL_DIR, unit_convert.UnitConvertEnv, "convert") >= 0.1
     assert first_turn_calls(TOOL_MODEL_DIR, unit_convert.UnitConvertEnv, "convert") < 0.1
 

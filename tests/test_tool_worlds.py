@@ -181,7 +181,7 @@ def test_coined_names_cannot_be_remembered():
     assert unseen(COINED) > 0.6 and unseen(0.0) < 0.4
 
 
-@pytest.mark.slow  # about 90 s quiet: the recording of 64,000 demonstrations and 100 SFT steps
+@pytest.mark.slow  # 144 s here: recording 64,000 demonstrations and 100 SFT steps, then a small control
 def test_build_general_tool_model_rebuilds_the_shipped_one(tmp_path):
     """`tidal build-general-tool-model` still builds the shipped `default-tool`: the same
     tokenizer (integer work: the same vocabulary and merges on any machine), the same demonstrations
@@ -205,5 +205,7 @@ def test_build_general_tool_model_rebuilds_the_shipped_one(tmp_path):
     want = dict(map(tuple, shipped["losses"]))
     for step, loss in summary["losses"]:
         assert loss == pytest.approx(want[step], abs=0.02), (step, loss, want[step])
-    without = build_general_tool_model(tmp_path / "n", stop_after=50, evaluate=lambda *a: {}, prompt_loss=False)
-    assert abs(dict(map(tuple, without["losses"]))[50] - want[50]) > 0.02
+    # the positive control, small (4,000 demonstrations): a build that trains only the policy's turns
+    without = build_general_tool_model(tmp_path / "n", stop_after=50, evaluate=lambda *a: {}, prompt_loss=False,
+                                       train_size=4000)
+    assert abs(dict(map(tuple, without["losses"]))[50] - want[50]) > 0.1

@@ -5,7 +5,7 @@
     tidal config [SECTION_OR_KEY ...] [--markdown]
     tidal build-default-model [--out DIR] [--seed N]
     tidal build-tool-model [--out DIR] [--seed N] [--threads N]
-    tidal build-general-tool-model --out DIR [--seed N] [--steps N] [--tune-steps N] [--threads N]
+    tidal build-general-tool-model [--out DIR] [--seed N] [--steps N] [--tune-steps N] [--threads N]
     tidal build-browser-model [--out DIR] [--seed N] [--threads N]
     tidal build-default-vlm [--out DIR] [--seed N] [--threads N]
     tidal build-moe [--out DIR] [--seed N] [--threads N]

@@ -1,23 +1,23 @@
-"""Build a tiny tool model that is meant to use tools in general, not one tool: warm-started on
-generated tool worlds (tidal/recipes/tool_worlds.py: random tools, several per prompt, results of
-every kind) and on `tool_arith`, with a compact tool template.
+"""Build the embedded general tool model (`model.path: default-tool`,
+tidal/models/assets/tiny-tool-general): a tiny model that calls tools it never saw from the
+schemas in its prompt, warm-started on generated tool worlds (tidal/recipes/tool_worlds.py:
+random tools, several per prompt, results of every kind), copy drills and `tool_arith`.
 
-`tidal build-general-tool-model --out DIR` builds it deterministically (same seed, machine type
-and thread count → same weights), in two phases (`build_general_tool_model`). It is not
-shipped: after the default 2000 + 1000 steps (about 22 CPU minutes) it writes the call format
-but does not copy tool names, argument names and values from the prompt, on held-out tools
-nor on trained ones (docs/agents.md, "Tools the model never saw", has the measurements and
-tidal/recipes/tool_probe.py the measures). The recipe shares tidal/recipes/tool_model.py's tokenizer,
-chat template (but for how tools are rendered), teacher habits and SFT loop.
+`tidal build-general-tool-model` rebuilds it deterministically (same seed, machine type and
+thread count → same weights) in two phases of 3000 SFT steps (`build_general_tool_model`, then
+`tune_general_tool_model`; about 50 CPU minutes). The recipe shares tidal/recipes/tool_model.py's
+tokenizer, chat template (but for how tools are rendered), teacher habits and SFT loop.
 
-The template renders each tool as one signature line,
-`- convert(value: number, from_unit: string, to_unit: string): Convert a length ...` (as
-OpenAI's harmony format renders tools as code rather than JSON): a third of the tokens of the
-JSON schema, so the warm start sees three times the episodes in the same time
-(`template="call"` shapes the line as the call it asks for instead; docs/agents.md has what
-it did). The demonstrations are cut into (text, trained) segments where the rollout tokenizes (the prompt
-once, each policy turn, then only what the template adds), from the real `ToolEnv`'s own
-observations.
+The choice it makes: copying is what is trained. Names are mostly coined (unrememberable), a
+quarter-plus of the examples are copy drills (`copy_drill`), every token is trained (the
+prompt's too), the tokenizer keeps words apart from what precedes them (the same tokens in a
+question, a tool line and a call) and each tool is rendered as the call it asks for,
+`- {"name": "convert", "arguments": {"value": number, ...}}: description` (`template="call"`;
+`"compact"`, a signature line as OpenAI's harmony format renders tools, copied less well).
+docs/agents.md ("Tools the model never saw") has what each choice bought, measured with
+tidal/recipes/tool_probe.py. The demonstrations are cut into (text, trained) segments where the
+rollout tokenizes (the prompt once, each policy turn, then only what the template adds), from
+the real `ToolEnv`'s own observations.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Generated tool worlds: random tools, a question that needs one of them, the answer.
 
 The general tiny tool model (tidal/recipes/general_tool_model.py) is warm-started on these worlds
-so that it learns the *format* of tool use, not one tool: read the schemas in the system turn,
+so that it learns tool use, not one tool: read the schemas in the system turn,
 pick the tool the question is about, fill its arguments from the question, call it, answer
 from its result. Each world has 1 to 3 tools with generated names (`verb_topic`, `topic`,
-`verb`), descriptions, 1 to 3 arguments of generated names and types (string, integer,
+`verb`; most words coined, `COINED`, so that names are copied rather than remembered), descriptions, 1 to 3 arguments of generated names and types (string, integer,
 number, enum, and optional booleans and integers with defaults that a call may leave out),
 and a result kind: a number, a decimal, a word, a list of words (the answer is its first
 item) or an error (the tool raises; the answer is `none`).
