@@ -17,7 +17,7 @@ from tidal.importing import adapter_of, check_extra
 
 
 class ModelConfig(Section):
-    path: str = Field("default", description="Local HF model directory, tidal checkpoint, LoRA adapter directory, or a Hugging Face Hub id (`Qwen/Qwen3-0.6B`: downloaded into the Hub cache with a network, read from it offline, as transformers does); 'default' is the embedded tiny model.")
+    path: str = Field("default", description="Local HF model directory, tidal checkpoint, LoRA adapter directory, or a Hugging Face Hub id (`Qwen/Qwen3-0.6B`: downloaded into the Hub cache with a network, read from it offline, as transformers does); 'default' is the embedded tiny model; 'default-vlm', 'default-moe' and 'default-tool' (calls tools from their schemas) the other embedded ones.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of trainer and engine.")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto: cuda when a GPU is present, else cpu.")
 
