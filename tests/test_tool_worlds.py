@@ -20,7 +20,7 @@ from tidal.recipes.general_tool_model import (
     scripted_segments,
     world_turns,
 )
-from tidal.recipes.tool_worlds import COINED, RESERVED_NAMES, WorldEnv, make_worlds, score
+from tidal.recipes.tool_worlds import COINED, RESERVED_NAMES, WorldEnv, make_worlds, name_words, score
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,10 +46,16 @@ def test_the_examples_tools_are_reserved():
         import unit_convert
     finally:
         sys.path.pop(0)
+    words: set[str] = set()
     for env in (unit_convert.UnitConvertEnv({"prompt": "x"}), train_lookup.TrainLookupEnv({"prompt": "x"})):
         for t in env.tools:
             f = t["function"]
             assert {f["name"], *f["parameters"]["properties"]} <= RESERVED_NAMES | {"value", "city"}
+            words |= {w for n in (f["name"], *f["parameters"]["properties"]) for w in n.split("_")}
+    # nor are the words of their names, units or stations among the coined ones (but the common
+    # `value` and `city`, and the prefixes `from`/`to` every world uses)
+    values = set(unit_convert.METERS_PER) | {s.lower() for s in train_lookup.STATIONS}
+    assert not (words | values) & set(name_words()) - {"value", "city", "from", "to"}
 
 
 def test_a_world_episode_answers_from_the_tool():
@@ -188,7 +194,7 @@ def test_build_general_tool_model_rebuilds_the_shipped_one(tmp_path):
     (tokens per example) and, over the first 100 of its steps, the same losses (the whole build,
     about 50 CPU minutes, is too long for CI). A change of the worlds, the drills, the template,
     the tokenizer or the loss mask changes one of these; the positive control is the loss
-    check failing for a build without the prompt loss."""
+    check failing for a smaller build without the prompt loss."""
     import torch
 
     from tidal.models import GENERAL_TOOL_MODEL_DIR
@@ -199,13 +205,14 @@ def test_build_general_tool_model_rebuilds_the_shipped_one(tmp_path):
     built, ours = (json.loads((d / "tokenizer.json").read_text())["model"] for d in (tmp_path / "m", GENERAL_TOOL_MODEL_DIR))
     assert built["vocab"] == ours["vocab"] and built["merges"] == ours["merges"]
     assert summary["tokens_per_example"] == shipped["tokens_per_example"]
-    # The same batches in the same order: only the order in which two CPUs of this kind sum
-    # floats differs (MKL picks kernels by CPU), which moves a batch loss by far less than 0.02
-    # in 100 steps; the losses logged are rounded to 4 decimals.
+    # The same batches in the same order, but not the same float sums: MKL's depend on the CPU and
+    # on memory alignment, so even two processes on one machine differ. Measured here against the
+    # shipped record: 0.0096 at step 50 and 0.0048 at step 100 (2.4365 / 1.8684 against 2.4269 /
+    # 1.8636, the same in two reruns). 0.05 is five times that; the control below is 0.39 off.
     want = dict(map(tuple, shipped["losses"]))
     for step, loss in summary["losses"]:
-        assert loss == pytest.approx(want[step], abs=0.02), (step, loss, want[step])
+        assert loss == pytest.approx(want[step], abs=0.05), (step, loss, want[step])
     # the positive control, small (4,000 demonstrations): a build that trains only the policy's turns
     without = build_general_tool_model(tmp_path / "n", stop_after=50, evaluate=lambda *a: {}, prompt_loss=False,
                                        train_size=4000)
-    assert abs(dict(map(tuple, without["losses"]))[50] - want[50]) > 0.1
+    assert abs(dict(map(tuple, without["losses"]))[50] - want[50]) > 0.2  # measured 2.8166 against 2.4269

@@ -3,13 +3,14 @@ tidal/models/assets/tiny-tool-general): a tiny model that calls tools it never s
 schemas in its prompt, warm-started on generated tool worlds (tidal/recipes/tool_worlds.py:
 random tools, several per prompt, results of every kind), copy drills and `tool_arith`.
 
-`tidal build-general-tool-model` rebuilds it deterministically (same seed, machine type and
-thread count → same weights) in two phases of 3000 SFT steps (`build_general_tool_model`, then
+`tidal build-general-tool-model` rebuilds it from its seed (the same tokenizer, demonstrations
+and batches; the weights equal up to float rounding, which MKL makes depend on memory alignment:
+two processes on one machine differed by 0.01 in the step-50 loss) in two phases of 3000 SFT steps (`build_general_tool_model`, then
 `tune_general_tool_model`; about 50 CPU minutes). The recipe shares tidal/recipes/tool_model.py's
 tokenizer, chat template (but for how tools are rendered), teacher habits and SFT loop.
 
-The choice it makes: copying is what is trained. Names are mostly coined (unrememberable), a
-quarter-plus of the examples are copy drills (`copy_drill`), every token is trained (the
+The choice it makes: copying is what is trained. Names are mostly coined (unrememberable), over
+a third of the examples are copy drills (`copy_drill`), every token is trained (the
 prompt's too), the tokenizer keeps words apart from what precedes them (the same tokens in a
 question, a tool line and a call) and each tool is rendered as the call it asks for,
 `- {"name": "convert", "arguments": {"value": number, ...}}: description` (`template="call"`;
@@ -44,7 +45,7 @@ from tidal.recipes.tool_model import (
     sft_train,
     teacher_turns,
 )
-from tidal.recipes.tool_worlds import VALUE_WORDS, World, WorldEnv, _coined, make_worlds
+from tidal.recipes.tool_worlds import VALUE_WORDS, World, WorldEnv, coined_word, make_worlds
 
 # CHAT_TEMPLATE with each tool on one line as a signature,
 # `name(arg: type, opt?: type, pick: "a" | "b"): description` (as OpenAI's harmony format renders
@@ -181,6 +182,14 @@ def tokenize_segments(tokenizer, segments: list[tuple[str, bool]], every: bool =
     return ids, mask
 
 
+def training_examples(tokenizer, segments: list[list[tuple[str, bool]]], drills: int, prompt_loss: bool,
+                      rng: random.Random) -> list[tuple[list[int], list[bool]]]:
+    """The SFT examples of both phases: the demonstrations' segments and `drills` copy drills
+    (drawn with `rng`), tokenized; `prompt_loss`: every token trained."""
+    segments = segments + [copy_drill(rng) for _ in range(drills)]
+    return [tokenize_segments(tokenizer, episode, every=prompt_loss) for episode in segments]
+
+
 def _drill_item(rng: random.Random) -> Any:
     """A name, an argument name or a value, as the worlds draw them."""
     kind = rng.randrange(5)
@@ -188,7 +197,7 @@ def _drill_item(rng: random.Random) -> Any:
         return rng.randint(0, 10 ** rng.randint(1, 4))
     if kind == 1:
         return rng.choice(VALUE_WORDS)
-    return "_".join(_coined(rng) for _ in range(rng.choice((1, 1, 2))))
+    return "_".join(coined_word(rng) for _ in range(rng.choice((1, 1, 2))))
 
 
 def copy_drill(rng: random.Random) -> list[tuple[str, bool]]:
@@ -202,8 +211,8 @@ def copy_drill(rng: random.Random) -> list[tuple[str, bool]]:
         words = [_drill_item(rng) for _ in range(rng.randint(2, 6))]
         user, answer = "Repeat: " + " ".join(map(str, words)), json.dumps(words)
     else:
-        name = "_".join(_coined(rng) for _ in range(rng.choice((1, 2))))
-        args = {_coined(rng): _drill_item(rng) for _ in range(rng.randint(1, 3))}
+        name = "_".join(coined_word(rng) for _ in range(rng.choice((1, 2))))
+        args = {coined_word(rng): _drill_item(rng) for _ in range(rng.randint(1, 3))}
         said = ", ".join(f"{k} {v}" for k, v in args.items())
         user, answer = f"Call {name} with {said}.", call_text(name, args)
     return [(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n", True), (answer + "<|im_end|>", True)]
@@ -279,7 +288,7 @@ def build_general_tool_model(
     letters to what precedes them (`build_tokenizer`). Validation: a slice of `tool_arith`'s
     train split and held-out worlds, whose target tools are never trained on. A second phase
     (`tune_general_tool_model`, `tune_steps` > 0) continues on the same mixture with a fresh
-    schedule. docs/agents.md ("A general tiny tool model") has what each choice bought.
+    schedule. docs/agents.md ("Tools the model never saw") has what each choice bought.
     """
     habits = check_habits(habits or {"tool": 0.8, "direct": 0.15, "malformed": 0.05})
     if not 0 <= world_frac <= 1 or template not in TEMPLATES:
@@ -292,9 +301,8 @@ def build_general_tool_model(
     t0 = time.time()
     segments = scripted_segments(items, TEMPLATES[template])
     corpus = [text for episode in segments[:3000] for text, _ in episode]
-    segments += [copy_drill(rng) for _ in range(round(train_size * drill_frac))]
     tokenizer = build_tokenizer(corpus, vocab_size, chat_template=TEMPLATES[template], words_apart=words_apart)
-    examples = [tokenize_segments(tokenizer, episode, every=prompt_loss) for episode in segments]
+    examples = training_examples(tokenizer, segments, round(train_size * drill_frac), prompt_loss, rng)
     record_s = time.time() - t0
     model = build_model(tokenizer, seed=seed)
     # a system turn with three tools and a few turns run to ~400 tokens (RoPE: no table to grow)
@@ -350,9 +358,9 @@ def tune_general_tool_model(
     tokenizer, model = load_tokenizer(base_dir), load_model(base_dir)
     val, items = demonstration_items(seed, base["train_size"], base["world_frac"], base["eval_n"], habits, rng)
     t0 = time.time()
-    segments = scripted_segments(items, tokenizer.chat_template)
-    segments += [copy_drill(rng) for _ in range(round(base["train_size"] * base.get("drill_frac", 0.0)))]
-    examples = [tokenize_segments(tokenizer, episode, every=base.get("prompt_loss", False)) for episode in segments]
+    examples = training_examples(tokenizer, scripted_segments(items, tokenizer.chat_template),
+                                 round(base["train_size"] * base.get("drill_frac", 0.0)), base.get("prompt_loss", False),
+                                 rng)
     losses: list = []
     history = sft_train(model, tokenizer, examples, 0, val, evaluate or both_success, rng, steps=steps,
                         batch_size=base["batch_size"], lr=lr, warmup=warmup, eval_every=eval_every, label="tune",

@@ -4,7 +4,8 @@ The general tiny tool model (tidal/recipes/general_tool_model.py) is warm-starte
 so that it learns tool use, not one tool: read the schemas in the system turn,
 pick the tool the question is about, fill its arguments from the question, call it, answer
 from its result. Each world has 1 to 3 tools with generated names (`verb_topic`, `topic`,
-`verb`; most words coined, `COINED`, so that names are copied rather than remembered), descriptions, 1 to 3 arguments of generated names and types (string, integer,
+`verb`; most words coined, `COINED`, so that names are copied rather than remembered),
+descriptions, 1 to 3 arguments of generated names and types (string, integer,
 number, enum, and optional booleans and integers with defaults that a call may leave out),
 and a result kind: a number, a decimal, a word, a list of words (the answer is its first
 item) or an error (the tool raises; the answer is `none`).
@@ -23,6 +24,7 @@ use: no generated tool or argument has one (tests/test_tool_worlds.py checks it)
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -69,9 +71,10 @@ RESULT_KINDS = ("number", "decimal", "word", "list", "error")
 RESERVED_NAMES = frozenset({"convert", "from_unit", "to_unit", "list_trains", "origin", "destination",
                             "weather_at", "unit"})
 HELD_OUT_BUCKETS = 10
-# The share of name words (tool verbs and topics, argument names) coined from syllables rather
-# than drawn from the word lists above: a coined name cannot be remembered from training, only
-# copied from the schema in the prompt, and at 0.3 (the first builds) the model remembered.
+# The share of name words (tool verbs and topics, argument names) coined (`coined_word`: syllables
+# or a word of the repository's docs) rather than drawn from the short lists above: a coined name
+# cannot be remembered from training, only copied from the schema in the prompt. The first builds
+# coined 0 to 0.3 of them, and the model remembered names instead of copying them.
 COINED = 0.7
 
 
@@ -151,24 +154,20 @@ def _pseudo_word(rng: random.Random) -> str:
     return "".join(syll)
 
 
-def _words() -> tuple[str, ...]:
-    global _WORDS
-    if not _WORDS:
-        text = (Path(__file__).parent / "name_words.txt").read_text()
-        _WORDS = tuple(w for w in text.split("\n") if w and not w.startswith("#"))
-    return _WORDS
+@functools.cache
+def name_words() -> tuple[str, ...]:
+    """~1,500 English words of this repository's docs (`name_words.txt`), read once."""
+    text = (Path(__file__).parent / "name_words.txt").read_text()
+    return tuple(w for w in text.split("\n") if w and not w.startswith("#"))
 
 
-_WORDS: tuple[str, ...] = ()
-
-
-def _coined(rng: random.Random) -> str:
-    """A word no list above holds: one of ~1,500 English words (`name_words.txt`) or syllables."""
-    return rng.choice(_words()) if rng.random() < 0.5 else _pseudo_word(rng)
+def coined_word(rng: random.Random) -> str:
+    """A word no list above holds: one of `name_words()` or syllables (`bakotu`)."""
+    return rng.choice(name_words()) if rng.random() < 0.5 else _pseudo_word(rng)
 
 
 def _word(rng: random.Random, pool: tuple[str, ...], coined: float) -> str:
-    return _coined(rng) if rng.random() < coined else rng.choice(pool)
+    return coined_word(rng) if rng.random() < coined else rng.choice(pool)
 
 
 def make_tool(rng: random.Random, taken: set[str], coined: float = COINED) -> ToolSpec:
@@ -215,7 +214,7 @@ def draw_value(rng: random.Random, p: Param) -> Any:
         return round(rng.randint(1, 9999) / rng.choice((10, 100)), 2)
     if p.type == "enum":
         return rng.choice(p.enum)
-    word = rng.choice(VALUE_WORDS) if rng.random() < 0.4 else _coined(rng)
+    word = rng.choice(VALUE_WORDS) if rng.random() < 0.4 else coined_word(rng)
     return word.capitalize() if rng.random() < 0.5 else word
 
 
