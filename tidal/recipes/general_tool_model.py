@@ -230,17 +230,18 @@ def both_success(model, tokenizer, val: dict[str, list], k: int = 4) -> dict:
 
 
 def demonstration_items(seed: int, train_size: int, world_frac: float, eval_n: int, habits: dict[str, float],
-                        rng: random.Random) -> tuple[dict[str, list], list[tuple[Any, list[str]]]]:
+                        rng: random.Random, wide: bool = False) -> tuple[dict[str, list], list[tuple[Any, list[str]]]]:
     """The validation rows and the (env, scripted turns) demonstrations, shuffled: `world_frac`
-    generated worlds, the rest `tool_arith` problems, each with a habit drawn from `habits`
-    with `rng` (the same rows and worlds for any `rng`, only the habits and order differ)."""
+    generated worlds (`wide` ones: tidal/recipes/world_phrasing.py), the rest `tool_arith`
+    problems, each with a habit drawn from `habits` with `rng` (the same rows and worlds for any
+    `rng`, only the habits and order differ). Validation worlds are plain ones either way."""
     n_worlds = round(train_size * world_frac)
     rows = make_rows("train", train_size - n_worlds + eval_n, seed=20_000 + seed)
     val = {"arith": rows[:eval_n], "worlds": [w.row() for w in make_worlds("test", eval_n, seed)]}
     names, weights = list(habits), list(habits.values())
     items = [(ToolArithEnv(r, seed=0), teacher_turns(r, rng.choices(names, weights)[0], rng)) for r in rows[eval_n:]]
     items += [(WorldEnv(w.row(), seed=0), world_turns(w, rng.choices(names, weights)[0], rng))
-              for w in make_worlds("train", n_worlds, seed)]
+              for w in make_worlds("train", n_worlds, seed, wide=wide)]
     rng.shuffle(items)
     return val, items
 
@@ -269,6 +270,7 @@ def build_general_tool_model(
     tune_steps: int = 3000,
     tune_lr: float = 2e-3,
     tune_habits: dict[str, float] | None = None,
+    tune_wide: bool = True,
     template: str = "call",
     drill_frac: float = 0.6,
     words_apart: bool = True,
@@ -327,6 +329,7 @@ def build_general_tool_model(
     (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     if tune_steps and not stop_after:
         return tune_general_tool_model(out_dir, out_dir, steps=tune_steps, lr=tune_lr, habits=tune_habits,
+                                       wide=tune_wide,
                                        eval_every=eval_every, evaluate=evaluate)
     return summary
 
@@ -341,11 +344,13 @@ def tune_general_tool_model(
     eval_every: int = 0,
     evaluate=None,
     stop_after: int | None = None,
+    wide: bool = True,
 ) -> dict:
     """The second phase: continue the first phase's saved model (`base_dir`, with its
     `tidal_build.json`) on the same mixture (habits, unless `habits` is given; copy drills;
-    prompt loss), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary kept
-    in `tidal_build.json` with this phase's under `tune`."""
+    prompt loss) but with `wide` worlds (tidal/recipes/world_phrasing.py: more name styles and
+    question frames), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary
+    kept in `tidal_build.json` with this phase's under `tune`."""
     from tidal.models import load_model, load_tokenizer
 
     base = json.loads((Path(base_dir) / "tidal_build.json").read_text())
@@ -356,7 +361,8 @@ def tune_general_tool_model(
     torch.manual_seed(seed + 1)
     rng = random.Random(f"tune-{seed}")
     tokenizer, model = load_tokenizer(base_dir), load_model(base_dir)
-    val, items = demonstration_items(seed, base["train_size"], base["world_frac"], base["eval_n"], habits, rng)
+    val, items = demonstration_items(seed, base["train_size"], base["world_frac"], base["eval_n"], habits, rng,
+                                     wide=wide)
     t0 = time.time()
     examples = training_examples(tokenizer, scripted_segments(items, tokenizer.chat_template),
                                  round(base["train_size"] * base.get("drill_frac", 0.0)), base.get("prompt_loss", False),
@@ -365,7 +371,7 @@ def tune_general_tool_model(
     history = sft_train(model, tokenizer, examples, 0, val, evaluate or both_success, rng, steps=steps,
                         batch_size=base["batch_size"], lr=lr, warmup=warmup, eval_every=eval_every, label="tune",
                         log_every=50, losses=losses, stop_after=stop_after)
-    tune = {"steps": steps, "lr": lr, "warmup": warmup, "habits": habits,
+    tune = {"steps": steps, "lr": lr, "warmup": warmup, "habits": habits, "wide": wide,
             "stopped_after": min(steps, stop_after or steps), "build_s": round(time.time() - t0, 1),
             "cpu_s": round(time.process_time() - cpu0, 1), "threads": torch.get_num_threads(), "losses": losses,
             "val": history[-1] if history else {}, "history": history}

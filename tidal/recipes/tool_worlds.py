@@ -16,6 +16,10 @@ connectives, and name the tool's topic or verb, so the model can learn a rule a 
 network can follow: take the tool whose name the question mentions and copy the question's
 values into its arguments in schema order. Every final answer is `<answer>X</answer>`.
 
+*Wide* worlds (`wide=True`, the second build phase's) name tools and ask for them in more
+ways (tidal/recipes/world_phrasing.py) and add tools that return coined names, clock times and
+lists of them, answers of several tokens.
+
 Worlds come from a seed; a world is held out when a hash of its target tool's name falls in
 one bucket of ten, so held-out worlds call tools never seen in training. `RESERVED_NAMES` are
 names the unseen-tool examples (examples/envs/unit_convert.py, examples/envs/train_lookup.py)
@@ -35,6 +39,7 @@ from typing import Any, ClassVar
 
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.tools import Tool
+from tidal.recipes.world_phrasing import wide_name, wide_question
 
 VERBS = ("get", "find", "lookup", "fetch", "compute", "check", "search", "count", "estimate", "measure", "rate",
          "score", "translate", "resolve", "locate", "predict", "rank", "encode", "quote", "scan")
@@ -68,6 +73,9 @@ SYSTEM_PROMPTS = (
     "Call the right tool, then answer in <answer></answer> tags.",
 )
 RESULT_KINDS = ("number", "decimal", "word", "list", "error")
+# Wide worlds' tools also return coined names (several tokens: the answer has to be copied to
+# its end, not one token), clock times, and lists of either.
+WIDE_RESULT_KINDS = RESULT_KINDS + ("name", "time", "names", "times")
 RESERVED_NAMES = frozenset({"convert", "from_unit", "to_unit", "list_trains", "origin", "destination",
                             "weather_at", "unit"})
 HELD_OUT_BUCKETS = 10
@@ -92,7 +100,7 @@ class ToolSpec:
     name: str
     description: str
     params: tuple[Param, ...]
-    result: str  # one of RESULT_KINDS
+    result: str  # one of WIDE_RESULT_KINDS (plain worlds: of RESULT_KINDS)
     verb: str
     topic: str
 
@@ -134,10 +142,23 @@ def result_of(spec: ToolSpec, args: dict[str, Any]) -> Any:
     if spec.result == "list":
         n = 2 + h % 3
         return [VALUE_WORDS[(h >> (8 * i)) % len(VALUE_WORDS)] for i in range(n)]
+    if spec.result in ("name", "time", "names", "times"):
+        rng = random.Random(h)
+        one = _clock if spec.result.startswith("time") else _result_name
+        return one(rng) if spec.result in ("name", "time") else [one(rng) for _ in range(2 + h % 3)]
     if h % 2:  # an `error` tool fails on half of its inputs
         first = next(iter(required.values()), "")
         raise ValueError(f"no {spec.topic or spec.verb} known for {first}")
     return h % 1000
+
+
+def _clock(rng: random.Random) -> str:
+    return f"{rng.randint(0, 23):02d}:{rng.choice((0, 15, 30, 45)):02d}"
+
+
+def _result_name(rng: random.Random) -> str:
+    word = coined_word(rng)
+    return word.capitalize() if rng.random() < 0.5 else word
 
 
 def answer_of(spec: ToolSpec, args: dict[str, Any]) -> str:
@@ -170,15 +191,19 @@ def _word(rng: random.Random, pool: tuple[str, ...], coined: float) -> str:
     return coined_word(rng) if rng.random() < coined else rng.choice(pool)
 
 
-def make_tool(rng: random.Random, taken: set[str], coined: float = COINED) -> ToolSpec:
+def make_tool(rng: random.Random, taken: set[str], coined: float = COINED, wide: bool = False) -> ToolSpec:
     """One generated tool whose name, topic and verb differ from those in `taken`; each word of
-    its name and of its arguments' names is coined with probability `coined`."""
+    its name and of its arguments' names is coined with probability `coined`; `wide`: named in
+    the wide styles (`world_phrasing.wide_name`)."""
     while True:
         verb, topic = _word(rng, VERBS, coined), _word(rng, TOPICS, coined)
-        style = rng.random()
-        name = f"{verb}_{topic}" if style < 0.55 else topic if style < 0.8 else verb
-        if style >= 0.8:
-            topic = ""  # a verb-only tool: the question leads with its verb
+        if wide:
+            name, topic = wide_name(rng, verb, topic)
+        else:
+            style = rng.random()
+            name = f"{verb}_{topic}" if style < 0.55 else topic if style < 0.8 else verb
+            if style >= 0.8:
+                topic = ""  # a verb-only tool: the question leads with its verb
         if name in RESERVED_NAMES or {name, verb, topic} & taken:
             continue
         break
@@ -203,7 +228,10 @@ def make_tool(rng: random.Random, taken: set[str], coined: float = COINED) -> To
     first = params[0].name.replace("_", " ")
     desc = rng.choice((f"{verb.capitalize()} the {what}.", f"Returns the {what}.", f"The {what} of a {first}.",
                        f"Look up {what} by {first}."))
-    result = rng.choices(RESULT_KINDS, (3, 2, 3, 2, 1))[0]
+    if wide:
+        result = rng.choices(WIDE_RESULT_KINDS, (3, 2, 2, 1, 1, 2, 2, 2, 2))[0]
+    else:
+        result = rng.choices(RESULT_KINDS, (3, 2, 3, 2, 1))[0]
     return ToolSpec(name, desc, tuple(params), result, verb, topic)
 
 
@@ -258,13 +286,15 @@ class World:
         return {"prompt": [{"role": "user", "content": self.question}], "answer": self.answer, "world": self}
 
 
-def make_world(rng: random.Random, held_out: bool = False, coined: float = COINED) -> World:
-    """A world whose target tool is held out (`held_out`) or not; the other tools are any."""
+def make_world(rng: random.Random, held_out: bool = False, coined: float = COINED, wide: bool = False) -> World:
+    """A world whose target tool is held out (`held_out`) or not; the other tools are any.
+    `wide`: tools named and questions asked in the wide styles (tidal/recipes/world_phrasing.py;
+    a third of the questions plain)."""
     while True:
         taken: set[str] = set()
         tools = []
         for _ in range(rng.choice((1, 1, 2, 2, 3))):
-            t = make_tool(rng, taken, coined)
+            t = make_tool(rng, taken, coined, wide)
             taken |= {t.name, t.verb, t.topic} - {""}
             tools.append(t)
         target = rng.randrange(len(tools))
@@ -272,15 +302,19 @@ def make_world(rng: random.Random, held_out: bool = False, coined: float = COINE
             break
     spec = tools[target]
     args = {p.name: draw_value(rng, p) for p in spec.params if not p.optional}
-    return World(tuple(tools), target, args, make_question(rng, spec, args), rng.choice(SYSTEM_PROMPTS))
+    if wide and rng.random() < 2 / 3:
+        question = wide_question(rng, spec.topic, spec.verb, [str(v) for v in args.values()])
+    else:
+        question = make_question(rng, spec, args)
+    return World(tuple(tools), target, args, question, rng.choice(SYSTEM_PROMPTS))
 
 
-def make_worlds(split: str, n: int, seed: int, coined: float = COINED) -> list[World]:
-    """`n` worlds of `split` ("train" or "test"), `coined` as `make_tool`'s."""
+def make_worlds(split: str, n: int, seed: int, coined: float = COINED, wide: bool = False) -> list[World]:
+    """`n` worlds of `split` ("train" or "test"), `coined` as `make_tool`'s, `wide` as `make_world`'s."""
     if split not in ("train", "test"):
         raise ValueError(f"tool worlds: split must be 'train' or 'test', got {split!r}")
     rng = random.Random(f"tool-worlds-{split}-{seed}")
-    return [make_world(rng, held_out=split == "test", coined=coined) for _ in range(n)]
+    return [make_world(rng, held_out=split == "test", coined=coined, wide=wide) for _ in range(n)]
 
 
 ANSWER_RE = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
