@@ -1,7 +1,7 @@
 """Does the embedded general tool model (`default-tool`, tidal/recipes/general_tool_model.py)
 call tools it was never trained on, from their schemas alone (examples/envs/unit_convert.py,
-examples/envs/train_lookup.py), often enough for RL to start? For `convert` yes; for
-`list_trains` not yet (a strict xfail states the gap). The measures are tidal/recipes/tool_probe.py's."""
+examples/envs/train_lookup.py), often enough for RL to start? For `convert` and `weather_at` yes;
+for `list_trains` not yet (a strict xfail states the gap). The measures are tidal/recipes/tool_probe.py's."""
 
 from __future__ import annotations
 
@@ -41,8 +41,19 @@ def test_default_tool_calls_an_unseen_tool_from_its_schema():
     assert first_turn_calls(TOOL_MODEL_DIR, unit_convert.UnitConvertEnv, "convert") < 0.1
 
 
-@pytest.mark.xfail(strict=True, reason="default-tool copies list_trains and destination but writes a name of its "
-                   "training vocabulary for the first argument, origin (0/48 well-formed: docs/agents.md)")
+def test_default_tool_picks_weather_at_of_two_unseen_tools():
+    """`train_lookup` puts two tools in the prompt; on its weather questions (about a quarter of
+    them) the model has to pick `weather_at(city)` over `list_trains`. The same threshold and
+    reasoning as for `convert` (measured 9/48, 0.19: all on the weather questions among the 12).
+    Controls: `tiny-tool` calls it on none, and so did the build before the wide worlds
+    (`weather_weather(...)`, docs/agents.md)."""
+    _, train_lookup = _examples()
+    assert first_turn_calls(GENERAL_TOOL_MODEL_DIR, train_lookup.TrainLookupEnv, "weather_at") >= 0.1
+    assert first_turn_calls(TOOL_MODEL_DIR, train_lookup.TrainLookupEnv, "weather_at") < 0.1
+
+
+@pytest.mark.xfail(strict=True, reason="default-tool picks list_trains and copies origin, but cuts the argument "
+                   "name destination short (`destin`): 0/48 well-formed (docs/agents.md)")
 def test_default_tool_calls_list_trains_from_its_schema():
     """The same threshold for `train_lookup`'s `list_trains(origin, destination)`, of two tools
     in the prompt. Not reached: a strict xfail that turns into a failure, to be removed, the
