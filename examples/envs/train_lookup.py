@@ -59,9 +59,11 @@ class TrainLookupEnv(ToolEnv):
 
     @classmethod
     def rows(cls, split: str, n: int, seed: int, weather_frac: float = 0.25) -> list[dict]:
-        """`n` questions (`weather_frac` of them about the weather); one in five is held out. There
-        are 1560 distinct questions (about 1230 train, 330 held out): asking for more is an error,
-        not an endless draw."""
+        """`n` distinct questions, each drawn about the weather with probability `weather_frac`;
+        one in five is held out. There are 1560 distinct questions (about 1230 train, 330 held
+        out), of which only 40 ask for the weather (20 stations, two phrasings): a large split runs
+        out of them and the rest ask for trains (1000 train rows hold 27). Asking for more
+        questions than there are is an error, not an endless draw."""
         pairs = [(a, b) for a in STATIONS for b in STATIONS if a != b]
         pool = {q.format(a=a, b=b) for a, b in pairs for q in TRAIN_QUESTIONS if weather_frac < 1}
         pool |= {q.format(a=a) for a in STATIONS for q in WEATHER_QUESTIONS if weather_frac > 0}
