@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 
 from tidal.envs.tool_env import ToolEnv
 from tidal.envs.tools import Tool
-from tidal.recipes import world_phrasing
 from tidal.recipes.world_phrasing import wide_name, wide_question
 
 VERBS = ("get", "find", "lookup", "fetch", "compute", "check", "search", "count", "estimate", "measure", "rate",
@@ -213,8 +212,6 @@ def make_tool(rng: random.Random, taken: set[str], coined: float = COINED, wide:
     for _ in range(rng.choice((1, 1, 2, 2, 3))):
         while True:
             pname = rng.choice(PREFIXES) + _word(rng, ARG_WORDS, coined)
-            if wide and params and world_phrasing.SHARED_PIECES and rng.random() < world_phrasing.SHARED_PIECES:
-                pname = world_phrasing.shared_piece(rng, params[-1].name, pname)
             if pname not in used and pname not in RESERVED_NAMES:
                 break
         used.add(pname)

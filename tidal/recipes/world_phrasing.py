@@ -36,10 +36,6 @@ FRAMES = (
 # Words between the topic and the values (`Which trains go from A to B?`).
 MIDDLES = ("go", "run", "are there", "is there", "exist", "apply", "do you have", "is it", "please", "today")
 FIRSTS = ("of", "for", "with", "from", "in", "at", "between", "about", "on", "")
-# The share of a wide tool's later argument names that take in a piece of the name before
-# (`shared_piece`): `origin` and `destination` share `in`, and a model that copies by the last
-# token alone writes `destin` and closes the name where `origin` closed.
-SHARED_PIECES = 0.0
 ENDINGS = ("?", ".", "?", ".", " please.", ", thanks.", "!")
 
 
@@ -100,10 +96,3 @@ def wide_question(rng: random.Random, topic: str, verb: str, values: list[str]) 
         return f"For {joined}, {lead}{rng.choice('?.')}"
     first = rng.choice(FIRSTS)
     return f"{lead} {first} {joined}{rng.choice(ENDINGS)}" if first else f"{lead} {joined}{rng.choice(ENDINGS)}"
-
-
-def shared_piece(rng: random.Random, before: str, word: str) -> str:
-    """`word` with the last two to four letters of `before` spliced into it."""
-    tail = before[-rng.randint(2, 4):]
-    at = rng.randint(1, max(1, len(word) - 1))
-    return word[:at] + tail + word[at:]
