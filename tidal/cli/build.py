@@ -113,8 +113,8 @@ def add_parsers(sub) -> None:
                   "rebuild the embedded tool model that calls tools from their schemas (default-tool: docs/agents.md)",
                   str(GENERAL_TOOL_MODEL_DIR), cmd_build_general_tool, threads=1, shipped=True)
     bg.add_argument("--steps", type=int, default=3000, help="SFT steps of the first phase (docs/agents.md)")
-    bg.add_argument("--tune-steps", type=int, default=3000,
-                    help="SFT steps of the second phase, on the same mixture with a fresh schedule (0: none)")
+    bg.add_argument("--tune-steps", type=int, default=4500,
+                    help="SFT steps of the second phase, on wide worlds with a fresh schedule (0: none)")
     _builder(sub, "build-browser-model", "rebuild the tiny browser model (click_button) deterministically",
              str(BROWSER_MODEL_DIR), cmd_build_browser, threads=2, shipped=True)
     _builder(sub, "build-default-vlm", "rebuild the embedded tiny vision-language model (image tasks) deterministically",

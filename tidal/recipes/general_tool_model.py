@@ -5,10 +5,10 @@ random tools, several per prompt, results of every kind), copy drills and `tool_
 
 `tidal build-general-tool-model` rebuilds it from its seed (the same tokenizer, demonstrations
 and batches; the weights equal up to float rounding, which MKL makes depend on memory alignment:
-two processes on one machine differed by 0.01 in the step-50 loss) in two phases of 3000 SFT
-steps (`build_general_tool_model`, then `tune_general_tool_model` on *wide* worlds,
-tidal/recipes/world_phrasing.py: more name styles, question frames and result kinds; about 55
-CPU minutes). The recipe shares tidal/recipes/tool_model.py's
+two processes on one machine differed by 0.01 in the step-50 loss) in two phases, 3000 SFT
+steps (`build_general_tool_model`) then 4500 (`tune_general_tool_model`) on *wide* worlds
+(tidal/recipes/world_phrasing.py: more name styles, question frames and result kinds); about 70
+CPU minutes. The recipe shares tidal/recipes/tool_model.py's
 tokenizer, chat template (but for how tools are rendered), teacher habits and SFT loop.
 
 The choice it makes: copying is what is trained. Names are mostly coined (unrememberable), over
@@ -269,7 +269,7 @@ def build_general_tool_model(
     vocab_size: int = 1024,
     evaluate=None,
     stop_after: int | None = None,
-    tune_steps: int = 3000,
+    tune_steps: int = 4500,
     tune_lr: float = 2e-3,
     tune_habits: dict[str, float] | None = None,
     tune_wide: bool = True,
