@@ -31,10 +31,10 @@ def test_wide_worlds_break_the_last_word_shortcut():
     plain, wide = make_worlds("train", 2000, 0), make_worlds("train", 2000, 0, wide=True)
     assert _last_word_said(plain) > 0.85
     assert _last_word_said(wide) < 0.6
-    targets = [w.tools[w.target] for w in wide if w.tools[w.target].topic]
-    said = sum(singular(t.topic.replace("_", " ").split(" ")[-1]) in w.question.lower()
-               for w, t in zip([w for w in wide if w.tools[w.target].topic], targets))
-    assert said / len(targets) > 0.95
+    topical = [w for w in wide if w.tools[w.target].topic]
+    said = sum(singular(w.tools[w.target].topic.replace("_", " ").split(" ")[-1]) in w.question.lower()
+               for w in topical)
+    assert said / len(topical) > 0.95
 
 
 def test_wide_worlds_keep_the_worlds_rules():

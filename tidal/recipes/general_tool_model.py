@@ -272,7 +272,6 @@ def build_general_tool_model(
     tune_steps: int = 4500,
     tune_lr: float = 2e-3,
     tune_habits: dict[str, float] | None = None,
-    tune_wide: bool = True,
     template: str = "call",
     drill_frac: float = 0.6,
     words_apart: bool = True,
@@ -291,8 +290,8 @@ def build_general_tool_model(
     and values, a description its name: more to copy). `words_apart`: the tokenizer never joins
     letters to what precedes them (`build_tokenizer`). Validation: a slice of `tool_arith`'s
     train split and held-out worlds, whose target tools are never trained on. A second phase
-    (`tune_general_tool_model`, `tune_steps` > 0) continues on the same mixture with a fresh
-    schedule. docs/agents.md ("Tools the model never saw") has what each choice bought.
+    (`tune_general_tool_model`, `tune_steps` > 0) continues on the same mixture drawn from wide
+    worlds (tidal/recipes/world_phrasing.py), with a fresh schedule. docs/agents.md ("Tools the model never saw") has what each choice bought.
     """
     habits = check_habits(habits or {"tool": 0.8, "direct": 0.15, "malformed": 0.05})
     if not 0 <= world_frac <= 1 or template not in TEMPLATES:
@@ -331,7 +330,6 @@ def build_general_tool_model(
     (Path(out_dir) / "tidal_build.json").write_text(json.dumps(summary, indent=1))
     if tune_steps and not stop_after:
         return tune_general_tool_model(out_dir, out_dir, steps=tune_steps, lr=tune_lr, habits=tune_habits,
-                                       wide=tune_wide,
                                        eval_every=eval_every, evaluate=evaluate)
     return summary
 
@@ -350,8 +348,8 @@ def tune_general_tool_model(
 ) -> dict:
     """The second phase: continue the first phase's saved model (`base_dir`, with its
     `tidal_build.json`) on the same mixture (habits, unless `habits` is given; copy drills;
-    prompt loss) but with `wide` worlds (tidal/recipes/world_phrasing.py: more name styles and
-    question frames), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary
+    prompt loss) but with `wide` worlds (tidal/recipes/world_phrasing.py: more name styles,
+    question frames and result kinds), a fresh AdamW and schedule; save to `out_dir`, the first phase's summary
     kept in `tidal_build.json` with this phase's under `tune`."""
     from tidal.models import load_model, load_tokenizer
 

@@ -142,10 +142,10 @@ def result_of(spec: ToolSpec, args: dict[str, Any]) -> Any:
     if spec.result == "list":
         n = 2 + h % 3
         return [VALUE_WORDS[(h >> (8 * i)) % len(VALUE_WORDS)] for i in range(n)]
-    if spec.result in ("name", "time", "names", "times"):
+    if spec.result in ("name", "time", "names", "times"):  # "names"/"times": a list of 2-4
         rng = random.Random(h)
         one = _clock if spec.result.startswith("time") else _result_name
-        return one(rng) if spec.result in ("name", "time") else [one(rng) for _ in range(2 + h % 3)]
+        return [one(rng) for _ in range(2 + h % 3)] if spec.result.endswith("s") else one(rng)
     if h % 2:  # an `error` tool fails on half of its inputs
         first = next(iter(required.values()), "")
         raise ValueError(f"no {spec.topic or spec.verb} known for {first}")
